@@ -1,0 +1,101 @@
+"""torch -> ONNX with past/present KV, one graph for prefill and decode.
+
+Input and output names follow Hugging Face Optimum and onnxruntime-genai:
+`input_ids`, `attention_mask`, `position_ids`, `past_key_values.{i}.key|value` ->
+`logits`, `present.{i}.key|value`. Batch, sequence and past length are dynamic.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import Tensor, nn
+
+from models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+OPSET = 18
+
+
+def input_names(n_layers: int) -> list[str]:
+    names = ["input_ids", "attention_mask", "position_ids"]
+    for i in range(n_layers):
+        names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+    return names
+
+
+def output_names(n_layers: int) -> list[str]:
+    names = ["logits"]
+    for i in range(n_layers):
+        names += [f"present.{i}.key", f"present.{i}.value"]
+    return names
+
+
+class FlatKeyValueModel(nn.Module):
+    """The model with the cache as flat positional tensors, as ONNX graphs take it."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *past: Tensor
+    ) -> tuple[Tensor, ...]:
+        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+        logits, presents = self.model(input_ids, attention_mask, position_ids, pairs)
+        return (logits, *(t for pair in presents for t in pair))
+
+
+def example_inputs(model: Transformer, batch: int = 2, seq: int = 5, past: int = 3) -> tuple[Tensor, ...]:
+    """Sizes > 1 everywhere so the exporter keeps every axis symbolic."""
+    config = model.config
+    dtype = model.token_embedding.weight.dtype
+    # Distinct tensors per cache input: torch.export merges inputs that alias one tensor.
+    past_kv = [
+        torch.zeros(batch, config.n_heads, past, config.head_dim, dtype=dtype) for _ in range(2 * config.n_layers)
+    ]
+    return (
+        torch.randint(0, 256, (batch, seq), dtype=torch.int64),
+        torch.ones(batch, past + seq, dtype=torch.int64),
+        torch.arange(past, past + seq, dtype=torch.int64).repeat(batch, 1),
+        *past_kv,
+    )
+
+
+def export_onnx(model: Transformer, path: Path, dtype: torch.dtype = torch.float32) -> onnx.ModelProto:
+    """Export with the maintained (dynamo / torch.export) exporter into one self-contained file."""
+    model = model.to(dtype).eval()
+    n_layers = model.config.n_layers
+    args = example_inputs(model)
+    batch, sequence, past, total = "batch", "sequence", "past_sequence", "total_sequence"
+    kv_shape = {0: batch, 2: past}
+    dynamic_shapes = (
+        {0: batch, 1: sequence},
+        {0: batch, 1: total},
+        {0: batch, 1: sequence},
+        tuple([kv_shape] * (2 * n_layers)),  # the *past varargs arrive as one tuple
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            FlatKeyValueModel(model),
+            args,
+            dynamo=True,
+            input_names=input_names(n_layers),
+            output_names=output_names(n_layers),
+            dynamic_shapes=dynamic_shapes,
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
+    assert program is not None
+    program.save(str(path), external_data=False)
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto, full_check=True)
+    return proto

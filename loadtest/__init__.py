@@ -1,0 +1,1 @@
+"""Locust users and the positional-encoding comparison harness."""

@@ -1,0 +1,1 @@
+"""PyTorch model family: one decoder-only transformer, six positional schemes."""

@@ -1,0 +1,93 @@
+"""Model configuration: one dataclass shared by training, export and evaluation."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from models.tokenizer import TOKENIZER
+
+SCHEMES = ("sinusoidal", "learned", "relative", "rope", "alibi", "none")
+
+
+@dataclass
+class RopeScaling:
+    """Inference-time rotary scaling; `factor` = target context / training context."""
+
+    kind: str  # "linear" | "ntk" | "yarn"
+    factor: float
+    original_max_positions: int = 256
+
+    @classmethod
+    def parse(cls, text: str, original_max_positions: int = 256) -> RopeScaling:
+        """Parse `kind:factor`, e.g. `ntk:4`."""
+        kind, _, factor = text.partition(":")
+        if kind not in ("linear", "ntk", "yarn") or not factor:
+            raise ValueError(f"rope scaling must look like linear:4, ntk:4 or yarn:4, got {text!r}")
+        return cls(kind, float(factor), original_max_positions)
+
+
+@dataclass
+class ModelConfig:
+    scheme: str = "none"
+    vocab_size: int = TOKENIZER.vocab_size
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 128
+    # None = 4 * d_model; `matched` shrinks it so every scheme has the same parameter count.
+    d_ff: int | None = None
+    train_context: int = 256
+    # Hard limit of the `learned` table; other schemes have none (None = unbounded).
+    max_positions: int | None = None
+    # T5 defaults: 32 causal buckets, logarithmic beyond half of them, saturating at 128.
+    relative_num_buckets: int = 32
+    relative_max_distance: int = 128
+    rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.scheme == "learned" and self.max_positions is None:
+            self.max_positions = self.train_context
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> ModelConfig:
+        return cls(**json.loads(path.read_text()))
+
+
+def matched_config(scheme: str, **overrides: object) -> ModelConfig:
+    """A config whose total parameter count matches the scheme-free model.
+
+    A learned position table is ~4% of a model this small; to give every scheme the same
+    budget we take those parameters out of the MLP hidden width (2 * d_model + 1 per unit
+    per layer), the usual way parameter-matched ablations are built.
+    """
+    from models.positional import build_positional  # local: positional imports this module
+
+    config = ModelConfig(scheme=scheme, **overrides)  # type: ignore[arg-type]
+    extra = sum(p.numel() for p in build_positional(config).parameters())
+    per_unit = config.n_layers * (2 * config.d_model + 1)
+    assert config.d_ff is not None
+    config.d_ff -= round(extra / per_unit)
+    return config

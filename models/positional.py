@@ -1,0 +1,345 @@
+"""Positional schemes: pure functions plus one small module per scheme behind one interface.
+
+The pure functions are public (tools and tests depend on their names) and accept numpy arrays
+or torch tensors, returning the same kind. The modules turn them into what a forward pass
+needs, computed once per forward and only *applied* inside attention:
+
+- an additive input embedding (sinusoidal, learned),
+- an additive attention-logit bias (relative, alibi),
+- a rotation of queries and keys (rope),
+- or nothing at all (none / NoPE: the causal mask is the only source of order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from models.config import ModelConfig, RopeScaling
+
+ArrayT = TypeVar("ArrayT", np.ndarray, Tensor)
+
+
+def _to_torch(x: np.ndarray | Tensor) -> Tensor:
+    return x if isinstance(x, Tensor) else torch.from_numpy(np.asarray(x))
+
+
+def _like(result: Tensor, original: np.ndarray | Tensor) -> np.ndarray | Tensor:
+    return result if isinstance(original, Tensor) else result.numpy()
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def sinusoid(positions: Tensor, dim: int) -> Tensor:
+    """Sinusoidal code for any positions tensor [...] -> [..., dim] (float32).
+
+    PE(pos, 2i) = sin(pos / 10000^(2i/dim)), PE(pos, 2i+1) = cos(same angle)
+    (Vaswani et al. 2017, section 3.5: https://arxiv.org/abs/1706.03762).
+    """
+    even = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = torch.pow(10000.0, -even / dim)  # (dim/2,)
+    angle = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (..., dim/2)
+    return torch.stack((torch.sin(angle), torch.cos(angle)), dim=-1).flatten(-2)  # interleave
+
+
+def sinusoidal_table(n_positions: int, dim: int) -> np.ndarray:
+    """The [n_positions, dim] sinusoidal table; row 0 alternates 0, 1."""
+    return sinusoid(torch.arange(n_positions), dim).numpy()
+
+
+def alibi_slopes(n_heads: int) -> np.ndarray:
+    """ALiBi head slopes [n_heads]: the geometric sequence 2^(-8/n), 2^(-16/n), ...
+
+    For head counts that are not a power of two the paper takes the slopes of the closest
+    power of two below and fills up with every other slope of twice that count
+    (Press et al. 2022, section 3: https://arxiv.org/abs/2108.12409).
+    """
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_two(closest)
+    if closest < n_heads:
+        slopes += power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return np.asarray(slopes, dtype=np.float32)
+
+
+def relative_position_bucket(
+    relative_position: ArrayT,
+    bidirectional: bool = False,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> ArrayT:
+    """T5's bucket of `relative_position` = key position - query position.
+
+    Half the buckets hold exact small distances, the rest grow logarithmically up to
+    `max_distance`, beyond which everything shares the last bucket. With
+    `bidirectional=False` (causal) only keys at or before the query are distinguished.
+    Mirrors `T5Attention._relative_position_bucket` (Raffel et al. 2020).
+    """
+    rel = _to_torch(relative_position).to(torch.int64)
+    buckets = torch.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (rel > 0).to(torch.int64) * num_buckets
+        distance = rel.abs()
+    else:
+        distance = torch.clamp(-rel, min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # clamp(min=1) only avoids log(0) in the branch that `where` discards anyway.
+    log_ratio = torch.log(torch.clamp(distance, min=1).to(torch.float32) / max_exact)
+    large = max_exact + (log_ratio / math.log(max_distance / max_exact) * (num_buckets - max_exact)).to(torch.int64)
+    large = torch.clamp(large, max=num_buckets - 1)
+    return _like(buckets + torch.where(is_small, distance, large), relative_position)  # type: ignore[return-value]
+
+
+def _rope_default(head_dim: int, base: float, scaling: RopeScaling | None) -> tuple[Tensor, float]:
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim), 1.0
+
+
+def _rope_linear(head_dim: int, base: float, scaling: RopeScaling | None) -> tuple[Tensor, float]:
+    """Position interpolation: positions divided by the factor (Chen et al. 2023)."""
+    assert scaling is not None
+    inv_freq, _ = _rope_default(head_dim, base, None)
+    return inv_freq / scaling.factor, 1.0
+
+
+def _rope_ntk(head_dim: int, base: float, scaling: RopeScaling | None) -> tuple[Tensor, float]:
+    """NTK-aware scaling: stretch the base so low frequencies interpolate, high ones don't."""
+    assert scaling is not None
+    new_base = base * scaling.factor ** (head_dim / (head_dim - 2))
+    return _rope_default(head_dim, new_base, None)[0], 1.0
+
+
+def _rope_yarn(head_dim: int, base: float, scaling: RopeScaling | None) -> tuple[Tensor, float]:
+    """YaRN: interpolate only the dimensions whose wavelength exceeds the training context,
+    ramping between beta_fast=32 and beta_slow=1 rotations, with attention temperature
+    0.1 ln(s) + 1 (Peng et al. 2023, https://arxiv.org/abs/2309.00071)."""
+    assert scaling is not None
+    factor, original = scaling.factor, scaling.original_max_positions
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(32.0)), 0)
+    high = min(math.ceil(correction_dim(1.0)), head_dim - 1)
+    if low == high:
+        high += 1  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation, _ = _rope_default(head_dim, base, None)
+    interpolation = extrapolation / factor
+    keep = 1.0 - ramp  # 1 = keep the original (high-frequency) dimension
+    inv_freq = interpolation * (1.0 - keep) + extrapolation * keep
+    return inv_freq, 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+ROPE_INIT_FUNCTIONS: dict[str, Callable[[int, float, RopeScaling | None], tuple[Tensor, float]]] = {
+    "default": _rope_default,
+    "linear": _rope_linear,
+    "ntk": _rope_ntk,
+    "yarn": _rope_yarn,
+}
+
+
+def rope_inverse_frequencies(
+    head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+) -> tuple[Tensor, float]:
+    """(inv_freq [head_dim/2], attention_factor) for the chosen rotary variant."""
+    kind = "default" if scaling is None else scaling.kind
+    return ROPE_INIT_FUNCTIONS[kind](head_dim, base, scaling)
+
+
+def rope_angles(
+    positions: ArrayT, head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+) -> tuple[ArrayT, ArrayT]:
+    """Rotary (cos, sin), each [*positions.shape, head_dim], in the rotate-half layout.
+
+    (Su et al. 2021, https://arxiv.org/abs/2104.09864; layout as in Llama/transformers.)
+    """
+    inv_freq, attention_factor = rope_inverse_frequencies(head_dim, base, scaling)
+    pos = _to_torch(positions).to(torch.float32)
+    freqs = pos.unsqueeze(-1) * inv_freq.to(pos.device)  # (..., head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., head_dim)
+    cos, sin = torch.cos(emb) * attention_factor, torch.sin(emb) * attention_factor
+    return _like(cos, positions), _like(sin, positions)  # type: ignore[return-value]
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: ArrayT, cos: ArrayT, sin: ArrayT) -> ArrayT:
+    """Rotate x [..., seq, head_dim] by the angles of `rope_angles` ([seq, head_dim] or broadcastable)."""
+    xt, c, s = _to_torch(x), _to_torch(cos), _to_torch(sin)
+    return _like(xt * c + _rotate_half(xt) * s, x)  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- scheme modules
+
+
+class QueryKeyRotation:
+    """What attention applies to q and k; the identity unless the scheme rotates."""
+
+    def __call__(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+
+class RotaryRotation(QueryKeyRotation):
+    def __init__(self, cos: Tensor, sin: Tensor) -> None:
+        self.cos, self.sin = cos, sin  # (B, 1, T, hs)
+
+    def __call__(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos.to(q.dtype), self.sin.to(q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+class PositionalScheme(nn.Module):
+    """The one interface. The model asks each hook once per forward pass.
+
+    Positions are absolute token indices within a sequence (left padding excluded), so
+    cached decoding and left-padded batches see the same positions as a lone sequence.
+    """
+
+    name: ClassVar[str]
+    #: Positions at or beyond this cannot be represented (None = unbounded).
+    max_positions: int | None = None
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def input_embedding(self, position_ids: Tensor) -> Tensor | None:
+        """Added to the token embeddings: (B, T) -> (B, T, d) or None."""
+        return None
+
+    def attention_bias(self, query_positions: Tensor, key_positions: Tensor) -> Tensor | None:
+        """Added to attention logits: (B, Tq), (B, Tk) -> (B, H, Tq, Tk) or None."""
+        return None
+
+    def rotation(self, position_ids: Tensor) -> QueryKeyRotation:
+        """Applied to q and k of the new tokens before they enter the cache."""
+        return QueryKeyRotation()
+
+
+SCHEME_REGISTRY: dict[str, type[PositionalScheme]] = {}
+
+
+def register(cls: type[PositionalScheme]) -> type[PositionalScheme]:
+    SCHEME_REGISTRY[cls.name] = cls
+    return cls
+
+
+def build_positional(config: ModelConfig) -> PositionalScheme:
+    return SCHEME_REGISTRY[config.scheme](config)
+
+
+@register
+class NoPositions(PositionalScheme):
+    """NoPE: order comes only from the causal mask (Kazemnejad et al. 2023)."""
+
+    name = "none"
+
+
+@register
+class SinusoidalPositions(PositionalScheme):
+    """Fixed sinusoids added to the input; computed from positions, so no length limit."""
+
+    name = "sinusoidal"
+
+    def input_embedding(self, position_ids: Tensor) -> Tensor:
+        return sinusoid(position_ids, self.config.d_model)
+
+
+@register
+class LearnedPositions(PositionalScheme):
+    """A trained absolute table (GPT-2 style) with a hard `max_positions`."""
+
+    name = "learned"
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        assert config.max_positions is not None
+        self.max_positions = config.max_positions
+        self.table = nn.Embedding(config.max_positions, config.d_model)
+
+    def input_embedding(self, position_ids: Tensor) -> Tensor:
+        if not torch.compiler.is_compiling():
+            check_positions(position_ids, self.max_positions)
+        return self.table(position_ids)
+
+
+def check_positions(position_ids: Tensor | np.ndarray, max_positions: int | None) -> None:
+    """Raise a clear error for positions a bounded scheme cannot represent."""
+    if max_positions is None:
+        return
+    count = position_ids.size if isinstance(position_ids, np.ndarray) else position_ids.numel()
+    if count == 0:
+        return
+    highest = int(position_ids.max())
+    if highest >= max_positions:
+        raise PositionLimitError(
+            f"position_ids: position {highest} is at or beyond max_positions={max_positions} "
+            f"of this model (prompt plus generated tokens must fit in {max_positions})"
+        )
+
+
+class PositionLimitError(ValueError):
+    """A position beyond a bounded scheme's table."""
+
+
+@register
+class RelativeBias(PositionalScheme):
+    """T5-style learned scalar bias per (bucketed distance, head), shared by all layers."""
+
+    name = "relative"
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.bias = nn.Embedding(config.relative_num_buckets, config.n_heads)
+
+    def attention_bias(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        relative = key_positions[:, None, :] - query_positions[:, :, None]  # (B, Tq, Tk)
+        buckets = relative_position_bucket(
+            relative,
+            bidirectional=False,
+            num_buckets=self.config.relative_num_buckets,
+            max_distance=self.config.relative_max_distance,
+        )
+        return self.bias(buckets).permute(0, 3, 1, 2)  # (B, H, Tq, Tk)
+
+
+@register
+class RotaryPositions(PositionalScheme):
+    """RoPE on q and k; `config.rope_scaling` selects linear / ntk / yarn at inference."""
+
+    name = "rope"
+
+    def rotation(self, position_ids: Tensor) -> QueryKeyRotation:
+        cos, sin = rope_angles(position_ids, self.config.head_dim, self.config.rope_base, self.config.rope_scaling)
+        return RotaryRotation(cos.unsqueeze(1), sin.unsqueeze(1))  # (B, 1, T, hs)
+
+
+@register
+class AlibiBias(PositionalScheme):
+    """A fixed linear penalty on distance, one slope per head."""
+
+    name = "alibi"
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        slopes = torch.from_numpy(alibi_slopes(config.n_heads))
+        self.register_buffer("slopes", slopes.view(1, -1, 1, 1), persistent=False)
+
+    def attention_bias(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, Tq, Tk)
+        return -self.slopes * distance.to(torch.float32)  # (B, H, Tq, Tk)

@@ -1,0 +1,169 @@
+"""Decoder-only transformer (pre-LayerNorm, GELU MLP, tied embeddings) with a KV cache.
+
+Read top-down: Transformer -> Block -> CausalSelfAttention / MLP. The positional scheme is
+asked once per forward (`models.positional`); layers only apply what it returned.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from models.config import ModelConfig
+from models.positional import QueryKeyRotation, build_positional
+
+KeyValue = tuple[Tensor, Tensor]  # each (B, nh, T, hs)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.positional = build_positional(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.apply(self._init_weights)
+        # Scaled init of residual projections, per GPT-2 (https://cdn.openai.com/better-language-models/language_models_are_unsupervised_multitask_learners.pdf).
+        for name, param in self.named_parameters():
+            if name.endswith(("out_proj.weight", "down.weight")):
+                nn.init.normal_(param, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: list[KeyValue] | None = None,
+    ) -> tuple[Tensor, list[KeyValue]]:
+        """input_ids (B, T); attention_mask (B, past+T), 1 = real token; position_ids (B, T).
+
+        Returns logits (B, T, vocab) and the present K/V per layer, (B, nh, past+T, hs).
+        Positions default to the count of real tokens before each one, which makes
+        left-padded batches and cached decoding see the positions of a lone sequence.
+        """
+        batch, seq = input_ids.shape
+        dtype = self.token_embedding.weight.dtype
+        if past_key_values is None:
+            empty = input_ids.new_zeros((batch, self.config.n_heads, 0, self.config.head_dim), dtype=dtype)
+            past_key_values = [(empty, empty)] * self.config.n_layers
+        past = past_key_values[0][0].shape[2]
+        if attention_mask is None:
+            attention_mask = input_ids.new_ones((batch, past + seq))
+        key_positions = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)  # (B, Tk)
+        if position_ids is None:
+            position_ids = key_positions[:, -seq:]
+
+        x = self.token_embedding(input_ids)  # (B, T, d)
+        position_embedding = self.positional.input_embedding(position_ids)
+        if position_embedding is not None:
+            x = x + position_embedding.to(dtype)
+        score_bias = self._score_bias(attention_mask, position_ids, key_positions, seq, dtype)
+        rotation = self.positional.rotation(position_ids)
+
+        presents: list[KeyValue] = []
+        for block, layer_past in zip(self.blocks, past_key_values, strict=True):
+            x, present = block(x, score_bias, rotation, layer_past)
+            presents.append(present)
+        x = self.final_norm(x)
+        logits = F.linear(x, self.token_embedding.weight)  # tied: (B, T, vocab)
+        return logits, presents
+
+    def _score_bias(
+        self, attention_mask: Tensor, query_positions: Tensor, key_positions: Tensor, seq: int, dtype: torch.dtype
+    ) -> Tensor:
+        """Causal + padding mask merged with the scheme's logit bias: (B, H|1, Tq, Tk).
+
+        A query may also always see itself, so a padding query's row is never fully masked
+        (a fully masked row would turn into NaN and poison the cache).
+        """
+        total = attention_mask.shape[1]
+        key_index = torch.arange(total, device=attention_mask.device)  # (Tk,)
+        query_index = torch.arange(seq, device=attention_mask.device) + (total - seq)  # (Tq,)
+        causal = key_index[None, :] <= query_index[:, None]  # (Tq, Tk)
+        itself = key_index[None, :] == query_index[:, None]
+        allowed = (causal[None] & attention_mask[:, None, :].bool()) | itself[None]  # (B, Tq, Tk)
+        bias = self.positional.attention_bias(query_positions, key_positions)
+        visible = torch.zeros((), dtype=dtype) if bias is None else bias.to(dtype)
+        return torch.where(allowed[:, None], visible, torch.finfo(dtype).min)
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(directory / "model.safetensors"))
+        self.config.save(directory / "config.json")
+
+    @classmethod
+    def load(cls, directory: Path) -> Transformer:
+        model = cls(ModelConfig.load(directory / "config.json"))
+        model.load_state_dict(load_file(str(directory / "model.safetensors")))
+        return model.eval()
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: Tensor, score_bias: Tensor, rotation: QueryKeyRotation, past: KeyValue
+    ) -> tuple[Tensor, KeyValue]:
+        attended, present = self.attn(self.attn_norm(x), score_bias, rotation, past)
+        x = x + attended
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, present
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(
+        self, x: Tensor, score_bias: Tensor, rotation: QueryKeyRotation, past: KeyValue
+    ) -> tuple[Tensor, KeyValue]:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        q, k = rotation(q, k)
+        k = torch.cat((past[0], k), dim=2)  # (B, nh, past+T, hs)
+        v = torch.cat((past[1], v), dim=2)  # (B, nh, past+T, hs)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim)) + score_bias  # (B, nh, T, past+T)
+        weights = torch.softmax(scores, dim=-1)
+        y = (weights @ v).transpose(1, 2).reshape(batch, seq, width)  # (B, T, d)
+        return self.out_proj(y), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.d_ff is not None
+        self.up = nn.Linear(config.d_model, config.d_ff)
+        self.down = nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x)))

@@ -1,0 +1,1 @@
+"""gRPC generation service over the model repository (engine, scheduler, KV-cache manager)."""

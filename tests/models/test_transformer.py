@@ -1,0 +1,90 @@
+"""The model family: KV cache, padding, parameter budget, limits, persistence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.config import SCHEMES, ModelConfig, matched_config
+from models.positional import PositionLimitError
+from models.transformer import Transformer
+
+TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "train_context": 64}
+
+
+def tiny_model(scheme: str, **overrides: object) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(matched_config(scheme, **(TINY | overrides))).eval()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cached_forward_equals_full_forward(scheme: str) -> None:
+    model = tiny_model(scheme)
+    ids = torch.randint(0, 256, (3, 24))
+    mask = torch.ones(3, 24, dtype=torch.long)
+    mask[1, :6] = 0  # left padding
+    mask[2, :11] = 0
+    with torch.no_grad():
+        full, _ = model(ids, mask)
+        first, past = model(ids[:, :10], mask[:, :10])
+        pieces = [first]
+        for start in range(10, 24, 3):  # chunks of 3, then single tokens
+            chunk, past = model(ids[:, start : start + 3], mask[:, : start + 3], past_key_values=past)
+            pieces.append(chunk)
+    real = mask.bool()
+    assert torch.allclose(torch.cat(pieces, dim=1)[real], full[real], atol=1e-5)
+    assert past[0][0].shape == (3, 4, 24, 8)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_left_padded_row_equals_lone_sequence(scheme: str) -> None:
+    model = tiny_model(scheme)
+    seq = torch.randint(0, 256, (1, 9))
+    padded = torch.cat([torch.full((1, 5), 258), seq], dim=1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        alone, _ = model(seq)
+        batched, _ = model(padded, mask)
+    assert torch.allclose(batched[:, 5:], alone, atol=1e-5)
+    assert torch.isfinite(batched).all()
+
+
+def test_every_scheme_has_the_same_parameter_budget() -> None:
+    counts = {scheme: Transformer(matched_config(scheme)).num_parameters() for scheme in SCHEMES}
+    reference = counts["none"]
+    for scheme, count in counts.items():
+        assert abs(count - reference) / reference < 0.01, (scheme, count, reference)
+    assert matched_config("learned").d_ff < matched_config("none").d_ff  # the table is paid for
+
+
+def test_learned_positions_refuse_beyond_the_table() -> None:
+    model = tiny_model("learned")
+    assert model.positional.max_positions == 64
+    with torch.no_grad():
+        model(torch.zeros(1, 64, dtype=torch.long))
+        with pytest.raises(PositionLimitError, match="max_positions=64"):
+            model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_sinusoidal_and_nope_extrapolate_without_limit() -> None:
+    for scheme in ("sinusoidal", "none", "alibi", "rope", "relative"):
+        with torch.no_grad():
+            logits, _ = tiny_model(scheme)(torch.zeros(1, 200, dtype=torch.long))
+        assert torch.isfinite(logits).all()
+
+
+def test_unknown_scheme_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        ModelConfig(scheme="xpos")
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    model = tiny_model("relative")
+    model.save(tmp_path)
+    loaded = Transformer.load(tmp_path)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], loaded(ids)[0])
+    assert loaded.config == model.config

@@ -1,0 +1,25 @@
+"""The README's two set-up commands stay the ones CI and users run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    return [line for block in blocks for line in block.splitlines() if line.startswith("python3 -m venv .venv")]
+
+
+def test_readme_has_exactly_two_setup_commands_creating_dot_venv() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert commands[0].endswith(".venv/bin/python -m export")
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci_lines[-1] == readme_commands()[1]
