@@ -62,8 +62,9 @@ def export_model(name: str, model: Transformer, options: ExportOptions, training
     folder = options.out / name
     folder.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    variants = {"float32": folder / "model.onnx"}
+    variants = {"float32": folder / "model.onnx", "serving-float32": folder / "model.serving.onnx"}
     export_onnx(model, variants["float32"], torch.float32)
+    export_onnx(copy.deepcopy(model), variants["serving-float32"], torch.float32, new_only=True)
     if options.fp16:
         variants["float16"] = folder / "model.fp16.onnx"
         export_onnx(copy.deepcopy(model), variants["float16"], torch.float16)
@@ -116,7 +117,7 @@ def run(options: ExportOptions) -> list[ExportResult]:
         if options.verify and corpus is not None:
             reference = Transformer.load(options.weights / scheme)
             reference.config.rope_scaling = scaling
-            for dtype in result.onnx_bytes:
+            for dtype in ("float32", "float16")[: 1 + options.fp16]:
                 runtime = OnnxCausalLM(options.out / name, dtype)
                 result.parity.append(check_parity(reference, runtime, default_prompts(TOKENIZER.bos_token_id)))
             runtime = OnnxCausalLM(options.out / name)
@@ -131,7 +132,7 @@ def run(options: ExportOptions) -> list[ExportResult]:
 
 def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
     header = ["model", "params", "val bpb@256"] + [f"test bpb@{c}" for c in contexts]
-    header += ["parity fp32", "parity fp16", "cached=full", "onnx MB", "export s"]
+    header += ["parity fp32", "parity fp16", "cached=full", "onnx MB fp32/serving/fp16", "export s"]
     rows = [header]
 
     def fmt(value: float | None, digits: int = 3) -> str:

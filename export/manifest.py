@@ -19,6 +19,7 @@ from models.tokenizer import TOKENIZER
 MANIFEST = "manifest.json"
 GENAI_CONFIG = "genai_config.json"
 DTYPE_BYTES = {"float32": 4, "float16": 2}
+SERVING = "serving-float32"  # variant name of the in-place serving graph
 
 
 def sha256_file(path: Path) -> str:
@@ -93,7 +94,7 @@ class Manifest:
 
     def kv_bytes_per_token(self, dtype: str = "float32") -> int:
         """Cache bytes one token occupies: K and V, every layer and head."""
-        return 2 * self.n_layers * self.n_heads * self.head_dim * DTYPE_BYTES[dtype]
+        return 2 * self.n_layers * self.n_heads * self.head_dim * DTYPE_BYTES[dtype.removeprefix("serving-")]
 
     def verify(self, dtype: str = "float32") -> Path:
         """Check the ONNX file against the recorded sha256; raise naming the bad file."""
@@ -105,6 +106,11 @@ class Manifest:
         if actual != expected:
             raise ManifestError(f"{path}: sha256 {actual} does not match {expected} recorded in {self.path}")
         return path
+
+    def verify_all(self) -> None:
+        """Check every graph the manifest lists (a server refuses to start on any bad file)."""
+        for variant in self.data["variants"]:  # type: ignore[union-attr]
+            self.verify(variant)
 
     @classmethod
     def load(cls, folder: Path) -> Manifest:
@@ -155,8 +161,13 @@ def build_manifest(
         "opset": opset,
         "kv_cache": {
             "layout": "[batch, n_heads, sequence, head_dim] per layer, key and value",
-            "bytes_per_token": {dtype: 2 * config.n_layers * config.d_model * DTYPE_BYTES[dtype] for dtype in files},
+            "bytes_per_token": {
+                dtype: 2 * config.n_layers * config.d_model * DTYPE_BYTES[dtype] for dtype in DTYPE_BYTES
+            },
         },
+        # model.serving.onnx: same inputs; outputs logits and new_key_values.{i}.key|value (the
+        # new tokens only). It reads the past in place, so masked unused slots may sit in it.
+        "serving_outputs": ["logits", "new_key_values.{i}.key", "new_key_values.{i}.value"],
         "inputs": [
             "input_ids",
             "attention_mask",

@@ -29,10 +29,12 @@ def input_names(n_layers: int) -> list[str]:
     return names
 
 
-def output_names(n_layers: int) -> list[str]:
+def output_names(n_layers: int, new_only: bool = False) -> list[str]:
+    """`present.*` (past + new, Optimum) or, for the serving graph, `new_key_values.*` (new only)."""
+    prefix = "new_key_values" if new_only else "present"
     names = ["logits"]
     for i in range(n_layers):
-        names += [f"present.{i}.key", f"present.{i}.value"]
+        names += [f"{prefix}.{i}.key", f"{prefix}.{i}.value"]
     return names
 
 
@@ -67,9 +69,17 @@ def example_inputs(model: Transformer, batch: int = 2, seq: int = 5, past: int =
     )
 
 
-def export_onnx(model: Transformer, path: Path, dtype: torch.dtype = torch.float32) -> onnx.ModelProto:
-    """Export with the maintained (dynamo / torch.export) exporter into one self-contained file."""
+def export_onnx(
+    model: Transformer, path: Path, dtype: torch.dtype = torch.float32, new_only: bool = False
+) -> onnx.ModelProto:
+    """Export with the maintained (dynamo / torch.export) exporter into one self-contained file.
+
+    `new_only` writes the serving graph: it reads the past from the engine's buffer in place
+    and returns only the new tokens' K/V, so no cache is copied inside the graph.
+    """
     model = model.to(dtype).eval()
+    if new_only:
+        model.return_new_key_values_only()
     n_layers = model.config.n_layers
     args = example_inputs(model)
     batch, sequence, past, total = "batch", "sequence", "past_sequence", "total_sequence"
@@ -88,7 +98,7 @@ def export_onnx(model: Transformer, path: Path, dtype: torch.dtype = torch.float
             args,
             dynamo=True,
             input_names=input_names(n_layers),
-            output_names=output_names(n_layers),
+            output_names=output_names(n_layers, new_only),
             dynamic_shapes=dynamic_shapes,
             opset_version=OPSET,
             optimize=True,

@@ -42,6 +42,12 @@ class Transformer(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
+    def return_new_key_values_only(self) -> Transformer:
+        """Switch to the serving layout: layers read the past in place and return only new K/V."""
+        for block in self.blocks:
+            block.attn.attend = attend_in_place
+        return self
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -134,12 +140,39 @@ class Block(nn.Module):
         return x, present
 
 
+def attend_concatenated(
+    q: Tensor, k: Tensor, v: Tensor, past: KeyValue, score_bias: Tensor, scale: float
+) -> tuple[Tensor, KeyValue]:
+    """Optimum / onnxruntime-genai layout: the cache grows inside the graph, present = past + new."""
+    k = torch.cat((past[0], k), dim=2)  # (B, nh, past+T, hs)
+    v = torch.cat((past[1], v), dim=2)  # (B, nh, past+T, hs)
+    weights = torch.softmax((q @ k.transpose(-2, -1)) * scale + score_bias, dim=-1)  # (B, nh, T, past+T)
+    return weights @ v, (k, v)
+
+
+def attend_in_place(
+    q: Tensor, k: Tensor, v: Tensor, past: KeyValue, score_bias: Tensor, scale: float
+) -> tuple[Tensor, KeyValue]:
+    """Serving layout: read the engine's cache buffer as it is and return only the new K/V.
+
+    Same mathematics as `attend_concatenated`, but the cache is never copied: scores against
+    the past and against the new tokens are computed apart and joined (a tensor of
+    (B, nh, T, past+T) scores, far smaller than the cache).
+    """
+    past_len = past[0].shape[2]
+    scores = torch.cat((q @ past[0].transpose(-2, -1), q @ k.transpose(-2, -1)), dim=-1)  # (B, nh, T, past+T)
+    weights = torch.softmax(scores * scale + score_bias, dim=-1)
+    y = weights[..., :past_len] @ past[1] + weights[..., past_len:] @ v  # (B, nh, T, hs)
+    return y, (k, v)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.out_proj = nn.Linear(config.d_model, config.d_model)
+        self.attend = attend_concatenated
 
     def forward(
         self, x: Tensor, score_bias: Tensor, rotation: QueryKeyRotation, past: KeyValue
@@ -150,12 +183,9 @@ class CausalSelfAttention(nn.Module):
         k = k.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         q, k = rotation(q, k)
-        k = torch.cat((past[0], k), dim=2)  # (B, nh, past+T, hs)
-        v = torch.cat((past[1], v), dim=2)  # (B, nh, past+T, hs)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim)) + score_bias  # (B, nh, T, past+T)
-        weights = torch.softmax(scores, dim=-1)
-        y = (weights @ v).transpose(1, 2).reshape(batch, seq, width)  # (B, T, d)
-        return self.out_proj(y), (k, v)
+        y, present = self.attend(q, k, v, past, score_bias, 1.0 / math.sqrt(self.head_dim))
+        y = y.transpose(1, 2).reshape(batch, seq, width)  # (B, T, d)
+        return self.out_proj(y), present
 
 
 class MLP(nn.Module):

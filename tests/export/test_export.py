@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from export.__main__ import ExportOptions, main, run
+from export.__main__ import main
 from export.evaluate import bits_per_byte, evaluation_sequences
 from export.manifest import Manifest, ManifestError
 from export.runtime import OnnxCausalLM
@@ -20,13 +20,6 @@ from models.positional import PositionLimitError
 from models.tokenizer import TOKENIZER
 from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
-
-
-@pytest.fixture(scope="session")
-def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model_repository")
-    run(ExportOptions(out=out, verify=False))
-    return out
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -88,3 +88,23 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     with torch.no_grad():
         assert torch.equal(model(ids)[0], loaded(ids)[0])
     assert loaded.config == model.config
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_in_place_attention_over_a_padded_buffer_equals_concatenation(scheme: str) -> None:
+    """The serving layout: past in a buffer with unused (masked) slots, only new K/V out."""
+    model = tiny_model(scheme)
+    ids = torch.randint(0, 256, (2, 14))
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        full, _ = model(ids, mask)
+        _, past = model(ids[:, :10], mask[:, :10])
+        # A buffer of capacity 16: 10 filled columns, 6 unused slots masked out.
+        buffer = [tuple(torch.cat((t, torch.randn(2, 4, 6, 8)), dim=2) for t in layer) for layer in past]
+        buffer_mask = torch.cat((mask[:, :10], torch.zeros(2, 6, dtype=torch.long), mask[:, 10:]), dim=1)
+        positions = mask.cumsum(-1)[:, 10:] - 1
+        serving = tiny_model(scheme).return_new_key_values_only()
+        logits, new = serving(ids[:, 10:], buffer_mask, positions, buffer)
+    assert torch.allclose(logits, full[:, 10:], atol=1e-5)
+    assert new[0][0].shape == (2, 4, 4, 8)

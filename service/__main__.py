@@ -1,0 +1,7 @@
+"""`python -m service --model-repository DIR --port 50051 --metrics-port 9464`."""
+
+import sys
+
+from service.server import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of posenc.v1 (`python -m service.api.build` regenerates them)."""

@@ -1,0 +1,238 @@
+"""Serving benchmark, measured side by side in one run: `python -m service.bench`.
+
+Prints single-stream decode tokens/s through gRPC versus an in-process ONNX Runtime loop and
+onnxruntime-genai on the same ONNX files; aggregate tokens/s at several concurrencies; decode
+step time versus context length per scheme; the share of step time spent handling the KV
+cache; and KV bytes per token. Figures, not verdicts: ratios are computed within the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from export.manifest import Manifest
+from export.runtime import OnnxCausalLM
+from models.tokenizer import TOKENIZER
+from service.api import generation_pb2 as pb
+from service.engine.runner import ModelRunner, PrefillChunk
+from service.process import ServerProcess
+from service.server import REPOSITORY_ROOT
+
+CONTEXTS = (128, 256, 512, 1024, 2048)
+
+
+def decode_tokens_per_second_grpc(server: ServerProcess, model: str, new_tokens: int) -> float:
+    request = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=new_tokens)
+    stamps = [time.perf_counter() for _ in server.stub.GenerateStream(request, timeout=600)]
+    # Chunks after the first are one decode step each (a chunk may hold a held-back byte).
+    return (len(stamps) - 2) / (stamps[-2] - stamps[0]) if len(stamps) > 2 else float("nan")
+
+
+def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int) -> float:
+    """The engine's own runner without gRPC, scheduler or sampler: the in-process ceiling."""
+    runner = ModelRunner(Manifest.load(folder), "cpu", threads)
+    logits = runner.prefill([PrefillChunk("r", TOKENIZER.encode("def main():\n"), 0, True)])["r"]
+    token = int(np.argmax(logits))
+    started = time.perf_counter()
+    for _ in range(new_tokens):
+        token = int(np.argmax(runner.decode({"r": token})["r"]))
+    return new_tokens / (time.perf_counter() - started)
+
+
+def decode_tokens_per_second_plain_loop(folder: Path, new_tokens: int, threads: int) -> float:
+    """A plain session.run loop on model.onnx (Optimum layout), as a user would write it."""
+    runtime = OnnxCausalLM(folder, threads=threads)
+    ids = TOKENIZER.encode("def main():\n")
+    started = time.perf_counter()
+    runtime.greedy([ids], new_tokens)
+    return new_tokens / (time.perf_counter() - started)
+
+
+def decode_tokens_per_second_genai(folder: Path, new_tokens: int) -> float | None:
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return None
+    model = og.Model(str(folder))
+    prompt = TOKENIZER.encode("def main():\n")
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    generator.generate_next_token()  # the prefill step
+    started, count = time.perf_counter(), 0
+    while not generator.is_done():
+        generator.generate_next_token()
+        count += 1
+    return count / (time.perf_counter() - started) if count else None
+
+
+def aggregate_tokens_per_second(server: ServerProcess, model: str, streams: int, new_tokens: int) -> float:
+    prompts = [f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(streams)]
+
+    def one(prompt: str) -> int:
+        request = pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=new_tokens, temperature=0.8, seed=1)
+        return server.stub.Generate(request, timeout=600).usage.completion_tokens
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        total = sum(pool.map(one, prompts))
+    return total / (time.perf_counter() - started)
+
+
+def batch_runner(folder: Path, batch: int, context: int, threads: int, in_place: bool) -> ModelRunner:
+    """A runner whose batch holds `batch` sequences of `context` tokens of random K/V."""
+    runner = ModelRunner(Manifest.load(folder), "cpu", threads, in_place=in_place)
+    manifest = runner.manifest
+    rng = np.random.default_rng(0)
+    cache = [
+        rng.standard_normal((batch, manifest.n_heads, context, manifest.head_dim)).astype(np.float32) * 0.1
+        for _ in runner.past_names
+    ]
+    runner.rows = [f"r{i}" for i in range(batch)]
+    runner._repack(cache, np.ones((batch, context), dtype=np.int64), context + 1)
+    return runner
+
+
+def step_seconds(runner: ModelRunner, steps: int) -> float:
+    tokens = {row: 65 for row in runner.rows}
+    runner.decode(tokens)  # warm-up
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        runner.decode(tokens)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def cache_share(folder: Path, batch: int, context: int, threads: int, in_place: bool, steps: int) -> dict[str, float]:
+    """Share of decode step time spent on the cache: host copies plus in-graph KV Concat kernels.
+
+    Step time and host copies come from an unprofiled run; the Concat share of kernel time
+    from a profiled one (profiling slows every kernel alike), scaled to the graph's share.
+    """
+    runner = batch_runner(folder, batch, context, threads, in_place)
+    step = step_seconds(runner, steps)
+    runner.timings.graph = runner.timings.cache = 0.0
+    for _ in range(steps):
+        runner.decode({row: 65 for row in runner.rows})
+    host, graph = runner.timings.cache / steps, runner.timings.graph / steps
+
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.intra_op_num_threads = threads
+    options.profile_file_prefix = str(Path(tempfile.gettempdir()) / "posenc-profile")
+    runner.session = ort.InferenceSession(
+        str(runner.manifest.onnx_path(runner.variant)), options, providers=["CPUExecutionProvider"]
+    )
+    for _ in range(steps):
+        runner.decode({row: 65 for row in runner.rows})
+    profile_path = Path(runner.session.end_profiling())
+    kernel_all = kernel_concat = 0.0
+    cache_bytes = batch * context * runner.manifest.n_heads * runner.manifest.head_dim * 4
+    for event in json.loads(profile_path.read_text()):
+        if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
+            continue
+        kernel_all += event["dur"]
+        args = event.get("args", {})
+        # A Concat whose output is a whole K or V cache (not a small score tensor).
+        if args.get("op_name") == "Concat" and int(args.get("output_size", 0)) >= cache_bytes:
+            kernel_concat += event["dur"]
+    profile_path.unlink(missing_ok=True)
+    concat = graph * kernel_concat / kernel_all if kernel_all else 0.0
+    return {
+        "step_ms": step * 1000,
+        "host_cache_ms": host * 1000,
+        "kv_concat_ms": concat * 1000,
+        "share": (host + concat) / step,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository")
+    parser.add_argument("--model", default="alibi", help="model for the single-stream and concurrency figures")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and contexts")
+    args = parser.parse_args(argv)
+    repository: Path = args.model_repository
+    folders = sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
+    steps = 5 if args.quick else 20
+
+    print("KV bytes per token (float32, K and V of every layer):")
+    for folder in folders:
+        manifest = Manifest.load(folder)
+        limit = manifest.max_positions or "unbounded"
+        print(f"  {manifest.name:<12} {manifest.kv_bytes_per_token():>6} B/token   positions: {limit}")
+
+    folder = repository / args.model
+    print(f"\nSingle-stream decode, {args.new_tokens} tokens, model {args.model}, {args.threads} threads:")
+    server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", threads=args.threads)
+    try:
+        server.wait_serving()
+        decode_tokens_per_second_grpc(server, args.model, 16)  # warm-up
+        figures = {
+            "gRPC service": decode_tokens_per_second_grpc(server, args.model, args.new_tokens),
+            "in-process runner": decode_tokens_per_second_runner(folder, args.new_tokens, args.threads),
+            "in-process session.run loop": decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads),
+        }
+        genai = decode_tokens_per_second_genai(folder, args.new_tokens)
+        if genai is not None:
+            figures["onnxruntime-genai"] = genai
+        for name, value in figures.items():
+            print(f"  {name:<30} {value:8.1f} tokens/s")
+        grpc_rate = figures["gRPC service"]
+        print(f"  gRPC / in-process runner        {grpc_rate / figures['in-process runner']:.2f}  (goal >= 0.9)")
+        if genai is not None:
+            print(f"  gRPC / onnxruntime-genai        {grpc_rate / genai:.2f}  (goal >= 0.8)")
+
+        print(f"\nAggregate decode throughput through gRPC ({args.new_tokens // 2} new tokens per stream):")
+        rates = {}
+        for streams in args.concurrency:
+            rates[streams] = aggregate_tokens_per_second(server, args.model, streams, args.new_tokens // 2)
+            print(
+                f"  {streams:>3} streams  {rates[streams]:8.1f} tokens/s   "
+                f"{rates[streams] / rates[args.concurrency[0]]:5.2f}x"
+            )
+    finally:
+        server.stop()
+
+    contexts = CONTEXTS[::2] if args.quick else CONTEXTS
+    print("\nDecode step time (ms, median) versus context length, batch 1 / batch 8:")
+    print("  " + f"{'model':<12}" + "".join(f"{c:>16}" for c in contexts))
+    for folder in folders:
+        manifest = Manifest.load(folder)
+        cells = []
+        for context in contexts:
+            if manifest.max_positions is not None and context >= manifest.max_positions:
+                cells.append(f"{'not servable':>16}")
+                continue
+            one = step_seconds(batch_runner(folder, 1, context, args.threads, True), steps) * 1000
+            eight = step_seconds(batch_runner(folder, 8, context, args.threads, True), steps) * 1000
+            cells.append(f"{one:7.2f} /{eight:7.2f}")
+        print(f"  {manifest.name:<12}" + "".join(cells))
+
+    print("\nCache handling share of decode step time, batch 8, context 2048 (goal <= 20%):")
+    share_folder = repository / args.model
+    for in_place, label in ((False, "present->past graph (Concat)"), (True, "in-place serving graph")):
+        share = cache_share(share_folder, 8, 2048, args.threads, in_place, steps)
+        print(
+            f"  {label:<30} step {share['step_ms']:7.2f} ms   host copies {share['host_cache_ms']:6.2f} ms   "
+            f"KV Concat {share['kv_concat_ms']:6.2f} ms   share {share['share'] * 100:5.1f}%"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Serving engine, split like vLLM: request -> scheduler -> KV-cache manager -> runner -> sampler."""

@@ -1,0 +1,46 @@
+"""Next-token choice: greedy, temperature, top-k, top-p; seeded per request."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.engine.request import SamplingParams
+
+
+class Sampler:
+    """Each request draws from its own generator, seeded by the request, so its samples do
+    not depend on which other requests shared the batch."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, np.random.Generator] = {}
+
+    def sample(self, request_id: str, logits: np.ndarray, params: SamplingParams) -> int:
+        """logits: (vocab,) float."""
+        if params.temperature == 0.0:
+            return int(np.argmax(logits))
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = self._generators[request_id] = np.random.default_rng(params.seed)
+        return int(generator.choice(len(logits), p=probabilities(logits, params)))
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution sampled from, after temperature, top-k and top-p (nucleus) filters."""
+    scaled = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < len(scaled):
+        kth = np.partition(scaled, -params.top_k)[-params.top_k]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        keep = cumulative - probs[order] < params.top_p  # smallest prefix reaching top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return probs

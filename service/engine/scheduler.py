@@ -1,0 +1,119 @@
+"""Iteration-level (continuous) batching: who runs this step, within cache and batch limits.
+
+Each step every decoding sequence advances one token, and prompt work fills a per-step token
+budget: chunks of long prompts first, then new requests in arrival order. Blocks are taken
+one at a time as sequences grow; when the pool runs dry the newest sequence is preempted
+(its blocks freed, recomputed later), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from service.engine.kv_cache import KVCacheManager
+from service.engine.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full."""
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.end >= len(self.request.prefill_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_batch_size: int = 32, max_queue: int = 128, prefill_tokens: int = 512
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.prefill_tokens = prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFullError(f"queue is full ({self.max_queue} waiting requests, max_queue={self.max_queue})")
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        # 1. Every decoding sequence gets room for the token it feeds this step.
+        for request in [r for r in self.running if r.prefill_done]:
+            while request in self.running and not self.kv_cache.allocate(request.request_id, request.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+            if request in self.running:
+                out.decode.append(request)
+        # 2. Prompt work within the token budget: unfinished chunked prompts, then new requests.
+        budget = self.prefill_tokens
+        for request in [r for r in self.running if not r.prefill_done]:
+            if budget <= 0:
+                break
+            chunk = self._chunk(request, budget)
+            if chunk is None:
+                break
+            out.prefill.append(chunk)
+            budget -= chunk.end - chunk.start
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            request = self.waiting[0]
+            chunk = self._chunk(request, budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.prefill.append(chunk)
+            budget -= chunk.end - chunk.start
+        return out
+
+    def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+        start = request.num_computed_tokens
+        end = min(len(request.prefill_ids), start + budget)
+        if not self.kv_cache.allocate(request.request_id, end):
+            return None
+        return ScheduledChunk(request, start, end)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def remove(self, request: Request) -> None:
+        """Forget a finished or aborted request and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+
+    def requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]

@@ -1,0 +1,47 @@
+"""Every Prometheus metric of the service, defined in one place.
+
+Names follow Prometheus rules: base units (seconds, bytes), `_total` on counters, and the
+`posenc_` namespace; every series is labelled by `model` and `scheme`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+LABELS = ("model", "scheme")
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        kw = {"registry": registry} if registry is not None else {}
+        self.requests = Counter(
+            "posenc_requests", "Finished RPCs by gRPC status code.", [*LABELS, "method", "code"], **kw
+        )
+        self.request_duration = Histogram(
+            "posenc_request_duration_seconds", "Request latency from arrival to last token.", [*LABELS, "method"],
+            buckets=LATENCY_BUCKETS, **kw,
+        )  # fmt: skip
+        self.time_to_first_token = Histogram(
+            "posenc_time_to_first_token_seconds", "Arrival to first generated token.", LABELS,
+            buckets=LATENCY_BUCKETS, **kw,
+        )  # fmt: skip
+        self.inter_token_latency = Histogram(
+            "posenc_inter_token_latency_seconds", "Time between consecutive generated tokens.", LABELS,
+            buckets=LATENCY_BUCKETS, **kw,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("posenc_prompt_tokens", "Prompt tokens admitted.", LABELS, **kw)
+        self.generated_tokens = Counter("posenc_generated_tokens", "Tokens generated.", LABELS, **kw)
+        self.kv_cache_used = Gauge("posenc_kv_cache_used_bytes", "KV-cache bytes held by sequences.", LABELS, **kw)
+        self.kv_cache_capacity = Gauge("posenc_kv_cache_capacity_bytes", "KV-cache pool size in bytes.", LABELS, **kw)
+        self.running = Gauge("posenc_running_sequences", "Sequences in the running batch.", LABELS, **kw)
+        self.queued = Gauge("posenc_queued_sequences", "Requests waiting for admission.", LABELS, **kw)
+        self.batch_size = Histogram(
+            "posenc_batch_size", "Sequences per engine step.", [*LABELS, "phase"], buckets=BATCH_BUCKETS, **kw
+        )
+        self.step_duration = Histogram(
+            "posenc_step_duration_seconds", "Engine step time by phase.", [*LABELS, "phase"], buckets=STEP_BUCKETS, **kw
+        )
+        self.preemptions = Counter("posenc_preemptions", "Sequences preempted for cache space.", LABELS, **kw)

@@ -1,0 +1,88 @@
+"""Start the real service as a subprocess on free loopback ports and talk to it (tests, bench, demo)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.api import generation_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, repository: Path, *flags: str, threads: int = 1) -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        command = [
+            sys.executable, "-m", "service", "--model-repository", str(repository), "--port", str(self.port),
+            "--metrics-port", str(self.metrics_port), "--threads", str(threads), *flags,
+        ]  # fmt: skip
+        # A file, not a pipe: nobody reads a pipe while the server runs, and a full one blocks it.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="posenc-server-", suffix=".log", delete=False)
+        self.process = subprocess.Popen(
+            command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
+        )
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def wait_serving(self, timeout: float = 120.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited {self.process.returncode}: {self.output()}")
+            try:
+                status = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return self
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server did not become SERVING")
+
+    def output(self) -> str:
+        """What the server printed so far."""
+        return Path(self.log.name).read_text()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        total, found = 0.0, False
+        for line in self.metrics().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total, found = total + float(value), True
+        if not found:
+            raise KeyError(f"{name} {labels} not in /metrics")
+        return total
+
+    def stop(self) -> None:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()

@@ -1,0 +1,216 @@
+"""posenc.v1.Generation: proto <-> engine types, status codes, request metrics. Nothing else."""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from service.api import generation_pb2 as pb
+from service.api import generation_pb2_grpc
+from service.engine.engine import Engine, ErrorKind, RequestError
+from service.engine.request import Request, RequestStatus, SamplingParams, StreamEvent
+from service.metrics import ServiceMetrics
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_STOP: pb.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_EOS: pb.FINISH_REASON_EOS,
+}
+ERROR_CODES = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+ABORT_CODES = {
+    RequestStatus.FINISHED_CANCELLED: grpc.StatusCode.CANCELLED,
+    RequestStatus.FINISHED_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RequestStatus.FINISHED_ERROR: grpc.StatusCode.INTERNAL,
+}
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, metrics: ServiceMetrics, default_max_new_tokens: int = 64) -> None:
+        self.engine: Engine | None = None  # set once models are loaded
+        self.metrics = metrics
+        self.default_max_new_tokens = default_max_new_tokens
+        self.shutting_down = False
+
+    # ------------------------------------------------------------------ RPCs
+
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
+        engine = self._engine(context)
+        models = []
+        for name, model in sorted(engine.models.items()):
+            manifest = model.manifest
+            models.append(
+                pb.ModelInfo(
+                    name=name,
+                    scheme=manifest.scheme,
+                    max_positions=manifest.max_positions or 0,
+                    train_context=manifest.train_context,
+                    kv_cache_bytes_per_token=manifest.kv_bytes_per_token(model.runner.dtype),
+                    n_layers=manifest.n_layers,
+                    n_heads=manifest.n_heads,
+                    head_dim=manifest.head_dim,
+                    dtype=model.runner.dtype,
+                    max_new_tokens_limit=model.config.max_new_tokens_limit,
+                    max_sequence_tokens=model.max_sequence_tokens,
+                    kv_cache_capacity_bytes=model.kv_cache.stats().capacity_bytes,
+                )
+            )
+        return pb.ListModelsResponse(models=models)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
+        started = time.monotonic()
+        try:
+            handle = self._submit(request, context)
+            for _ in self._events(handle, context):
+                pass
+            self._raise_if_aborted(handle)
+        except _Aborted as aborted:
+            self._count(request.model, "Generate", aborted.code, started)
+            context.abort(aborted.code, aborted.message)
+        self._count(request.model, "Generate", grpc.StatusCode.OK, started)
+        return pb.GenerateResponse(
+            text=handle.text,
+            finish_reason=FINISH_REASONS[handle.status],
+            usage=_usage(handle),
+            timings=_timings(handle),
+        )
+
+    def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        started = time.monotonic()
+        try:
+            handle = self._submit(request, context)
+            for event in self._events(handle, context):
+                if event.status.finished:
+                    self._raise_if_aborted(handle)
+                    yield pb.GenerateStreamResponse(
+                        text=event.text,
+                        finish_reason=FINISH_REASONS[handle.status],
+                        usage=_usage(handle),
+                        timings=_timings(handle),
+                    )
+                elif event.text:
+                    yield pb.GenerateStreamResponse(text=event.text)
+        except _Aborted as aborted:
+            self._count(request.model, "GenerateStream", aborted.code, started)
+            context.abort(aborted.code, aborted.message)
+        self._count(request.model, "GenerateStream", grpc.StatusCode.OK, started)
+
+    def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
+        started = time.monotonic()
+        try:
+            engine = self._engine(context)
+            model = self._call(lambda: engine.model(request.model))
+            if not request.text:
+                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, "text: must not be empty")
+            ids = model.tokenize(request.text)
+            limit = model.manifest.max_positions or model.config.max_sequence_tokens
+            if len(ids) - 1 > limit:
+                what = "max_positions" if model.manifest.max_positions else "max_sequence_tokens"
+                raise _Aborted(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"text: {len(ids) - 1} tokens to score exceed {what}={limit} of model {request.model!r}",
+                )
+            logprobs = model.runner.score(ids)
+        except _Aborted as aborted:
+            self._count(request.model, "Score", aborted.code, started)
+            context.abort(aborted.code, aborted.message)
+        total = float(logprobs.sum())
+        self._count(request.model, "Score", grpc.StatusCode.OK, started)
+        return pb.ScoreResponse(
+            token_logprobs=logprobs.astype(float).tolist(),
+            total_logprob=total,
+            tokens=len(logprobs),
+            bits_per_byte=-total / math.log(2) / max(1, len(logprobs)),
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _engine(self, context: grpc.ServicerContext) -> Engine:
+        if self.engine is None or self.shutting_down:
+            raise _Aborted(grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or shutting down)")
+        return self.engine
+
+    def _call(self, fn):  # type: ignore[no-untyped-def]
+        try:
+            return fn()
+        except RequestError as error:
+            raise _Aborted(ERROR_CODES[error.kind], error.message) from None
+
+    def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Request:
+        engine = self._engine(context)
+        params = SamplingParams(
+            max_new_tokens=request.max_new_tokens
+            if request.HasField("max_new_tokens")
+            else self.default_max_new_tokens,
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p if request.HasField("top_p") else 1.0,
+            seed=request.seed,
+            stop=tuple(request.stop),
+        )
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        handle: Request = self._call(lambda: engine.submit(request.model, request.prompt, params, deadline))
+        context.add_callback(lambda: engine.cancel(handle))
+        return handle
+
+    def _events(self, handle: Request, context: grpc.ServicerContext) -> Iterator[StreamEvent]:
+        while True:
+            try:
+                event = handle.events.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    self.engine.cancel(handle)  # type: ignore[union-attr]
+                continue
+            yield event
+            if event.status.finished:
+                return
+
+    def _raise_if_aborted(self, handle: Request) -> None:
+        if handle.status in ABORT_CODES:
+            code = ABORT_CODES[handle.status]
+            if handle.error == "server shut down":
+                code = grpc.StatusCode.UNAVAILABLE
+            raise _Aborted(code, handle.error or handle.status.name.lower())
+
+    def _count(self, model: str, method: str, code: grpc.StatusCode, started: float) -> None:
+        known = self.engine is not None and model in self.engine.models
+        labels = (
+            {"model": model, "scheme": self.engine.models[model].manifest.scheme}
+            if known
+            else {"model": "", "scheme": ""}
+        )  # type: ignore[union-attr]
+        self.metrics.requests.labels(**labels, method=method, code=code.name).inc()
+        self.metrics.request_duration.labels(**labels, method=method).observe(time.monotonic() - started)
+
+
+def _usage(handle: Request) -> pb.Usage:
+    prompt, completion = len(handle.prompt_ids), len(handle.output_ids)
+    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _timings(handle: Request) -> pb.Timings:
+    end = handle.finish_time or time.monotonic()
+    first = handle.first_token_time or end
+    queued = (handle.scheduled_time or first) - handle.arrival_time
+    return pb.Timings(
+        time_to_first_token_seconds=first - handle.arrival_time,
+        total_seconds=end - handle.arrival_time,
+        queue_seconds=max(0.0, queued),
+    )

@@ -1,0 +1,16 @@
+"""Shared fixtures: one model repository exported from the shipped weights per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from export.__main__ import ExportOptions, run
+
+
+@pytest.fixture(scope="session")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model_repository")
+    run(ExportOptions(out=out, verify=False))
+    return out

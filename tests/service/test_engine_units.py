@@ -1,0 +1,122 @@
+"""Pure engine logic: block accounting, scheduling, sampling, detokenizing, the stubs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.api import build
+from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.kv_cache import KVCacheManager
+from service.engine.request import Request, SamplingParams
+from service.engine.sampler import Sampler, probabilities
+from service.engine.scheduler import QueueFullError, Scheduler
+
+
+def make_request(request_id: str, prompt_len: int, max_new: int = 10) -> Request:
+    return Request(request_id, "m", [1] * prompt_len, SamplingParams(max_new_tokens=max_new), eos_token_id=257)
+
+
+def test_kv_blocks_grow_one_at_a_time_and_free_exactly() -> None:
+    kv = KVCacheManager(budget_bytes=10 * 16 * 100, bytes_per_token=100, block_size=16)
+    assert kv.total_blocks == 10
+    assert kv.allocate("a", 17) and kv.stats().used_blocks == 2
+    assert kv.allocate("a", 32) and kv.stats().used_blocks == 2
+    assert kv.allocate("a", 33) and kv.stats().used_blocks == 3
+    assert kv.allocate("b", 16 * 7) and kv.stats().used_blocks == 10
+    assert not kv.allocate("c", 1) and "c" not in kv.holders()
+    assert not kv.allocate("a", 16 * 4)  # no partial growth either
+    assert len(kv.block_table("a")) == 3
+    assert len(set(kv.block_table("a")) | set(kv.block_table("b"))) == 10
+    kv.free("a")
+    kv.free("b")
+    stats = kv.stats()
+    assert stats.used_bytes == 0 and stats.capacity_bytes == 10 * 16 * 100
+
+
+def test_reserved_but_unused_is_under_one_block_per_sequence() -> None:
+    kv = KVCacheManager(budget_bytes=1 << 30, bytes_per_token=4096, block_size=16)
+    lengths = np.random.default_rng(0).integers(200, 2048, size=32)
+    for i, length in enumerate(lengths):
+        assert kv.allocate(str(i), int(length))
+    stats = kv.stats()
+    wasted = stats.used_blocks * 16 - int(lengths.sum())
+    assert wasted < 16 * 32
+    assert wasted / lengths.sum() < 0.05
+
+
+def test_scheduler_batches_prefill_chunks_long_prompts_and_respects_limits() -> None:
+    kv = KVCacheManager(budget_bytes=1000 * 16, bytes_per_token=1, block_size=16)
+    scheduler = Scheduler(kv, max_batch_size=2, max_queue=2, prefill_tokens=100)
+    long, short, third = make_request("long", 250), make_request("short", 20), make_request("third", 5)
+    scheduler.add(long)
+    scheduler.add(short)
+    with pytest.raises(QueueFullError, match="max_queue=2"):
+        scheduler.add(make_request("x", 1))
+    out = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.end) for c in out.prefill] == [("long", 0, 100)]
+    long.num_computed_tokens = 100
+    scheduler.add(third)
+    out = scheduler.schedule()  # the chunked prompt continues, the short one joins
+    assert [(c.request.request_id, c.start, c.end) for c in out.prefill] == [("long", 100, 200)]
+    long.num_computed_tokens = 200
+    out = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.end, c.is_last) for c in out.prefill] == [
+        ("long", 200, 250, True),
+        ("short", 0, 20, True),
+    ]
+    assert len(scheduler.running) == 2 and list(scheduler.waiting) == [third]  # batch limit
+
+
+def test_scheduler_preempts_newest_when_the_pool_runs_dry() -> None:
+    kv = KVCacheManager(budget_bytes=4 * 16, bytes_per_token=1, block_size=16)
+    scheduler = Scheduler(kv, max_batch_size=8, prefill_tokens=1000)
+    a, b = make_request("a", 32), make_request("b", 32)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule()
+    for request in (a, b):
+        request.num_computed_tokens = 32
+        request.output_ids.append(5)
+    out = scheduler.schedule()  # a needs a 3rd block: b is preempted
+    assert out.preempted == [b] and out.decode == [a]
+    assert list(scheduler.waiting) == [b] and b.num_computed_tokens == 0
+    assert b.prefill_ids == [1] * 32  # recomputed later without its last output token
+    scheduler.remove(a)
+    assert kv.stats().used_blocks == 0
+
+
+def test_sampler_filters() -> None:
+    logits = np.array([3.0, 2.0, 1.0, 0.0, -1.0])
+    top2 = probabilities(logits, SamplingParams(1, temperature=1.0, top_k=2))
+    assert np.count_nonzero(top2) == 2 and top2[0] > top2[1] > 0
+    nucleus = probabilities(logits, SamplingParams(1, temperature=1.0, top_p=0.5))
+    assert np.count_nonzero(nucleus) == 1  # the top token alone holds 66%
+    assert probabilities(logits, SamplingParams(1, temperature=1.0)).sum() == pytest.approx(1.0)
+    sampler = Sampler()
+    assert sampler.sample("r", logits, SamplingParams(1)) == 0  # greedy
+    draws = [Sampler().sample("r", logits, SamplingParams(1, temperature=1.0, seed=5)) for _ in range(3)]
+    assert len(set(draws)) == 1  # the seed fixes the draw
+
+
+def test_detokenizer_never_splits_characters_and_hides_stop_prefixes() -> None:
+    detok = IncrementalDetokenizer()
+    encoded = "é→".encode()
+    pieces = [detok.push(b) for b in encoded]
+    assert pieces == ["", "é", "", "", "→"]
+    detok = IncrementalDetokenizer(stop=("END",))
+    out = "".join(detok.push(b) for b in b"abcEN")
+    assert out == "abc"  # "EN" is held back: it may become END
+    assert detok.push(ord("D")) == "" and detok.stopped
+    detok = IncrementalDetokenizer(stop=("END",))
+    assert "".join(detok.push(b) for b in b"xEN") + detok.flush() == "xEN"
+
+
+def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
+    build.generate(tmp_path)
+    for name in build.GENERATED:
+        assert (tmp_path / name).read_text() == (build.OUT / name).read_text(), (
+            f"{name} drifted: run python -m service.api.build"
+        )
