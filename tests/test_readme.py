@@ -16,7 +16,8 @@ def readme_commands() -> list[str]:
 def test_readme_has_exactly_two_setup_commands_creating_dot_venv() -> None:
     commands = readme_commands()
     assert len(commands) == 2
-    assert commands[0].endswith(".venv/bin/python -m export")
+    assert ".venv/bin/python -m export && " in commands[0]
+    assert commands[0].endswith(".venv/bin/python -m service.demo")
     assert "pytest" in commands[1]
 
 

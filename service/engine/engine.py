@@ -72,6 +72,16 @@ class ModelEngine:
         self.add_bos = bool(manifest.tokenizer.get("add_bos", True))
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.metrics = metrics
+        # Labelled children resolved once: per-token metric updates stay cheap.
+        self._ttft = metrics.time_to_first_token.labels(**self.labels)
+        self._itl = metrics.inter_token_latency.labels(**self.labels)
+        self._generated = metrics.generated_tokens.labels(**self.labels)
+        self._steps = {
+            phase: metrics.step_duration.labels(**self.labels, phase=phase) for phase in ("prefill", "decode")
+        }
+        self._batches = {
+            phase: metrics.batch_size.labels(**self.labels, phase=phase) for phase in ("prefill", "decode")
+        }
         self._inbox: list[Request] = []
         self._wake = threading.Condition()
         self._stopping = False  # no new requests
@@ -245,12 +255,12 @@ class ModelEngine:
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
-            self.metrics.time_to_first_token.labels(**self.labels).observe(now - request.arrival_time)
+            self._ttft.observe(now - request.arrival_time)
         else:
-            self.metrics.inter_token_latency.labels(**self.labels).observe(now - request.last_token_time)
+            self._itl.observe(now - request.last_token_time)
         request.last_token_time = now
         request.output_ids.append(token)
-        self.metrics.generated_tokens.labels(**self.labels).inc()
+        self._generated.inc()
         if token == self.eos_token_id:
             self._finish(request, RequestStatus.FINISHED_EOS)
             return
@@ -275,8 +285,8 @@ class ModelEngine:
         request.finish(status, error)
 
     def _observe_step(self, phase: str, started: float, batch: int) -> None:
-        self.metrics.step_duration.labels(**self.labels, phase=phase).observe(time.monotonic() - started)
-        self.metrics.batch_size.labels(**self.labels, phase=phase).observe(batch)
+        self._steps[phase].observe(time.monotonic() - started)
+        self._batches[phase].observe(batch)
 
     def _update_gauges(self) -> None:
         stats = self.kv_cache.stats()

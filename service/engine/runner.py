@@ -95,7 +95,7 @@ class ModelRunner:
         self.mask = np.zeros((0, 0), dtype=np.int64)
         self.filled = 0  # columns in use (in place: the rest up to capacity are free slots)
         self.buffers: list[np.ndarray] = []  # in place: (B, nh, capacity, hs) per layer
-        self.device_past: list[ort.OrtValue] = []  # on device: (B, nh, P, hs) per layer
+        self.device_past: list[np.ndarray | ort.OrtValue] = []  # present -> past: (B, nh, P, hs) per layer
         # Caches of prompts prefilled in several chunks, until they join the batch.
         self._partial: dict[str, list[np.ndarray]] = {}
         self.timings = RunnerTimings()
@@ -104,38 +104,52 @@ class ModelRunner:
 
     def _run(
         self, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list[np.ndarray | ort.OrtValue]
-    ) -> tuple[np.ndarray, list[ort.OrtValue]]:
+    ) -> tuple[np.ndarray, list[np.ndarray | ort.OrtValue]]:
+        """One graph call. On the CPU inputs and outputs are numpy arrays (ONNX Runtime reads
+        contiguous inputs in place); on the GPU the K/V stay device OrtValues (IO binding)."""
         check_positions(positions, self.manifest.max_positions)
+        started = time.perf_counter()
+        if not self.on_gpu:
+            feeds: dict[str, np.ndarray] = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions}
+            feeds.update(zip(self.past_names, past, strict=True))  # type: ignore[arg-type]
+            logits, *kv = self.session.run(self.output_names, feeds)
+            self.timings.graph += time.perf_counter() - started
+            return logits, kv
         binding = self.session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask, dtype=np.int64))
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(positions, dtype=np.int64))
         for name, value in zip(self.past_names, past, strict=True):
             if isinstance(value, np.ndarray):
-                binding.bind_cpu_input(name, value)  # no copy: ONNX Runtime reads the array
+                binding.bind_cpu_input(name, value)
             else:
                 binding.bind_ortvalue_input(name, value)
         binding.bind_output("logits", "cpu")
         for name in self.output_names[1:]:
             binding.bind_output(name, self.device_type)
-        started = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.timings.graph += time.perf_counter() - started
-        logits, *kv = binding.get_outputs()
-        return logits.numpy().astype(np.float32), kv
+        logits, *kv_values = binding.get_outputs()
+        return logits.numpy().astype(np.float32), kv_values
 
     def _empty(self, batch: int) -> list[np.ndarray]:
         shape = (batch, self.manifest.n_heads, 0, self.manifest.head_dim)
         return [np.zeros(shape, dtype=NP_DTYPES[self.dtype]) for _ in self.past_names]
 
-    def _to_device(self, arrays: list[np.ndarray]) -> list[ort.OrtValue]:
+    def _to_device(self, arrays: list[np.ndarray]) -> list[np.ndarray | ort.OrtValue]:
+        if not self.on_gpu:
+            return [np.ascontiguousarray(a) for a in arrays]
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device_type, 0) for a in arrays]
+
+    @staticmethod
+    def _host(value: np.ndarray | ort.OrtValue) -> np.ndarray:
+        return value if isinstance(value, np.ndarray) else value.numpy()
 
     def _host_cache(self) -> list[np.ndarray]:
         """The batch cache's filled columns as host arrays (B, nh, filled, hs)."""
         if self.in_place:
             return [b[:, :, : self.filled] for b in self.buffers]
-        return [value.numpy() for value in self.device_past]
+        return [self._host(value) for value in self.device_past]
 
     # ------------------------------------------------------------------ prefill
 
@@ -150,7 +164,7 @@ class ModelRunner:
         if whole:
             ids, mask, positions = left_pad_batch([c.token_ids for c in whole], self.pad_token_id)
             logits, kv = self._run(ids, mask, positions, self._empty(len(whole)))  # type: ignore[arg-type]
-            self._join([c.request_id for c in whole], [v.numpy() for v in kv], mask)
+            self._join([c.request_id for c in whole], [self._host(v) for v in kv], mask)
             for row, chunk in enumerate(whole):
                 results[chunk.request_id] = logits[row, -1]
         for chunk in (c for c in chunks if not (c.start == 0 and c.is_last)):
@@ -162,7 +176,7 @@ class ModelRunner:
             mask = np.ones((1, total), dtype=np.int64)
             positions = np.arange(length, total, dtype=np.int64)[None]
             logits, kv = self._run(ids, mask, positions, past)  # type: ignore[arg-type]
-            arrays = [v.numpy() for v in kv]
+            arrays = [self._host(v) for v in kv]
             if self.in_place:  # new tokens only: extend the partial cache
                 arrays = [np.concatenate([old, new], axis=2) for old, new in zip(past, arrays, strict=True)]
             if chunk.is_last:
@@ -188,7 +202,7 @@ class ModelRunner:
             logits, new = self._run(ids, mask, positions, self.buffers)  # type: ignore[arg-type]
             started = time.perf_counter()
             for buffer, value in zip(self.buffers, new, strict=True):
-                buffer[:, :, self.filled] = value.numpy()[:, :, 0]
+                buffer[:, :, self.filled] = self._host(value)[:, :, 0]
             self.mask[:, self.filled] = 1
             self.filled += 1
             self.timings.cache += time.perf_counter() - started
