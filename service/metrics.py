@@ -36,6 +36,11 @@ class ServiceMetrics:
         self.generated_tokens = Counter("posenc_generated_tokens", "Tokens generated.", LABELS, **kw)
         self.kv_cache_used = Gauge("posenc_kv_cache_used_bytes", "KV-cache bytes held by sequences.", LABELS, **kw)
         self.kv_cache_capacity = Gauge("posenc_kv_cache_capacity_bytes", "KV-cache pool size in bytes.", LABELS, **kw)
+        self.kv_cache_physical = Gauge(
+            "posenc_kv_cache_physical_bytes",
+            "Bytes of the batch's dense KV tensors: used blocks plus left padding and growth slack.",
+            LABELS, **kw,
+        )  # fmt: skip
         self.running = Gauge("posenc_running_sequences", "Sequences in the running batch.", LABELS, **kw)
         self.queued = Gauge("posenc_queued_sequences", "Requests waiting for admission.", LABELS, **kw)
         self.batch_size = Histogram(

@@ -291,6 +291,9 @@ class ModelEngine:
     def _update_gauges(self) -> None:
         stats = self.kv_cache.stats()
         self.metrics.kv_cache_used.labels(**self.labels).set(stats.used_bytes)
+        self.metrics.kv_cache_physical.labels(**self.labels).set(
+            self.runner.cache_slots * self.manifest.kv_bytes_per_token(self.runner.dtype)
+        )
         self.metrics.running.labels(**self.labels).set(len(self.scheduler.running))
         self.metrics.queued.labels(**self.labels).set(len(self.scheduler.waiting) + len(self._inbox))
 

@@ -1,0 +1,458 @@
+"""The positional-encoding comparison, measured through the running service:
+`python -m loadtest.compare [--quick]`.
+
+For every scheme: latency (time to first token versus prompt length, inter-token latency versus
+context, p50/p95/p99 at 1/8/32 concurrent users, throughput and goodput), cache memory (KV
+bytes per token, bytes in use at peak, pool utilisation, extra per-step memory, process peak
+memory), quality through `Score` (bits per byte at 0.5x-8x the training context, rope also with
+linear/ntk/yarn scaling) and retrieval over distance and depth. Writes reports/<run-id>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from export.__main__ import ExportOptions
+from export.__main__ import run as export_run
+from models.config import SCHEMES, RopeScaling
+from models.corpus import load_corpus
+from models.train import WEIGHTS_DIR
+from models.transformer import Transformer
+from service.api import generation_pb2 as pb
+from service.process import ROOT, ServerProcess
+
+ROPE_SCALINGS = ("linear", "ntk", "yarn")
+# Goodput targets: a request counts when both hold.
+TTFT_TARGET_S = 0.5
+ITL_TARGET_S = 0.05
+
+
+@dataclass
+class Budget:
+    """How much to measure; --quick shrinks every count."""
+
+    prompt_lengths: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+    itl_contexts: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    load_seconds: float = 20.0
+    load_new_tokens: int = 32
+    context_multiples: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
+    scaling_multiples: tuple[float, ...] = (2.0, 4.0, 8.0)
+    score_windows: int = 24
+    retrieval_contexts: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+    retrieval_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    retrieval_trials: int = 8
+    repeats: int = 3
+
+    @classmethod
+    def quick(cls) -> Budget:
+        return cls(
+            prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), load_seconds=3.0,
+            load_new_tokens=16, score_windows=3, retrieval_contexts=(64, 256, 1024), retrieval_trials=2,
+            retrieval_depths=(0.1, 0.5, 0.9), repeats=1,
+        )  # fmt: skip
+
+    @classmethod
+    def tiny(cls) -> Budget:
+        """For tests: every measurement once, as small as it gets."""
+        return cls(
+            prompt_lengths=(64, 512), itl_contexts=(128, 512), concurrency=(1, 2), load_seconds=0.5,
+            load_new_tokens=4, context_multiples=(0.5, 2.0), scaling_multiples=(2.0,), score_windows=1,
+            retrieval_contexts=(64, 512), retrieval_depths=(0.5,), retrieval_trials=1, repeats=1,
+        )  # fmt: skip
+
+
+@dataclass
+class Results:
+    run_id: str
+    config: dict[str, object]
+    environment: dict[str, object]
+    schemes: list[str]
+    models: dict[str, dict[str, object]] = field(default_factory=dict)
+    ttft: dict[str, dict[str, float | None]] = field(default_factory=dict)  # scheme -> prompt bytes -> s
+    itl: dict[str, dict[str, float | None]] = field(default_factory=dict)  # scheme -> context -> s
+    load: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # scheme -> users -> figures
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    quality: dict[str, dict[str, float | None]] = field(default_factory=dict)  # model -> multiple -> bpb
+    retrieval: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------- inputs
+
+
+class HeldOut:
+    """Text from the corpus's test split, never seen in training."""
+
+    def __init__(self, seed: int = 0) -> None:
+        stream = load_corpus().splits["test"]
+        self.data = stream[stream < 256].astype(np.uint8).tobytes()
+        self.rng = random.Random(seed)
+
+    def text(self, length: int) -> str:
+        """About `length` bytes of held-out text, valid UTF-8, at least `length` - 3 bytes."""
+        start = self.rng.randrange(0, len(self.data) - length - 1)
+        return self.data[start : start + length].decode("utf-8", errors="ignore")
+
+    def windows(self, length: int, count: int) -> list[str]:
+        starts = np.linspace(0, len(self.data) - length - 1, count).astype(np.int64)
+        return [self.data[s : s + length].decode("utf-8", errors="ignore") for s in starts]
+
+
+def retrieval_prompt(held_out: HeldOut, rng: random.Random, context: int, depth: float) -> tuple[str, str]:
+    """A random span planted at `depth` of `context` bytes of held-out text, its first half
+    repeated at the end: the model must continue with the second half (an induction / copy
+    probe across the distance between the two)."""
+    span = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(16))
+    cue, answer = f"\n# key: {span[:8]}", span[8:]
+    filler = held_out.text(max(0, context - 2 * len(cue) - 8)).replace("# key:", "#")
+    cut = int(len(filler) * depth)
+    return filler[:cut] + cue + answer + "\n" + filler[cut:] + cue, answer
+
+
+# ---------------------------------------------------------------------------------- measurements
+
+
+def generate(
+    server: ServerProcess, model: str, prompt: str, new_tokens: int, timeout: float = 300
+) -> pb.GenerateResponse:
+    return server.stub.Generate(
+        pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=new_tokens), timeout=timeout
+    )
+
+
+def servable(limit: int, prompt: str, new_tokens: int) -> bool:
+    return not limit or len(prompt.encode()) + 1 + new_tokens <= limit
+
+
+def measure_ttft(
+    server: ServerProcess, model: str, limit: int, held_out: HeldOut, budget: Budget
+) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for length in budget.prompt_lengths:
+        prompt = held_out.text(length)
+        if not servable(limit, prompt, 1):
+            out[str(length)] = None
+            continue
+        times = [generate(server, model, prompt, 1).timings.time_to_first_token_seconds for _ in range(budget.repeats)]
+        out[str(length)] = statistics.median(times)
+    return out
+
+
+def measure_itl(
+    server: ServerProcess, model: str, limit: int, held_out: HeldOut, budget: Budget
+) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    new_tokens = 16
+    for context in budget.itl_contexts:
+        prompt = held_out.text(context)
+        if not servable(limit, prompt, new_tokens):
+            out[str(context)] = None
+            continue
+        values = []
+        for _ in range(budget.repeats):
+            response = generate(server, model, prompt, new_tokens)
+            steps = max(1, response.usage.completion_tokens - 1)
+            values.append((response.timings.total_seconds - response.timings.time_to_first_token_seconds) / steps)
+        out[str(context)] = statistics.median(values)
+    return out
+
+
+def measure_load(
+    server: ServerProcess, model: str, limit: int, held_out: HeldOut, users: int, budget: Budget
+) -> dict[str, float]:
+    """Closed loop: `users` clients stream generations for `load_seconds`; /metrics sampled for peaks."""
+    prompt_length = 200 if limit else 512
+    prompts = [held_out.text(prompt_length) for _ in range(64)]
+    records: list[tuple[float, float, float, int]] = []  # latency, ttft, mean itl, tokens
+    errors = 0
+    lock = threading.Lock()
+    stop_at = time.monotonic() + budget.load_seconds
+    peak = {"kv": 0.0}
+    sampling = threading.Event()
+
+    def sample_metrics() -> None:
+        while not sampling.is_set():
+            try:
+                peak["kv"] = max(peak["kv"], server.metric("posenc_kv_cache_used_bytes", model=model))
+            except Exception:  # a scrape racing the server is not a result
+                pass
+            time.sleep(0.05)
+
+    def client(index: int) -> None:
+        nonlocal errors
+        rng = random.Random(index)
+        while time.monotonic() < stop_at:
+            request = pb.GenerateRequest(
+                model=model,
+                prompt=rng.choice(prompts),
+                max_new_tokens=budget.load_new_tokens,
+                temperature=0.8,
+                seed=index,
+            )
+            started = time.perf_counter()
+            first = last = None
+            gaps, tokens = [], 0
+            try:
+                for chunk in server.stub.GenerateStream(request, timeout=120):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    elif chunk.text:
+                        gaps.append(now - last)  # type: ignore[operator]
+                    last = now
+                    if chunk.finish_reason:
+                        tokens = chunk.usage.completion_tokens
+            except grpc.RpcError:
+                with lock:
+                    errors += 1
+                continue
+            with lock:
+                records.append(
+                    (
+                        time.perf_counter() - started,
+                        (first or started) - started,
+                        statistics.mean(gaps) if gaps else 0.0,
+                        tokens,
+                    )
+                )
+
+    sampler = threading.Thread(target=sample_metrics, daemon=True)
+    sampler.start()
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=users) as pool:
+        list(pool.map(client, range(users)))
+    wall = time.monotonic() - started
+    sampling.set()
+    sampler.join()
+    latencies = np.array([r[0] for r in records]) if records else np.zeros(1)
+    good = sum(1 for r in records if r[1] <= TTFT_TARGET_S and r[2] <= ITL_TARGET_S)
+    capacity = server.metric("posenc_kv_cache_capacity_bytes", model=model)
+    return {
+        "requests": len(records),
+        "errors": errors,
+        "p50_s": float(np.percentile(latencies, 50)),
+        "p95_s": float(np.percentile(latencies, 95)),
+        "p99_s": float(np.percentile(latencies, 99)),
+        "ttft_p50_s": float(np.median([r[1] for r in records])) if records else 0.0,
+        "itl_p50_s": float(np.median([r[2] for r in records])) if records else 0.0,
+        "requests_per_s": len(records) / wall,
+        "tokens_per_s": sum(r[3] for r in records) / wall,
+        "goodput_per_s": good / wall,
+        "kv_peak_bytes": peak["kv"],
+        "pool_utilisation": peak["kv"] / capacity if capacity else 0.0,
+    }
+
+
+def per_step_extra_bytes(scheme: str, context: int = 2048) -> dict[str, int]:
+    """Bytes a scheme adds per decode step (one query over `context` keys), per sequence,
+    measured from its positional module: input embedding, logit bias, rotary tables."""
+    model = Transformer.load(WEIGHTS_DIR / scheme)
+    context = min(context, model.positional.max_positions or context)  # learned: its whole table
+    query = torch.tensor([[context - 1]])
+    keys = torch.arange(context)[None]
+    positional = model.positional
+    embedding = positional.input_embedding(query)
+    bias = positional.attention_bias(query, keys)
+    rotation = positional.rotation(query)
+    tables = sum(t.numel() * 4 for t in vars(rotation).values() if isinstance(t, torch.Tensor))
+    return {
+        "input_embedding_bytes": 0 if embedding is None else embedding.numel() * 4,
+        "attention_bias_bytes": 0 if bias is None else bias.numel() * 4,
+        "rotary_bytes": int(tables),
+    }
+
+
+def score_bpb(server: ServerProcess, model: str, texts: list[str]) -> float | None:
+    total, count = 0.0, 0
+    for text in texts:
+        try:
+            response = server.stub.Score(pb.ScoreRequest(model=model, text=text), timeout=300)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return None  # beyond the model's positions: not servable
+            raise
+        total += response.total_logprob
+        count += response.tokens
+    return -total / count / np.log(2)
+
+
+def measure_retrieval(
+    server: ServerProcess, model: str, limit: int, held_out: HeldOut, budget: Budget
+) -> dict[str, dict[str, float | None]]:
+    rng = random.Random(7)
+    out: dict[str, dict[str, float | None]] = {}
+    for context in budget.retrieval_contexts:
+        row: dict[str, float | None] = {}
+        for depth in budget.retrieval_depths:
+            correct, total, servable_cell = 0, 0, True
+            for _ in range(budget.retrieval_trials):
+                prompt, answer = retrieval_prompt(held_out, rng, context, depth)
+                if not servable(limit, prompt, len(answer)):
+                    servable_cell = False
+                    break
+                text = generate(server, model, prompt, len(answer)).text
+                correct += sum(a == b for a, b in zip(text, answer, strict=False))
+                total += len(answer)
+            row[f"{depth:g}"] = correct / total if servable_cell and total else None
+        out[str(context)] = row
+    return out
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+def ensure_repository(repository: Path, schemes: list[str], budget: Budget) -> list[str]:
+    """Export any missing model, including rope scaling variants; return the rope variant names."""
+    scalings = (
+        [f"{kind}:{m:g}" for kind in ROPE_SCALINGS for m in budget.scaling_multiples] if "rope" in schemes else []
+    )
+    names = [f"rope-{RopeScaling.parse(s).kind}-x{RopeScaling.parse(s).factor:g}" for s in scalings]
+    missing_schemes = [s for s in schemes if not (repository / s / "manifest.json").is_file()]
+    missing_scalings = [
+        s for s, n in zip(scalings, names, strict=True) if not (repository / n / "manifest.json").is_file()
+    ]
+    if missing_schemes or missing_scalings:
+        export_run(
+            ExportOptions(
+                out=repository,
+                schemes=tuple(missing_schemes),
+                rope_scaling=tuple(missing_scalings),
+                verify=False,
+                fp16=False,
+            )
+        )
+    return names
+
+
+def environment() -> dict[str, object]:
+    import onnxruntime
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = bool(
+            subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        )
+    except OSError:
+        commit, dirty = "unknown", False
+    memory = Path("/proc/meminfo").read_text().split("\n")[0] if Path("/proc/meminfo").exists() else ""
+    return {
+        "machine": platform.machine(), "processor": platform.processor(), "cpus": __import__("os").cpu_count(),
+        "memory": memory, "platform": platform.platform(), "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__, "torch": torch.__version__, "grpcio": grpc.__version__,
+        "commit": commit + ("+dirty" if dirty else ""),
+    }  # fmt: skip
+
+
+def process_peak_bytes(pid: int) -> int:
+    """VmHWM: the server process's peak resident memory."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(args: argparse.Namespace) -> Path:
+    budget = Budget.tiny() if args.tiny else Budget.quick() if args.quick else Budget()
+    schemes = list(args.schemes)
+    run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or ROOT / "reports" / run_id
+    out.mkdir(parents=True, exist_ok=True)
+    rope_variants = ensure_repository(args.model_repository, schemes, budget)
+    results = Results(
+        run_id, {"budget": asdict(budget), "threads": args.threads, "schemes": schemes,
+                 "goodput_targets": {"ttft_s": TTFT_TARGET_S, "itl_s": ITL_TARGET_S}},
+        environment(), schemes,
+    )  # fmt: skip
+    held_out = HeldOut()
+    steps = len(schemes) * 5 + len(rope_variants)
+    with tqdm(total=steps, desc="compare", unit="task") as progress:
+        for scheme in schemes:
+            # One server per scheme: its peak memory is that scheme's alone.
+            server = ServerProcess(
+                args.model_repository, "--models", scheme, *([v for v in rope_variants] if scheme == "rope" else []),
+                "--max-new-tokens-limit", "4096", "--max-sequence-tokens", "4096", "--max-batch-size", "64",
+                "--max-queue", "512", threads=args.threads,
+            )  # fmt: skip
+            try:
+                server.wait_serving()
+                info = {m.name: m for m in server.stub.ListModels(pb.ListModelsRequest(), timeout=30).models}[scheme]
+                limit = info.max_positions
+                results.models[scheme] = {
+                    "max_positions": limit or None, "kv_bytes_per_token": info.kv_cache_bytes_per_token,
+                    "kv_capacity_bytes": info.kv_cache_capacity_bytes, "train_context": info.train_context,
+                }  # fmt: skip
+                progress.set_postfix(scheme=scheme, part="quality")
+                contexts = [int(m * info.train_context) for m in budget.context_multiples]
+                results.quality[scheme] = {
+                    f"{m:g}": score_bpb(server, scheme, held_out.windows(c, budget.score_windows))
+                    for m, c in zip(budget.context_multiples, contexts, strict=True)
+                }
+                progress.update()
+                if scheme == "rope":
+                    for name in rope_variants:
+                        factor = float(name.rsplit("-x", 1)[1])
+                        length = int(factor * info.train_context)
+                        results.quality[name] = {
+                            f"{factor:g}": score_bpb(server, name, held_out.windows(length, budget.score_windows))
+                        }
+                        progress.update()
+                progress.set_postfix(scheme=scheme, part="latency")
+                results.ttft[scheme] = measure_ttft(server, scheme, limit, held_out, budget)
+                results.itl[scheme] = measure_itl(server, scheme, limit, held_out, budget)
+                progress.update()
+                progress.set_postfix(scheme=scheme, part="load")
+                results.load[scheme] = {
+                    str(users): measure_load(server, scheme, limit, held_out, users, budget)
+                    for users in budget.concurrency
+                }
+                progress.update()
+                progress.set_postfix(scheme=scheme, part="retrieval")
+                results.retrieval[scheme] = measure_retrieval(server, scheme, limit, held_out, budget)
+                progress.update()
+                results.memory[scheme] = {
+                    "process_peak_bytes": process_peak_bytes(server.process.pid),
+                    "kv_peak_bytes": max(v["kv_peak_bytes"] for v in results.load[scheme].values()),
+                    **per_step_extra_bytes(scheme),
+                }
+                progress.update()
+            finally:
+                server.stop()
+    (out / "results.json").write_text(json.dumps(asdict(results), indent=2) + "\n")
+    from loadtest.report import write_report
+
+    write_report(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads of the server (0 = all cores)")
+    parser.add_argument("--run-id", default=None)
+    parser.add_argument("--out", type=Path, default=None, help="report folder (default reports/<run-id>)")
+    args = parser.parse_args(argv)
+    out = run(args)
+    print(f"\nreport: {out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""Tables and plots from a comparison's results.json: `python -m loadtest.report reports/<run-id>`.
+
+Everything is drawn from results.json, so a report can be redrawn without measuring again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+PLOTS = {
+    "bpb_vs_context.png": "Bits per byte versus context length",
+    "itl_vs_context.png": "Inter-token latency versus context",
+    "ttft_vs_prompt.png": "Time to first token versus prompt length",
+    "throughput_vs_concurrency.png": "Throughput versus concurrency",
+    "kv_bytes.png": "KV-cache bytes",
+    "retrieval.png": "Retrieval accuracy (distance x depth)",
+}
+
+
+def _fmt(value: float | None, digits: int = 3, scale: float = 1.0, missing: str = "not servable") -> str:
+    return missing if value is None else f"{value * scale:.{digits}f}"
+
+
+def _series(data: dict[str, float | None]) -> tuple[list[float], list[float]]:
+    points = [(float(k), v) for k, v in data.items() if v is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+    schemes = results["schemes"]
+    train = next(iter(results["models"].values()))["train_context"] if results["models"] else 256
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for scheme in schemes:
+        xs, ys = _series(results["quality"].get(scheme, {}))
+        ax.plot([x * train for x in xs], ys, marker="o", label=scheme)
+    for name, data in results["quality"].items():
+        if name.startswith("rope-"):
+            xs, ys = _series(data)
+            ax.scatter([x * train for x in xs], ys, marker="x", label=name)
+    ax.axvline(train, color="grey", linestyle=":", label="training context")
+    ax.set(
+        xscale="log",
+        xlabel="context length (bytes)",
+        ylabel="bits per byte (held-out)",
+        title=PLOTS["bpb_vs_context.png"],
+    )
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "bpb_vs_context.png", dpi=110)
+    plt.close(fig)
+
+    for key, name, xlabel in (
+        ("itl", "itl_vs_context.png", "context length (bytes)"),
+        ("ttft", "ttft_vs_prompt.png", "prompt length (bytes)"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for scheme in schemes:
+            xs, ys = _series(results[key].get(scheme, {}))
+            ax.plot(xs, [y * 1000 for y in ys], marker="o", label=scheme)
+        ax.set(xscale="log", xlabel=xlabel, ylabel="milliseconds (median)", title=PLOTS[name])
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for scheme in schemes:
+        load = results["load"].get(scheme, {})
+        users = sorted(load, key=int)
+        ax.plot([int(u) for u in users], [load[u]["tokens_per_s"] for u in users], marker="o", label=scheme)
+    ax.set(xlabel="concurrent users", ylabel="generated tokens/s", title=PLOTS["throughput_vs_concurrency.png"])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_concurrency.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    per_token = [results["models"].get(s, {}).get("kv_bytes_per_token", 0) for s in schemes]
+    peak = [results["memory"].get(s, {}).get("kv_peak_bytes", 0) / 1e6 for s in schemes]
+    axes[0].bar(schemes, per_token)
+    axes[0].set(ylabel="bytes per token", title="KV bytes per token")
+    axes[1].bar(schemes, peak)
+    axes[1].set(ylabel="MB", title="KV bytes in use at peak load")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(out / "kv_bytes.png", dpi=110)
+    plt.close(fig)
+
+    columns = min(3, max(1, len(schemes)))
+    rows = -(-len(schemes) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.4 * rows), squeeze=False, layout="constrained")
+    for ax, scheme in zip(axes.flat, schemes, strict=False):
+        grid = results["retrieval"].get(scheme, {})
+        contexts = sorted(grid, key=int)
+        depths = sorted(next(iter(grid.values()), {}), key=float)
+        values = [[grid[c][d] if grid[c][d] is not None else float("nan") for c in contexts] for d in depths]
+        image = ax.imshow(values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(contexts)), contexts, fontsize=7)
+        ax.set_yticks(range(len(depths)), depths, fontsize=7)
+        ax.set(title=scheme, xlabel="distance (bytes of context)", ylabel="depth")
+    for ax in list(axes.flat)[len(schemes) :]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="characters recalled")
+    fig.suptitle(PLOTS["retrieval.png"])
+    fig.savefig(out / "retrieval.png", dpi=110)
+    plt.close(fig)
+
+
+def headline_table(results: dict) -> str:  # type: ignore[type-arg]
+    multiples = sorted({m for s in results["schemes"] for m in results["quality"].get(s, {})}, key=float)
+    users = sorted({u for s in results["schemes"] for u in results["load"].get(s, {})}, key=int)
+    top = users[-1] if users else None
+    itl_ctx = max((int(c) for s in results["schemes"] for c in results["itl"].get(s, {})), default=0)
+    header = ["scheme", *[f"bpb@{m}x" for m in multiples], f"ITL ms @{itl_ctx}"]
+    if top:
+        header += [f"p99 s @{top} users", f"tokens/s @{top}", f"goodput req/s @{top}"]
+    header += ["KV B/token", "retrieval"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for scheme in results["schemes"]:
+        quality = results["quality"].get(scheme, {})
+        load = results["load"].get(scheme, {}).get(top, {}) if top else {}
+        cells = [
+            scheme,
+            *[_fmt(quality.get(m)) for m in multiples],
+            _fmt(results["itl"].get(scheme, {}).get(str(itl_ctx)), 2, 1000),
+        ]
+        if top:
+            cells += [_fmt(load.get("p99_s"), 2), _fmt(load.get("tokens_per_s"), 0), _fmt(load.get("goodput_per_s"), 2)]
+        grid = results["retrieval"].get(scheme, {})
+        accuracies = [v for row in grid.values() for v in row.values() if v is not None]
+        cells += [str(results["models"].get(scheme, {}).get("kv_bytes_per_token", "")),
+                  _fmt(sum(accuracies) / len(accuracies) if accuracies else None, 2)]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _grid_table(title: str, data: dict, scale: float, digits: int) -> str:  # type: ignore[type-arg]
+    keys = sorted({k for v in data.values() for k in v}, key=float)
+    lines = [f"### {title}", "", "| scheme | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for scheme, row in data.items():
+        lines.append(f"| {scheme} | " + " | ".join(_fmt(row.get(k), digits, scale) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path) -> Path:
+    results = json.loads((out / "results.json").read_text())
+    plot(results, out)
+    env = results["environment"]
+    budget = results["config"]["budget"]
+    train_context = next(iter(results["models"].values()), {}).get("train_context", 256)
+    load_rows = ["| scheme | users | requests | errors | p50 s | p95 s | p99 s | TTFT p50 ms | ITL p50 ms | tokens/s "
+                 "| goodput req/s | KV peak MB | pool use |", "|" + "---|" * 13]  # fmt: skip
+    for scheme, by_users in results["load"].items():
+        for users, f in sorted(by_users.items(), key=lambda kv: int(kv[0])):
+            load_rows.append(
+                f"| {scheme} | {users} | {f['requests']} | {f['errors']} | {f['p50_s']:.3f} | {f['p95_s']:.3f} | "
+                f"{f['p99_s']:.3f} | {f['ttft_p50_s'] * 1000:.1f} | {f['itl_p50_s'] * 1000:.2f} | "
+                f"{f['tokens_per_s']:.0f} | {f['goodput_per_s']:.2f} | {f['kv_peak_bytes'] / 1e6:.2f} | "
+                f"{f['pool_utilisation'] * 100:.2f}% |"
+            )
+    memory_rows = ["| scheme | KV B/token | KV peak MB | process peak MB | input embedding B/step | "
+                   "attention bias B/step | rotary B/step |", "|" + "---|" * 7]  # fmt: skip
+    for scheme, m in results["memory"].items():
+        memory_rows.append(
+            f"| {scheme} | {results['models'][scheme]['kv_bytes_per_token']} | {m['kv_peak_bytes'] / 1e6:.2f} | "
+            f"{m['process_peak_bytes'] / 1e6:.0f} | {m['input_embedding_bytes']} | {m['attention_bias_bytes']} | "
+            f"{m['rotary_bytes']} |"
+        )
+    retrieval = []
+    for scheme, grid in results["retrieval"].items():
+        retrieval.append(_grid_table(f"Retrieval accuracy, {scheme} (rows: context bytes; columns: depth)",
+                                     dict(grid), 1.0, 2))  # fmt: skip
+    text = f"""# Positional-encoding comparison — run {results["run_id"]}
+
+Measured through the gRPC service (`python -m loadtest.compare`); every raw figure is in
+`results.json`. Machine: {env["cpus"]} CPUs, {env["machine"]}, {env["memory"]}; {env["platform"]}.
+Versions: Python {env["python"]}, onnxruntime {env["onnxruntime"]}, torch {env["torch"]}, grpcio {env["grpcio"]}.
+Commit: `{env["commit"]}`.
+
+## Headline
+
+{headline_table(results)}
+
+bpb: bits per byte on held-out text (the stdlib test split) through the `Score` RPC at multiples
+of the {train_context}-byte training context; "not servable" where the scheme has no positions for that length. Goodput
+counts requests with time to first token <= {results["config"]["goodput_targets"]["ttft_s"]} s and
+mean inter-token latency <= {results["config"]["goodput_targets"]["itl_s"] * 1000:.0f} ms.
+
+![bits per byte](bpb_vs_context.png)
+
+{_grid_table("Bits per byte versus context multiple (rope-* rows: inference-time scaling)", results["quality"], 1.0, 3)}
+## Latency
+
+![inter-token latency](itl_vs_context.png) ![time to first token](ttft_vs_prompt.png)
+
+{_grid_table("Time to first token (ms, median) versus prompt bytes", results["ttft"], 1000.0, 1)}
+{_grid_table("Inter-token latency (ms, median) versus context bytes", results["itl"], 1000.0, 2)}
+### Under load (closed loop, {budget["load_seconds"]} s per level, {budget["load_new_tokens"]} new tokens, sampling)
+
+![throughput](throughput_vs_concurrency.png)
+
+{chr(10).join(load_rows)}
+
+## Memory
+
+![KV bytes](kv_bytes.png)
+
+{chr(10).join(memory_rows)}
+
+Per-step extras are per sequence for one decode step over 2048 keys, measured from each scheme's
+positional module (a bias tensor of heads x keys for `relative` and `alibi`, rotary tables for
+`rope`, an embedding row for `sinusoidal` and `learned`).
+
+## Retrieval over distance
+
+A random 16-character span is planted at a depth of the context and its first half repeated at
+the end; the figure is the share of the second half's characters the model continues correctly.
+
+![retrieval](retrieval.png)
+
+{chr(10).join(retrieval)}
+## Config
+
+```json
+{json.dumps(results["config"], indent=2)}
+```
+"""
+    (out / "report.md").write_text(text)
+    return out / "report.md"
+
+
+if __name__ == "__main__":
+    write_report(Path(sys.argv[1]))
+    print(Path(sys.argv[1]) / "report.md")
