@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from export.__main__ import ExportOptions
 from export.__main__ import run as export_run
+from loadtest.streaming import timed_stream
 from models.config import SCHEMES, RopeScaling
 from models.corpus import load_corpus
 from models.train import WEIGHTS_DIR
@@ -204,32 +205,13 @@ def measure_load(
                 temperature=0.8,
                 seed=index,
             )
-            started = time.perf_counter()
-            first = last = None
-            gaps, tokens = [], 0
-            try:
-                for chunk in server.stub.GenerateStream(request, timeout=120):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    elif chunk.text:
-                        gaps.append(now - last)  # type: ignore[operator]
-                    last = now
-                    if chunk.finish_reason:
-                        tokens = chunk.usage.completion_tokens
-            except grpc.RpcError:
-                with lock:
-                    errors += 1
-                continue
+            timing = timed_stream(server.stub, request, 120)
             with lock:
-                records.append(
-                    (
-                        time.perf_counter() - started,
-                        (first or started) - started,
-                        statistics.mean(gaps) if gaps else 0.0,
-                        tokens,
-                    )
-                )
+                if timing.error is not None:
+                    errors += 1
+                    continue
+                ttft = timing.time_to_first_token or 0.0
+                records.append((timing.seconds, ttft, timing.mean_inter_token or 0.0, timing.completion_tokens))
 
     sampler = threading.Thread(target=sample_metrics, daemon=True)
     sampler.start()

@@ -15,7 +15,6 @@ Scenario options (also as LOCUST_* environment variables): --models (mix, e.g. `
 from __future__ import annotations
 
 import random
-import time
 from functools import cache
 
 import grpc
@@ -23,6 +22,7 @@ import grpc.experimental.gevent as grpc_gevent
 import numpy as np
 from locust import LoadTestShape, User, events, task
 
+from loadtest.streaming import timed_stream
 from models.corpus import load_corpus
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
@@ -135,27 +135,12 @@ class GenerationUser(User):
             model=model, prompt=held_out_prompt(self._rng, length), max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self._rng.randrange(1 << 31),
         )  # fmt: skip
-        started = time.perf_counter()
-        first = last = None
-        gaps: list[float] = []
-        received = 0
-        error: Exception | None = None
-        try:
-            for chunk in self.stub.GenerateStream(request, timeout=self.timeout):
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                elif chunk.text:
-                    gaps.append(now - last)  # type: ignore[operator]
-                last = now
-                received += len(chunk.text.encode("utf-8"))
-        except grpc.RpcError as rpc_error:
-            error = rpc_error
-        self._fire("grpc", f"GenerateStream {model}", time.perf_counter() - started, received, error)
-        if first is not None and error is None:
-            self._fire("ttft", f"TTFT {model}", first - started, 0, None)
-            if gaps:
-                self._fire("itl", f"ITL {model}", sum(gaps) / len(gaps), 0, None)
+        timing = timed_stream(self.stub, request, self.timeout)
+        self._fire("grpc", f"GenerateStream {model}", timing.seconds, timing.received_bytes, timing.error)
+        if timing.time_to_first_token is not None and timing.error is None:
+            self._fire("ttft", f"TTFT {model}", timing.time_to_first_token, 0, None)
+            if timing.mean_inter_token is not None:
+                self._fire("itl", f"ITL {model}", timing.mean_inter_token, 0, None)
 
 
 class ScenarioShape(LoadTestShape):

@@ -82,6 +82,10 @@ class ModelEngine:
         self._batches = {
             phase: metrics.batch_size.labels(**self.labels, phase=phase) for phase in ("prefill", "decode")
         }
+        self._kv_used = metrics.kv_cache_used.labels(**self.labels)
+        self._kv_physical = metrics.kv_cache_physical.labels(**self.labels)
+        self._running = metrics.running.labels(**self.labels)
+        self._queued = metrics.queued.labels(**self.labels)
         self._inbox: list[Request] = []
         self._wake = threading.Condition()
         self._stopping = False  # no new requests
@@ -289,13 +293,10 @@ class ModelEngine:
         self._batches[phase].observe(batch)
 
     def _update_gauges(self) -> None:
-        stats = self.kv_cache.stats()
-        self.metrics.kv_cache_used.labels(**self.labels).set(stats.used_bytes)
-        self.metrics.kv_cache_physical.labels(**self.labels).set(
-            self.runner.cache_slots * self.manifest.kv_bytes_per_token(self.runner.dtype)
-        )
-        self.metrics.running.labels(**self.labels).set(len(self.scheduler.running))
-        self.metrics.queued.labels(**self.labels).set(len(self.scheduler.waiting) + len(self._inbox))
+        self._kv_used.set(self.kv_cache.stats().used_bytes)
+        self._kv_physical.set(self.runner.cache_slots * self.manifest.kv_bytes_per_token(self.runner.dtype))
+        self._running.set(len(self.scheduler.running))
+        self._queued.set(len(self.scheduler.waiting) + len(self._inbox))
 
 
 class Engine:

@@ -87,8 +87,12 @@ class Request:
         return self.prompt_ids + self.output_ids[:-1]
 
     @property
+    def prefill_length(self) -> int:
+        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
     def prefill_done(self) -> bool:
-        return self.num_computed_tokens >= len(self.prefill_ids)
+        return self.num_computed_tokens >= self.prefill_length
 
     def finish(self, status: RequestStatus, error: str | None = None) -> None:
         """Mark final and send the last event (flushing held-back text unless aborted)."""

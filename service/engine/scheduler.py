@@ -27,7 +27,7 @@ class ScheduledChunk:
 
     @property
     def is_last(self) -> bool:
-        return self.end >= len(self.request.prefill_ids)
+        return self.end >= self.request.prefill_length
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         start = request.num_computed_tokens
-        end = min(len(request.prefill_ids), start + budget)
+        end = min(request.prefill_length, start + budget)
         if not self.kv_cache.allocate(request.request_id, end):
             return None
         return ScheduledChunk(request, start, end)
