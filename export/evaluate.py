@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from export.runtime import OnnxCausalLM
-from models.positional import PositionLimitError
+from models.limits import PositionLimitError
 
 
 def evaluation_sequences(stream: np.ndarray, context: int, count: int, bos_token_id: int) -> list[list[int]]:

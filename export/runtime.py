@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from export.manifest import Manifest
-from models.positional import check_positions
+from models.limits import check_positions
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 

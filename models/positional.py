@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from models.config import ModelConfig, RopeScaling
+from models.limits import check_positions
 
 ArrayT = TypeVar("ArrayT", np.ndarray, Tensor)
 
@@ -257,7 +258,10 @@ class SinusoidalPositions(PositionalScheme):
     name = "sinusoidal"
 
     def input_embedding(self, position_ids: Tensor) -> Tensor:
-        return sinusoid(position_ids, self.config.d_model)
+        # Vaswani et al. multiply token embeddings by sqrt(d_model) before adding the code;
+        # dividing the code instead keeps that ratio without touching the shared (tied)
+        # embedding. Unscaled, the code is ~30x the 0.02-initialised embeddings and drowns them.
+        return sinusoid(position_ids, self.config.d_model) / math.sqrt(self.config.d_model)
 
 
 @register
@@ -276,25 +280,6 @@ class LearnedPositions(PositionalScheme):
         if not torch.compiler.is_compiling():
             check_positions(position_ids, self.max_positions)
         return self.table(position_ids)
-
-
-def check_positions(position_ids: Tensor | np.ndarray, max_positions: int | None) -> None:
-    """Raise a clear error for positions a bounded scheme cannot represent."""
-    if max_positions is None:
-        return
-    count = position_ids.size if isinstance(position_ids, np.ndarray) else position_ids.numel()
-    if count == 0:
-        return
-    highest = int(position_ids.max())
-    if highest >= max_positions:
-        raise PositionLimitError(
-            f"position_ids: position {highest} is at or beyond max_positions={max_positions} "
-            f"of this model (prompt plus generated tokens must fit in {max_positions})"
-        )
-
-
-class PositionLimitError(ValueError):
-    """A position beyond a bounded scheme's table."""
 
 
 @register

@@ -17,7 +17,8 @@ def test_readme_has_exactly_two_setup_commands_creating_dot_venv() -> None:
     commands = readme_commands()
     assert len(commands) == 2
     assert ".venv/bin/python -m export && " in commands[0]
-    assert commands[0].endswith(".venv/bin/python -m service.demo")
+    assert ".venv/bin/python -m service.demo && " in commands[0]
+    assert commands[0].endswith(".venv/bin/python -m loadtest.compare --quick")
     assert "pytest" in commands[1]
 
 

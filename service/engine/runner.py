@@ -27,7 +27,7 @@ import onnxruntime as ort
 
 from export.manifest import SERVING, Manifest
 from export.runtime import NP_DTYPES, left_pad_batch
-from models.positional import check_positions
+from models.limits import check_positions
 
 logger = logging.getLogger(__name__)
 

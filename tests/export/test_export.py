@@ -16,7 +16,7 @@ from export.manifest import Manifest, ManifestError
 from export.runtime import OnnxCausalLM
 from export.verify import FP16_TOLERANCE, FP32_TOLERANCE, check_parity, default_prompts
 from models.config import SCHEMES
-from models.positional import PositionLimitError
+from models.limits import PositionLimitError
 from models.tokenizer import TOKENIZER
 from models.train import WEIGHTS_DIR
 from models.transformer import Transformer

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from models.config import ModelConfig, RopeScaling
+from models.limits import PositionLimitError, check_positions
 from models.positional import (
-    PositionLimitError,
     alibi_slopes,
     apply_rope,
-    check_positions,
     relative_position_bucket,
     rope_angles,
     sinusoidal_table,

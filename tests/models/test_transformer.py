@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.config import SCHEMES, ModelConfig, matched_config
-from models.positional import PositionLimitError
+from models.limits import PositionLimitError
 from models.transformer import Transformer
 
 TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "train_context": 64}
