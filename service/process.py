@@ -27,7 +27,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, repository: Path, *flags: str, threads: int = 1) -> None:
+    def __init__(
+        self, repository: Path, *flags: str, threads: int = 1, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         command = [
@@ -39,7 +41,9 @@ class ServerProcess:
         self.process = subprocess.Popen(
             command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
         )
-        self.channel = grpc.insecure_channel(self.target)
+        self.channel = (
+            grpc.secure_channel(self.target, credentials) if credentials else grpc.insecure_channel(self.target)
+        )
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

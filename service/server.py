@@ -24,6 +24,7 @@ from export.manifest import ManifestError
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.engine import Engine, EngineConfig
 from service.metrics import ServiceMetrics
+from service.security import BearerTokenInterceptor, read_token, server_credentials
 from service.servicer import GenerationServicer
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ class ServerConfig:
     metrics_port: int = 9464  # 0 = no metrics endpoint
     grace_seconds: float = 10.0
     workers: int = 128
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: mutual TLS, clients need a certificate it signed
+    auth_token: str | None = None  # set: every RPC but health needs `authorization: Bearer <token>`
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -83,15 +88,36 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         "--models", nargs="*", default=[m for m in os.environ.get(_env("models"), "").split(",") if m],
         help="serve only these model names",
     )  # fmt: skip
+    for attr, text in (
+        ("tls_cert", "server certificate (PEM); with --tls-key enables TLS"),
+        ("tls_key", "server private key (PEM)"),
+        ("tls_client_ca", "CA (PEM) whose client certificates are required: mutual TLS"),
+        ("auth_token_file", "file holding the bearer token clients must send"),
+    ):
+        value = os.environ.get(_env(attr))
+        parser.add_argument(f"--{attr.replace('_', '-')}", type=Path, default=Path(value) if value else None,
+                            help=f"{text} (env {_env(attr)})")  # fmt: skip
+    parser.add_argument(
+        "--auth-token", default=os.environ.get(_env("auth_token")),
+        help=f"bearer token clients must send (env {_env('auth_token')}; prefer --auth-token-file)",
+    )  # fmt: skip
     for flags, source in ((SERVER_FLAGS, defaults), (ENGINE_FLAGS, engine_defaults)):
         for attr, (flag, kind, text) in flags.items():
             default = kind(os.environ.get(_env(attr), getattr(source, attr)))
             parser.add_argument(flag, type=kind, default=default, help=f"{text} (env {_env(attr)})")
     args = vars(parser.parse_args(argv))
     engine = EngineConfig(**{attr: args[attr] for attr in ENGINE_FLAGS})
+    if (args["tls_cert"] is None) != (args["tls_key"] is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args["tls_client_ca"] is not None and args["tls_cert"] is None:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     return ServerConfig(
         model_repository=args["model_repository"],
         models=[m for m in args["models"] if m],
+        tls_cert=args["tls_cert"],
+        tls_key=args["tls_key"],
+        tls_client_ca=args["tls_client_ca"],
+        auth_token=read_token(args["auth_token"], args["auth_token_file"]),
         engine=engine,
         **{attr: args[attr] for attr in SERVER_FLAGS},
     )
@@ -105,8 +131,10 @@ class RunningServer:
         self.metrics = ServiceMetrics()
         self.health = health.HealthServicer()
         self.servicer = GenerationServicer(self.metrics, config.engine.default_max_new_tokens)
+        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers),
+            interceptors=interceptors,
             options=[("grpc.so_reuseport", 0)],
         )
         self.engine: Engine | None = None
@@ -117,7 +145,12 @@ class RunningServer:
         self._configure_services()
         self._configure_metrics()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert and self.config.tls_key:
+            credentials = server_credentials(self.config.tls_cert, self.config.tls_key, self.config.tls_client_ca)
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         self.server.start()
         self._load_models()
 

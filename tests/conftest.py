@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ from export.__main__ import ExportOptions, run
 
 @pytest.fixture(scope="session")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """POSENC_TEST_REPOSITORY reuses an existing repository (for quick local iterations)."""
+    if os.environ.get("POSENC_TEST_REPOSITORY"):
+        return Path(os.environ["POSENC_TEST_REPOSITORY"])
     out = tmp_path_factory.mktemp("model_repository")
     run(ExportOptions(out=out, verify=False))
     return out
