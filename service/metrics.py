@@ -49,4 +49,8 @@ class ServiceMetrics:
         self.step_duration = Histogram(
             "posenc_step_duration_seconds", "Engine step time by phase.", [*LABELS, "phase"], buckets=STEP_BUCKETS, **kw
         )
+        self.cancellation_latency = Histogram(
+            "posenc_cancellation_latency_seconds", "From a cancel (client or deadline) to the sequence's cache freed.",
+            LABELS, buckets=LATENCY_BUCKETS, **kw,
+        )  # fmt: skip
         self.preemptions = Counter("posenc_preemptions", "Sequences preempted for cache space.", LABELS, **kw)

@@ -28,9 +28,10 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, repository: Path, *flags: str, threads: int = 1, credentials: grpc.ChannelCredentials | None = None
-    ) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
+        self, repository: Path, *flags: str, threads: int = 1, credentials: grpc.ChannelCredentials | None = None,
+        port: int | None = None, metrics_port: int | None = None,
+    ) -> None:  # fmt: skip
+        self.port, self.metrics_port = port or free_port(), metrics_port or free_port()
         self.target = f"127.0.0.1:{self.port}"
         command = [
             sys.executable, "-m", "service", "--model-repository", str(repository), "--port", str(self.port),

@@ -82,6 +82,7 @@ class ModelEngine:
         self._batches = {
             phase: metrics.batch_size.labels(**self.labels, phase=phase) for phase in ("prefill", "decode")
         }
+        self._cancel_latency = metrics.cancellation_latency.labels(**self.labels)
         self._kv_used = metrics.kv_cache_used.labels(**self.labels)
         self._kv_physical = metrics.kv_cache_physical.labels(**self.labels)
         self._running = metrics.running.labels(**self.labels)
@@ -215,6 +216,7 @@ class ModelEngine:
             if request.cancelled.is_set():
                 self._finish(request, RequestStatus.FINISHED_CANCELLED, "cancelled by the client")
             elif request.deadline is not None and now >= request.deadline:
+                request.cancel_time = request.deadline
                 self._finish(request, RequestStatus.FINISHED_DEADLINE, "deadline exceeded")
 
     def _run(self, output: SchedulerOutput) -> None:
@@ -255,7 +257,12 @@ class ModelEngine:
     def _append(self, request: Request, logits: np.ndarray) -> None:
         if request.status.finished:
             return
-        token = self.sampler.sample(request.request_id, logits, request.params)
+        try:
+            token = self.sampler.sample(request.request_id, logits, request.params)
+        except Exception as error:  # one request's sampling failure ends that request only
+            logger.exception("sampling failed for %s", request.request_id)
+            self._finish(request, RequestStatus.FINISHED_ERROR, f"sampling failed: {error}")
+            return
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
@@ -286,6 +293,8 @@ class ModelEngine:
         self.scheduler.remove(request)
         self.runner.remove({request.request_id})
         self.sampler.forget(request.request_id)
+        if status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_DEADLINE) and request.cancel_time:
+            self._cancel_latency.observe(time.monotonic() - request.cancel_time)
         request.finish(status, error)
 
     def _observe_step(self, phase: str, started: float, batch: int) -> None:
@@ -341,6 +350,8 @@ class Engine:
         return request
 
     def cancel(self, request: Request) -> None:
+        if request.cancel_time is None and not request.status.finished:
+            request.cancel_time = time.monotonic()
         request.cancelled.set()
         self.models[request.model].wake()
 

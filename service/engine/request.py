@@ -62,6 +62,7 @@ class Request:
     num_computed_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float = 0.0
+    cancel_time: float | None = None  # when a cancel was asked for
     scheduled_time: float | None = None
     finish_time: float | None = None
     error: str | None = None

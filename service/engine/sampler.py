@@ -6,6 +6,9 @@ import numpy as np
 
 from service.engine.request import SamplingParams
 
+# Below this, temperature sampling is greedy (dividing by it would overflow).
+MIN_TEMPERATURE = 1e-5
+
 
 class Sampler:
     """Each request draws from its own generator, seeded by the request, so its samples do
@@ -16,12 +19,15 @@ class Sampler:
 
     def sample(self, request_id: str, logits: np.ndarray, params: SamplingParams) -> int:
         """logits: (vocab,) float."""
-        if params.temperature == 0.0:
+        if params.temperature < MIN_TEMPERATURE:
             return int(np.argmax(logits))
         generator = self._generators.get(request_id)
         if generator is None:
             generator = self._generators[request_id] = np.random.default_rng(params.seed)
-        return int(generator.choice(len(logits), p=probabilities(logits, params)))
+        probs = probabilities(logits, params)
+        if not np.all(np.isfinite(probs)):  # e.g. non-finite logits: fall back to the mode
+            return int(np.argmax(logits))
+        return int(generator.choice(len(logits), p=probs))
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
