@@ -15,6 +15,7 @@ Scenario options (also as LOCUST_* environment variables): --models (mix, e.g. `
 from __future__ import annotations
 
 import random
+import time
 from functools import cache
 
 import grpc
@@ -47,6 +48,10 @@ def _options(parser) -> None:  # type: ignore[no-untyped-def]
     group.add_argument("--step-users", type=int, default=8, env_var="LOCUST_STEP_USERS")
     group.add_argument("--step-seconds", type=float, default=30.0, env_var="LOCUST_STEP_SECONDS")
     group.add_argument("--request-timeout", type=float, default=120.0, env_var="LOCUST_REQUEST_TIMEOUT")
+    group.add_argument(
+        "--cancel-fraction", type=float, default=0.0, env_var="LOCUST_CANCEL_FRACTION",
+        help="share of streams the client cancels after a few chunks (reported as 'Cancelled <model>')",
+    )  # fmt: skip
 
 
 def parse_mix(text: str, available: list[str]) -> tuple[list[str], list[float]]:
@@ -115,6 +120,7 @@ class GenerationUser(User):
         self.temperature = options.temperature if options else 0.0
         self.top_p = options.top_p if options else 1.0
         self.timeout = options.request_timeout if options else 120.0
+        self.cancel_fraction = options.cancel_fraction if options else 0.0
 
     def on_stop(self) -> None:
         self.channel.close()
@@ -135,12 +141,30 @@ class GenerationUser(User):
             model=model, prompt=held_out_prompt(self._rng, length), max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self._rng.randrange(1 << 31),
         )  # fmt: skip
+        if self._rng.random() < self.cancel_fraction:
+            self._cancelled_stream(model, request)
+            return
         timing = timed_stream(self.stub, request, self.timeout)
         self._fire("grpc", f"GenerateStream {model}", timing.seconds, timing.received_bytes, timing.error)
         if timing.time_to_first_token is not None and timing.error is None:
             self._fire("ttft", f"TTFT {model}", timing.time_to_first_token, 0, None)
             if timing.mean_inter_token is not None:
                 self._fire("itl", f"ITL {model}", timing.mean_inter_token, 0, None)
+
+    def _cancelled_stream(self, model: str, request: pb.GenerateRequest) -> None:
+        """Read a few chunks (maybe none), then cancel, as an impatient client does."""
+        started = time.perf_counter()
+        stream = self.stub.GenerateStream(request, timeout=self.timeout)
+        error: Exception | None = None
+        try:
+            for _ in range(self._rng.randint(0, 4)):
+                next(stream)
+        except StopIteration:
+            pass
+        except grpc.RpcError as rpc_error:
+            error = rpc_error
+        stream.cancel()
+        self._fire("cancel", f"Cancelled {model}", time.perf_counter() - started, 0, error)
 
 
 class ScenarioShape(LoadTestShape):

@@ -1,0 +1,89 @@
+"""Soak / stress run (a script, not a test): `python -m loadtest.soak --minutes 10`.
+
+Starts the service, runs Locust headless at high concurrency with random client cancellations,
+and reports requests served, errors by code, p99 latencies, and the server's resident memory at
+start and end (the growth is the figure to watch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from service.process import ROOT, ServerProcess
+
+
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--cancel-fraction", type=float, default=0.2)
+    parser.add_argument("--models", default="alibi:1,rope:1,relative:1,none:1,sinusoidal:1,learned:1")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    server = ServerProcess(args.model_repository, "--max-queue", "1024", threads=0).wait_serving()
+    out = Path(tempfile.mkdtemp(prefix="posenc-soak-"))
+    try:
+        # Warm up so the start figure includes loaded sessions and allocator pools.
+        subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest/locustfile.py"), "--headless",
+             "-u", "8", "-r", "8", "-t", "15s", "--host", server.target, "--models", args.models, "--only-summary"],
+            cwd=ROOT, capture_output=True, check=True,
+        )  # fmt: skip
+        start_rss = resident_bytes(server.process.pid)
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest/locustfile.py"), "--headless",
+             "-u", str(args.users), "-r", str(args.users), "-t", f"{int(args.minutes * 60)}s", "--host", server.target,
+             "--models", args.models, "--max-new-tokens", str(args.max_new_tokens), "--prompt-bytes", "uniform:16:200",
+             "--cancel-fraction", str(args.cancel_fraction), "--csv", str(out / "soak"), "--only-summary"],
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+        end_rss = resident_bytes(server.process.pid)
+        rows = list(csv.DictReader((out / "soak_stats.csv").open()))
+        failures = list(csv.DictReader((out / "soak_failures.csv").open()))
+        codes: Counter[str] = Counter()
+        for failure in failures:
+            match = re.search(r"StatusCode\.([A-Z_]+)", failure["Error"])
+            codes[match.group(1) if match else failure["Error"][:60]] += int(failure["Occurrences"])
+        print(
+            f"soak: {elapsed / 60:.1f} min, {args.users} users, cancel fraction {args.cancel_fraction}, "
+            f"locust exit {result.returncode}"
+        )
+        print(f"{'entry':<28}{'requests':>10}{'failures':>10}{'p50 ms':>10}{'p99 ms':>10}")
+        for row in rows:
+            print(
+                f"{row['Name']:<28}{row['Request Count']:>10}{row['Failure Count']:>10}{row['50%']:>10}{row['99%']:>10}"
+            )
+        print(f"errors by code: {dict(codes) or 'none'}")
+        growth = (end_rss - start_rss) / start_rss * 100 if start_rss else float("nan")
+        print(f"server resident memory: start {start_rss / 1e6:.0f} MB, end {end_rss / 1e6:.0f} MB ({growth:+.1f}%)")
+        for model in ("alibi", "rope", "relative", "none", "sinusoidal", "learned"):
+            try:
+                used = server.metric("posenc_kv_cache_used_bytes", model=model)
+                print(f"kv cache used at end ({model}): {used:.0f} bytes")
+            except KeyError:
+                pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
