@@ -40,7 +40,7 @@ def decode_tokens_per_second_grpc(server: ServerProcess, model: str, new_tokens:
 def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int) -> float:
     """The engine's own runner without gRPC, scheduler or sampler: the in-process ceiling."""
     runner = ModelRunner(Manifest.load(folder), "cpu", threads)
-    logits = runner.prefill([PrefillChunk("r", TOKENIZER.encode("def main():\n"), 0, True)])["r"]
+    logits = runner.prefill([PrefillChunk("r", TOKENIZER.encode("def main():\n"), 0, True)])[0]["r"]
     token = int(np.argmax(logits))
     started = time.perf_counter()
     for _ in range(new_tokens):

@@ -242,13 +242,16 @@ class ModelEngine:
                     chunk.request.scheduled_time = chunk.request.scheduled_time or started
                     self.metrics.prompt_tokens.labels(**self.labels).inc(len(chunk.request.prompt_ids))
             try:
-                logits = self.runner.prefill(chunks)
+                logits, failures = self.runner.prefill(chunks)
             except Exception as error:
                 self._fail([c.request for c in output.prefill], error)
                 return
             self._observe_step("prefill", started, len(output.prefill))
             for chunk in output.prefill:
                 request = chunk.request
+                if request.request_id in failures:
+                    self._fail([request], failures[request.request_id])
+                    continue
                 request.num_computed_tokens = chunk.end
                 # After a preemption the next token is already known: no sample.
                 if chunk.is_last and request.request_id in logits and len(request.output_ids) == 0:

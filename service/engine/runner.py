@@ -99,6 +99,9 @@ class ModelRunner:
         # Caches of prompts prefilled in several chunks, until they join the batch.
         self._partial: dict[str, list[np.ndarray]] = {}
         self.timings = RunnerTimings()
+        # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
+        marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
+        self._fault_marker = marker.encode() if marker else None
 
     # ------------------------------------------------------------------ graph calls
 
@@ -153,38 +156,65 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill(self, chunks: list[PrefillChunk]) -> dict[str, np.ndarray]:
-        """Run prompt chunks; return last-position logits of every prompt that completed.
+    def prefill(self, chunks: list[PrefillChunk]) -> tuple[dict[str, np.ndarray], dict[str, Exception]]:
+        """Run prompt chunks: (last-position logits of every prompt that completed, failures).
 
-        Whole prompts are batched into one left-padded call; a prompt split into chunks runs
-        alone with its own growing cache. Completed prompts join the decode batch.
+        Whole prompts are batched into one left-padded call; if that call fails, each runs
+        alone so a failure stays with the prompt that caused it. A prompt split into chunks
+        runs alone with its own growing cache. Completed prompts join the decode batch.
         """
         results: dict[str, np.ndarray] = {}
+        failures: dict[str, Exception] = {}
         whole = [c for c in chunks if c.start == 0 and c.is_last]
         if whole:
-            ids, mask, positions = left_pad_batch([c.token_ids for c in whole], self.pad_token_id)
-            logits, kv = self._run(ids, mask, positions, self._empty(len(whole)))  # type: ignore[arg-type]
-            self._join([c.request_id for c in whole], [self._host(v) for v in kv], mask)
-            for row, chunk in enumerate(whole):
-                results[chunk.request_id] = logits[row, -1]
+            try:
+                self._prefill_whole(whole, results)
+            except Exception as batch_error:
+                if len(whole) == 1:
+                    failures[whole[0].request_id] = batch_error
+                for chunk in whole if len(whole) > 1 else ():
+                    try:
+                        self._prefill_whole([chunk], results)
+                    except Exception as error:
+                        failures[chunk.request_id] = error
         for chunk in (c for c in chunks if not (c.start == 0 and c.is_last)):
-            past = self._partial.pop(chunk.request_id, None) or self._empty(1)
-            length = past[0].shape[2]
-            assert length == chunk.start, (length, chunk.start)
-            total = length + len(chunk.token_ids)
-            ids = np.asarray([chunk.token_ids], dtype=np.int64)
-            mask = np.ones((1, total), dtype=np.int64)
-            positions = np.arange(length, total, dtype=np.int64)[None]
-            logits, kv = self._run(ids, mask, positions, past)  # type: ignore[arg-type]
-            arrays = [self._host(v) for v in kv]
-            if self.in_place:  # new tokens only: extend the partial cache
-                arrays = [np.concatenate([old, new], axis=2) for old, new in zip(past, arrays, strict=True)]
-            if chunk.is_last:
-                self._join([chunk.request_id], arrays, mask)
-                results[chunk.request_id] = logits[0, -1]
-            else:
-                self._partial[chunk.request_id] = arrays
-        return results
+            try:
+                self._prefill_chunk(chunk, results)
+            except Exception as error:
+                self._partial.pop(chunk.request_id, None)
+                failures[chunk.request_id] = error
+        return results, failures
+
+    def _check_fault(self, chunks: list[PrefillChunk]) -> None:
+        if self._fault_marker and any(self._fault_marker in bytes(t for t in c.token_ids if t < 256) for c in chunks):
+            raise RuntimeError("injected fault (POSENC_FAULT_INJECTION_MARKER)")
+
+    def _prefill_whole(self, whole: list[PrefillChunk], results: dict[str, np.ndarray]) -> None:
+        self._check_fault(whole)
+        ids, mask, positions = left_pad_batch([c.token_ids for c in whole], self.pad_token_id)
+        logits, kv = self._run(ids, mask, positions, self._empty(len(whole)))  # type: ignore[arg-type]
+        self._join([c.request_id for c in whole], [self._host(v) for v in kv], mask)
+        for row, chunk in enumerate(whole):
+            results[chunk.request_id] = logits[row, -1]
+
+    def _prefill_chunk(self, chunk: PrefillChunk, results: dict[str, np.ndarray]) -> None:
+        self._check_fault([chunk])
+        past = self._partial.pop(chunk.request_id, None) or self._empty(1)
+        length = past[0].shape[2]
+        assert length == chunk.start, (length, chunk.start)
+        total = length + len(chunk.token_ids)
+        ids = np.asarray([chunk.token_ids], dtype=np.int64)
+        mask = np.ones((1, total), dtype=np.int64)
+        positions = np.arange(length, total, dtype=np.int64)[None]
+        logits, kv = self._run(ids, mask, positions, past)  # type: ignore[arg-type]
+        arrays = [self._host(v) for v in kv]
+        if self.in_place:  # new tokens only: extend the partial cache
+            arrays = [np.concatenate([old, new], axis=2) for old, new in zip(past, arrays, strict=True)]
+        if chunk.is_last:
+            self._join([chunk.request_id], arrays, mask)
+            results[chunk.request_id] = logits[0, -1]
+        else:
+            self._partial[chunk.request_id] = arrays
 
     # ------------------------------------------------------------------ decode
 

@@ -39,8 +39,13 @@ def test_locust_headless_makes_requests_without_failures(server: ServerProcess, 
 
 
 def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path: Path) -> None:
+    # The harness exports rope scaling variants into its repository: give it its own, linked.
+    own = tmp_path / "repository"
+    own.mkdir()
+    for scheme in SCHEMES:
+        (own / scheme).symlink_to(repository / scheme)
     out = tmp_path / "report"
-    assert compare_main(["--tiny", "--model-repository", str(repository), "--out", str(out), "--threads", "1"]) == 0
+    assert compare_main(["--tiny", "--model-repository", str(own), "--out", str(out), "--threads", "1"]) == 0
     for name in ("report.md", "results.json", "bpb_vs_context.png", "itl_vs_context.png", "ttft_vs_prompt.png",
                  "throughput_vs_concurrency.png", "kv_bytes.png", "retrieval.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name

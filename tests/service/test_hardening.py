@@ -194,3 +194,26 @@ def test_restart_after_sigkill_comes_back_healthy(repository: Path) -> None:
         assert second.stub.Generate(pb.GenerateRequest(model="none", prompt="a", max_new_tokens=3), timeout=10)
     finally:
         second.stop()
+
+
+def test_inference_failure_fails_only_the_affected_requests(repository: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POSENC_FAULT_INJECTION_MARKER", "<<boom>>")
+    server = ServerProcess(repository, "--models", "alibi", "none").wait_serving()
+    try:
+        good = pb.GenerateRequest(model="alibi", prompt="def ok():\n", max_new_tokens=16)
+        expected = server.stub.Generate(good, timeout=30).text
+        bad = pb.GenerateRequest(model="alibi", prompt="x = '<<boom>>'\n", max_new_tokens=16)
+        with ThreadPoolExecutor(max_workers=16) as pool:  # good and bad prompts share prefill batches
+            goods = [pool.submit(server.stub.Generate, good, timeout=60) for _ in range(8)]
+            bads = [pool.submit(server.stub.Generate, bad, timeout=60) for _ in range(4)]
+            assert all(future.result().text == expected for future in goods)
+            for future in bads:
+                with pytest.raises(grpc.RpcError) as error:
+                    future.result()
+        assert error.value.code() == grpc.StatusCode.INTERNAL
+        assert "injected fault" in error.value.details()
+        assert "injected fault" in server.output()  # the cause is logged
+        assert server.stub.Generate(good, timeout=30).text == expected
+        assert wait_for(lambda: server.metric("posenc_kv_cache_used_bytes", model="alibi") == 0)
+    finally:
+        server.stop()

@@ -39,14 +39,14 @@ def test_sequences_joining_and_leaving_match_lone_runs(repository: Path, model: 
             seen[rid].append(logits)
             tokens[rid] = int(np.argmax(expected[rid][len(seen[rid]) - 1]))  # follow the lone run's path
 
-    record(runner.prefill([PrefillChunk("a", PROMPTS["a"], 0, True)]))
+    record(runner.prefill([PrefillChunk("a", PROMPTS["a"], 0, True)])[0])
     for _ in range(3):
         record(runner.decode({r: tokens[r] for r in runner.rows}))
     # "b" arrives in two chunks while "a" decodes, then "c" joins whole.
     b = PROMPTS["b"]
-    record(runner.prefill([PrefillChunk("b", b[:20], 0, False)]))
+    record(runner.prefill([PrefillChunk("b", b[:20], 0, False)])[0])
     record(runner.decode({r: tokens[r] for r in runner.rows}))
-    record(runner.prefill([PrefillChunk("b", b[20:], 20, True), PrefillChunk("c", PROMPTS["c"], 0, True)]))
+    record(runner.prefill([PrefillChunk("b", b[20:], 20, True), PrefillChunk("c", PROMPTS["c"], 0, True)])[0])
     for _ in range(4):
         record(runner.decode({r: tokens[r] for r in runner.rows}))
     runner.remove({"a"})
