@@ -9,9 +9,11 @@ cache; and KV bytes per token. Figures, not verdicts: ratios are computed within
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,6 +89,44 @@ def aggregate_tokens_per_second(server: ServerProcess, model: str, streams: int,
     with ThreadPoolExecutor(max_workers=streams) as pool:
         total = sum(pool.map(one, prompts))
     return total / (time.perf_counter() - started)
+
+
+def prefill_interference(server: ServerProcess, model: str, long_prompt_bytes: int = 4000) -> dict[str, float]:
+    """Inter-token latency of a running stream, alone and while a long prompt is prefilled."""
+    running = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=400)
+
+    def gaps_of(stamps: list[float]) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(stamps[1:])]
+
+    alone = gaps_of([time.perf_counter() for _ in server.stub.GenerateStream(running, timeout=600)])
+    window: dict[str, float] = {}
+
+    def long_request() -> None:
+        prompt = ("x = [i * 2 for i in range(10)]\n" * (long_prompt_bytes // 31 + 1))[:long_prompt_bytes]
+        window["start"] = time.perf_counter()
+        stream = server.stub.GenerateStream(
+            pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=1), timeout=600
+        )
+        next(stream)
+        window["end"] = time.perf_counter()
+        list(stream)
+
+    stamps: list[float] = []
+    for index, _ in enumerate(server.stub.GenerateStream(running, timeout=600)):
+        stamps.append(time.perf_counter())
+        if index == 50:
+            thread = threading.Thread(target=long_request)
+            thread.start()
+    thread.join()
+    during = [b - a for a, b in itertools.pairwise(stamps[1:]) if window["start"] <= b <= window["end"] + 1e-3]
+    unloaded = statistics.mean(alone)  # chunks arrive in bursts: medians of gaps mislead
+    return {
+        "unloaded_ms": unloaded * 1000,
+        "during_mean_ms": statistics.mean(during) * 1000 if during else float("nan"),
+        "during_max_ms": max(during) * 1000 if during else float("nan"),
+        "ratio_mean": statistics.mean(during) / unloaded if during else float("nan"),
+        "prefill_ms": (window["end"] - window["start"]) * 1000,
+    }
 
 
 def batch_runner(folder: Path, batch: int, context: int, threads: int, in_place: bool) -> ModelRunner:
@@ -197,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         if genai is not None:
             print(f"  gRPC / onnxruntime-genai        {grpc_rate / genai:.2f}  (goal >= 0.8)")
 
+        interference = prefill_interference(server, args.model)
+        print(
+            f"\nDecode latency of a running stream while a 4000-byte prompt is prefilled (chunked): "
+            f"unloaded {interference['unloaded_ms']:.2f} ms, "
+            f"during prefill mean {interference['during_mean_ms']:.2f} ms "
+            f"(max {interference['during_max_ms']:.2f} ms), ratio {interference['ratio_mean']:.2f} (goal <= 1.5); "
+            f"the prefill took {interference['prefill_ms']:.0f} ms"
+        )
         print(f"\nAggregate decode throughput through gRPC ({args.new_tokens // 2} new tokens per stream):")
         rates = {}
         for streams in args.concurrency:
