@@ -82,6 +82,9 @@ class ModelRunner:
         options.intra_op_num_threads = threads or max(1, os.cpu_count() or 1)
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
+        # Spinning intra-op threads would take the cores the engine and gRPC threads need
+        # between steps (measured: +30% single-stream tokens/s through gRPC without it).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(path), options, providers=self.providers)
         self.device_type = "cuda" if self.on_gpu else "cpu"
         self.n_layers = manifest.n_layers
