@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -91,3 +92,13 @@ class ServerProcess:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll `condition` until it holds or `timeout` passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

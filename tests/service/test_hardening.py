@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.api import generation_pb2 as pb
-from service.process import ServerProcess, free_port
+from service.process import ServerProcess, free_port, wait_for
 
 MODELS = ("alibi", "learned")
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
@@ -30,15 +30,6 @@ def server(repository: Path) -> Iterator[ServerProcess]:
     ).wait_serving()
     yield process
     process.stop()
-
-
-def wait_for(condition, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def cache_is_empty(server: ServerProcess) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +19,7 @@ from export.runtime import OnnxCausalLM
 from models.config import SCHEMES
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
-from service.process import ServerProcess
+from service.process import ServerProcess, wait_for
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -47,15 +46,6 @@ def offline_greedy_text(repository: Path, model: str, prompt: str, max_new_token
     if TOKENIZER.eos_token_id in out:
         out, reason = out[: out.index(TOKENIZER.eos_token_id)], "eos"
     return TOKENIZER.decode(out), reason
-
-
-def wait_for(condition, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def test_health_and_reflection(server: ServerProcess) -> None:
