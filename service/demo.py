@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository")
     parser.add_argument("--prompt", default="def fibonacci(n):\n")
     parser.add_argument("--max-new-tokens", type=int, default=120)
+    # Greedy decoding of models this small settles into runs of indentation; a seeded sample reads better.
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     server = ServerProcess(args.model_repository, threads=0)
     try:
@@ -30,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"=== {model.name} (scheme {model.scheme}, positions {limit}, "
                 f"{model.kv_cache_bytes_per_token} KV bytes/token)"
             )
-            request = pb.GenerateRequest(model=model.name, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+            request = pb.GenerateRequest(
+                model=model.name, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+            )  # fmt: skip
             sys.stdout.write(args.prompt)
             for chunk in server.stub.GenerateStream(request, timeout=120):
                 sys.stdout.write(chunk.text)
