@@ -33,6 +33,14 @@ def left_pad_batch(sequences: list[list[int]], pad_token_id: int) -> tuple[np.nd
     return ids, mask, positions
 
 
+def target_logprobs(logits: np.ndarray, targets: list[int]) -> np.ndarray:
+    """log softmax(logits)[i, targets[i]] for logits (T, vocab), in float64."""
+    logits = logits.astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    log_norm = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+    return logits[np.arange(len(targets)), targets] - log_norm
+
+
 def session_options(threads: int = 0) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -92,6 +100,4 @@ class OnnxCausalLM:
         """Teacher-forced log-probabilities of ids[1:]: one forward over ids[:-1] (positions < len-1)."""
         batch, mask, positions = left_pad_batch([ids[:-1]], self.pad_token_id)
         logits, _ = self.forward(batch, mask, positions, self.empty_past(1))
-        logits = logits[0].astype(np.float64)
-        log_norm = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-        return logits[np.arange(len(ids) - 1), ids[1:]] - log_norm
+        return target_logprobs(logits[0], ids[1:])

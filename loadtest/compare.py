@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -100,8 +101,7 @@ class HeldOut:
     """Text from the corpus's test split, never seen in training."""
 
     def __init__(self, seed: int = 0) -> None:
-        stream = load_corpus().splits["test"]
-        self.data = stream[stream < 256].astype(np.uint8).tobytes()
+        self.data = load_corpus().text_bytes("test")
         self.rng = random.Random(seed)
 
     def text(self, length: int) -> str:
@@ -333,7 +333,7 @@ def environment() -> dict[str, object]:
         commit, dirty = "unknown", False
     memory = Path("/proc/meminfo").read_text().split("\n")[0] if Path("/proc/meminfo").exists() else ""
     return {
-        "machine": platform.machine(), "processor": platform.processor(), "cpus": __import__("os").cpu_count(),
+        "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
         "memory": memory, "platform": platform.platform(), "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__, "torch": torch.__version__, "grpcio": grpc.__version__,
         "commit": commit + ("+dirty" if dirty else ""),

@@ -20,7 +20,6 @@ from functools import cache
 
 import grpc
 import grpc.experimental.gevent as grpc_gevent
-import numpy as np
 from locust import LoadTestShape, User, events, task
 
 from loadtest.streaming import timed_stream
@@ -80,8 +79,7 @@ def prompt_length_sampler(text: str):  # type: ignore[no-untyped-def]
 @cache
 def held_out_bytes() -> bytes:
     """The corpus's test split as bytes (file separators dropped)."""
-    stream = load_corpus().splits["test"]
-    return stream[stream < 256].astype(np.uint8).tobytes()
+    return load_corpus().text_bytes("test")
 
 
 @events.init.add_listener

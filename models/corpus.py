@@ -57,6 +57,11 @@ class Corpus:
     file_counts: dict[str, int]
     sha256: dict[str, str] = field(default_factory=dict)
 
+    def text_bytes(self, split: str) -> bytes:
+        """A split as raw bytes, file separators (EOS) dropped: for prompts and probes."""
+        stream = self.splits[split]
+        return stream[stream < 256].astype(np.uint8).tobytes()
+
     def describe(self) -> dict[str, object]:
         return {
             "root": self.root,

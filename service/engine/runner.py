@@ -26,7 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from export.manifest import SERVING, Manifest
-from export.runtime import NP_DTYPES, left_pad_batch
+from export.runtime import NP_DTYPES, left_pad_batch, target_logprobs
 from models.limits import check_positions
 
 logger = logging.getLogger(__name__)
@@ -320,7 +320,4 @@ class ModelRunner:
         mask = np.ones_like(ids)
         positions = np.arange(ids.shape[1], dtype=np.int64)[None]
         logits, _ = self._run(ids, mask, positions, self._empty(1))  # type: ignore[arg-type]
-        logits = logits[0].astype(np.float64)
-        top = logits.max(-1, keepdims=True)
-        log_norm = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
-        return logits[np.arange(len(token_ids) - 1), token_ids[1:]] - log_norm
+        return target_logprobs(logits[0], token_ids[1:])
