@@ -54,12 +54,13 @@ ENGINE_FLAGS = {
     "block_size": ("--block-size", int, "tokens per KV-cache block"),
     "max_batch_size": ("--max-batch-size", int, "sequences per running batch"),
     "max_queue": ("--max-queue", int, "waiting requests per model before RESOURCE_EXHAUSTED"),
-    "prefill_tokens": ("--prefill-tokens", int, "prompt tokens per engine step (longer prompts are chunked)"),
+    "prefill_tokens": ("--prefill-tokens", int, "prompt tokens per prefill call (longer prompts are chunked)"),
     "max_new_tokens_limit": ("--max-new-tokens-limit", int, "largest max_new_tokens accepted"),
     "default_max_new_tokens": ("--default-max-new-tokens", int, "max_new_tokens when a request leaves it unset"),
     "max_sequence_tokens": ("--max-sequence-tokens", int, "prompt + new tokens limit for unbounded schemes"),
     "device": ("--device", str, "auto | cpu | cuda"),
-    "threads": ("--threads", int, "ONNX Runtime intra-op threads per model (0 = all cores)"),
+    "prefill_nice": ("--prefill-nice", int, "nice value added to prefill worker threads (decode first; 0: off)"),
+    "threads": ("--threads", int, "intra-op threads per ONNX Runtime session (0: half the cores each)"),
 }
 SERVER_FLAGS = {
     "host": ("--host", str, "address to bind the gRPC port"),

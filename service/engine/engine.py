@@ -1,8 +1,10 @@
-"""The engine loop: one thread per model runs schedule -> run -> sample -> update, and
-streams each request's new text back through its event queue.
+"""The engine loop: one thread per model runs schedule -> decode -> sample -> update, and
+streams each request's new text back through its output stream.
 
-Requests arrive from gRPC threads through a small inbox; cancellation and deadlines are
-honoured at the next step boundary, where the sequence leaves the batch and frees its blocks.
+Requests arrive from gRPC threads through a small inbox. Admitted prompts go to the model's
+prefill worker (its own thread and session) and join the decode batch at a step boundary
+once computed. Cancellation and deadlines are honoured at the next step boundary, where the
+sequence leaves the batch and frees its blocks.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import numpy as np
 
 from export.manifest import Manifest, ManifestError
 from service.engine.kv_cache import KVCacheManager
-from service.engine.request import Request, RequestStatus, SamplingParams, StreamEvent
-from service.engine.runner import ModelRunner, PrefillChunk
+from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
+from service.engine.request import Request, RequestStatus, SamplingParams
+from service.engine.runner import ModelRunner
 from service.engine.sampler import Sampler
-from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from service.engine.scheduler import QueueFullError, Scheduler
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -47,12 +50,13 @@ class EngineConfig:
     block_size: int = 16
     max_batch_size: int = 32
     max_queue: int = 128
-    prefill_tokens: int = 512  # prompt tokens per step (longer prompts are chunked)
+    prefill_tokens: int = 512  # prompt tokens per prefill call (longer prompts are chunked)
     max_new_tokens_limit: int = 1024
     default_max_new_tokens: int = 64
     max_sequence_tokens: int = 4096  # prompt + new tokens, for schemes with no hard limit
     device: str = "auto"
-    threads: int = 0
+    threads: int = 0  # intra-op threads per session (0: half the cores each for decode and prefill)
+    prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
 
 
 class ModelEngine:
@@ -65,7 +69,7 @@ class ModelEngine:
         self.kv_cache = KVCacheManager(
             config.kv_cache_bytes, manifest.kv_bytes_per_token(self.runner.dtype), config.block_size
         )
-        self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_queue, config.prefill_tokens)
+        self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_queue)
         self.sampler = Sampler()
         self.eos_token_id = int(manifest.tokenizer["eos_token_id"])  # type: ignore[call-overload]
         self.bos_token_id = int(manifest.tokenizer["bos_token_id"])  # type: ignore[call-overload]
@@ -87,7 +91,19 @@ class ModelEngine:
         self._kv_physical = metrics.kv_cache_physical.labels(**self.labels)
         self._running = metrics.running.labels(**self.labels)
         self._queued = metrics.queued.labels(**self.labels)
+        self._prompt_tokens = metrics.prompt_tokens.labels(**self.labels)
+        self._preemptions = metrics.preemptions.labels(**self.labels)
         self._inbox: list[Request] = []
+        self._prefilled: list[PrefillResult] = []  # from the worker, joined at the next step
+        self._to_remove: set[str] = set()  # rows leaving the batch, dropped together once per step
+        self.prefill_worker = PrefillWorker(
+            self.runner,
+            config.prefill_tokens,
+            self._deliver_prefilled,
+            self._observe_prefill,
+            manifest.name,
+            config.prefill_nice,
+        )
         self._wake = threading.Condition()
         self._stopping = False  # no new requests
         self._stopped = False  # the loop exits
@@ -161,6 +177,7 @@ class ModelEngine:
     # ------------------------------------------------------------------ the loop
 
     def start(self) -> None:
+        self.prefill_worker.start()
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
@@ -179,11 +196,20 @@ class ModelEngine:
         with self._wake:
             self._wake.notify()
         self._thread.join(timeout=5)
+        self.prefill_worker.stop()
+
+    def _deliver_prefilled(self, results: list[PrefillResult]) -> None:
+        with self._wake:
+            self._prefilled.extend(results)
+            self._wake.notify()
 
     def _loop(self) -> None:
+        busy = False
         while True:
             with self._wake:
-                while not self._inbox and not self.scheduler.has_work and not self._stopped:
+                # Idle (nothing decoding, or only prompts in the worker): sleep until new work,
+                # a computed prompt or a cancellation; the timeout keeps deadlines honoured.
+                if not busy and not self._inbox and not self._prefilled and not self._stopped:
                     self._wake.wait(timeout=0.05)
                 if self._stopped:
                     break
@@ -194,21 +220,32 @@ class ModelEngine:
                         request.finish(RequestStatus.FINISHED_ERROR, str(error))
                 self._inbox.clear()
             try:
-                self.step()
+                busy = self.step()
             except Exception:  # a bug must not kill the loop silently
                 logger.exception("engine step failed for %s", self.manifest.name)
+                busy = False
         for request in self.scheduler.requests():
             self._finish(request, RequestStatus.FINISHED_CANCELLED, "server shut down")
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One iteration; False when it found nothing to run (the loop may sleep)."""
         self._reap_aborted()
+        with self._wake:
+            prefilled, self._prefilled = self._prefilled, []
+        self._flush_removals()
+        joined = self._join(prefilled)
         output = self.scheduler.schedule()
         for request in output.preempted:
-            self.runner.remove({request.request_id})
-            self.metrics.preemptions.labels(**self.labels).inc()
-        if not output.empty:
-            self._run(output)
+            self._to_remove.add(request.request_id)
+            self._preemptions.inc()
+        self._flush_removals()
+        if output.admitted:
+            self._start_prefill(output.admitted)
+        if output.decode:
+            self._decode(output.decode)
+        self._flush_removals()
         self._update_gauges()
+        return bool(joined or output.decode)
 
     def _reap_aborted(self) -> None:
         now = time.monotonic()
@@ -219,73 +256,102 @@ class ModelEngine:
                 request.cancel_time = request.deadline
                 self._finish(request, RequestStatus.FINISHED_DEADLINE, "deadline exceeded")
 
-    def _run(self, output: SchedulerOutput) -> None:
-        if output.decode:
-            started = time.monotonic()
-            try:
-                logits = self.runner.decode({r.request_id: r.output_ids[-1] for r in output.decode})
-            except Exception as error:  # fail only the sequences of this call
-                self._fail(output.decode, error)
-            else:
-                self._observe_step("decode", started, len(output.decode))
-                for request in output.decode:
-                    request.num_computed_tokens = request.num_tokens
-                    self._append(request, logits[request.request_id])
-        if output.prefill:
-            started = time.monotonic()
-            chunks = [
-                PrefillChunk(c.request.request_id, c.request.prefill_ids[c.start : c.end], c.start, c.is_last)
-                for c in output.prefill
-            ]
-            for chunk in output.prefill:
-                if chunk.start == 0:
-                    chunk.request.scheduled_time = chunk.request.scheduled_time or started
-                    self.metrics.prompt_tokens.labels(**self.labels).inc(len(chunk.request.prompt_ids))
-            try:
-                logits, failures = self.runner.prefill(chunks)
-            except Exception as error:
-                self._fail([c.request for c in output.prefill], error)
-                return
-            self._observe_step("prefill", started, len(output.prefill))
-            for chunk in output.prefill:
-                request = chunk.request
-                if request.request_id in failures:
-                    self._fail([request], failures[request.request_id])
-                    continue
-                request.num_computed_tokens = chunk.end
-                # After a preemption the next token is already known: no sample.
-                if chunk.is_last and request.request_id in logits and len(request.output_ids) == 0:
-                    self._append(request, logits[request.request_id])
+    def _flush_removals(self) -> None:
+        if self._to_remove:
+            self.runner.remove(self._to_remove)
+            self._to_remove = set()
 
-    def _append(self, request: Request, logits: np.ndarray) -> None:
-        if request.status.finished:
-            return
-        try:
-            token = self.sampler.sample(request.request_id, logits, request.params)
-        except Exception as error:  # one request's sampling failure ends that request only
-            logger.exception("sampling failed for %s", request.request_id)
-            self._finish(request, RequestStatus.FINISHED_ERROR, f"sampling failed: {error}")
-            return
+    def _start_prefill(self, admitted: list[Request]) -> None:
         now = time.monotonic()
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self._ttft.observe(now - request.arrival_time)
-        else:
-            self._itl.observe(now - request.last_token_time)
-        request.last_token_time = now
-        request.output_ids.append(token)
-        self._generated.inc()
-        if token == self.eos_token_id:
-            self._finish(request, RequestStatus.FINISHED_EOS)
+        for request in admitted:
+            if request.attempt == 0:
+                request.scheduled_time = now
+                self._prompt_tokens.inc(len(request.prompt_ids))
+        self.prefill_worker.submit([PrefillJob(r, r.attempt, r.prefill_ids) for r in admitted])
+
+    def _join(self, results: list[PrefillResult]) -> int:
+        """Computed prompts join the decode batch; first tokens are sampled. Returns how many joined."""
+        ready = []
+        for result in results:
+            request = result.job.request
+            if request.status.finished or request.attempt != result.job.attempt:
+                continue  # finished or preempted meanwhile: its blocks are already free
+            if result.error is not None:
+                self._fail([request], result.error)
+            elif result.prompt is not None:  # None: given up (cancel or deadline, reaped here)
+                ready.append(result)
+        if not ready:
+            return 0
+        try:
+            self.runner.join([r.prompt for r in ready])  # type: ignore[misc]
+        except Exception as error:
+            self._fail([r.job.request for r in ready], error)
+            return 0
+        requests = [r.job.request for r in ready]
+        for request in requests:
+            request.num_computed_tokens = request.prefill_length
+        # After a preemption the next token is already known: no sample.
+        fresh = [(row, r) for row, r in enumerate(requests) if not r.output_ids]
+        if fresh:
+            logits = np.stack([ready[row].prompt.logits for row, _ in fresh])  # type: ignore[union-attr]
+            self._append([r for _, r in fresh], logits)
+        return len(ready)
+
+    def _decode(self, requests: list[Request]) -> None:
+        by_id = {r.request_id: r for r in requests}
+        strays = {row for row in self.runner.rows if row not in by_id}
+        if strays or len(by_id) != len(self.runner.rows):  # must not happen; never decode a wrong batch
+            logger.error("model %s: decode batch and scheduler disagree (%d strays)", self.manifest.name, len(strays))
+            self.runner.remove(strays)
+            for request in requests:
+                if request.request_id not in self.runner.rows:
+                    self._finish(request, RequestStatus.FINISHED_ERROR, "internal error: sequence lost its cache")
             return
-        text = request.detokenizer.push(token)
-        if text:
-            request.text += text
-            request.events.put_nowait(StreamEvent(text, RequestStatus.RUNNING))
-        if request.detokenizer.stopped:
-            self._finish(request, RequestStatus.FINISHED_STOP)
-        elif len(request.output_ids) >= request.params.max_new_tokens:
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
+        rows = [by_id[row] for row in self.runner.rows]
+        tokens = np.fromiter((r.output_ids[-1] for r in rows), dtype=np.int64, count=len(rows))
+        started = time.monotonic()
+        try:
+            logits = self.runner.decode(tokens)
+        except Exception as error:  # fail only the sequences of this call
+            self._fail(rows, error)
+            return
+        self._steps["decode"].observe(time.monotonic() - started)
+        self._batches["decode"].observe(len(rows))
+        for request in rows:
+            request.num_computed_tokens = request.num_tokens
+        self._append(rows, logits)
+
+    def _append(self, requests: list[Request], logits: np.ndarray) -> None:
+        """Sample one token per request (rows of logits), stream the new text, finish the done."""
+        tokens = self.sampler.sample_batch(requests, logits)
+        now = time.monotonic()
+        eos, generated = self.eos_token_id, 0
+        for request, token in zip(requests, tokens, strict=True):
+            if request.status.finished:
+                continue
+            if isinstance(token, Exception):  # one request's sampling failure ends that request only
+                logger.error("sampling failed for %s: %s", request.request_id, token)
+                self._finish(request, RequestStatus.FINISHED_ERROR, f"sampling failed: {token}")
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self._ttft.observe(now - request.arrival_time)
+            else:
+                self._itl.observe(now - request.last_token_time)
+            request.last_token_time = now
+            request.output_ids.append(token)
+            generated += 1
+            if token == eos:
+                self._finish(request, RequestStatus.FINISHED_EOS)
+                continue
+            text = request.detokenizer.push(token)
+            if text:
+                request.emit(text)
+            if request.detokenizer.stopped:
+                self._finish(request, RequestStatus.FINISHED_STOP)
+            elif len(request.output_ids) >= request.params.max_new_tokens:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+        self._generated.inc(generated)
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         logger.error("model %s: ONNX Runtime failed for %d request(s): %s", self.manifest.name, len(requests), error)
@@ -294,15 +360,15 @@ class ModelEngine:
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         self.scheduler.remove(request)
-        self.runner.remove({request.request_id})
+        self._to_remove.add(request.request_id)
         self.sampler.forget(request.request_id)
         if status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_DEADLINE) and request.cancel_time:
             self._cancel_latency.observe(time.monotonic() - request.cancel_time)
         request.finish(status, error)
 
-    def _observe_step(self, phase: str, started: float, batch: int) -> None:
-        self._steps[phase].observe(time.monotonic() - started)
-        self._batches[phase].observe(batch)
+    def _observe_prefill(self, seconds: float, batch: int) -> None:
+        self._steps["prefill"].observe(seconds)
+        self._batches["prefill"].observe(batch)
 
     def _update_gauges(self) -> None:
         self._kv_used.set(self.kv_cache.stats().used_bytes)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,14 +39,53 @@ class SamplingParams:
 
 @dataclass
 class StreamEvent:
-    """One step's new text; `status` is final on the last event."""
+    """New text since the consumer last looked; `status` is final on the last event."""
 
     text: str
     status: RequestStatus
     error: str | None = None
 
 
-@dataclass
+class OutputStream:
+    """Engine -> consumer hand-off that merges what the consumer has not taken yet.
+
+    While the consumer keeps up it gets one event per step; when it falls behind (a slow
+    client, a busy gRPC thread) the waiting texts are joined into one event instead of
+    piling up, as vLLM's output collector does. The engine never blocks on a consumer.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._text = ""
+        self._final: StreamEvent | None = None
+
+    def put(self, text: str) -> None:
+        with self._lock:
+            self._text += text
+        self._ready.set()
+
+    def close(self, text: str, status: RequestStatus, error: str | None = None) -> None:
+        with self._lock:
+            self._final = StreamEvent(self._text + text, status, error)
+            self._text = ""
+        self._ready.set()
+
+    def get(self, timeout: float | None = None) -> StreamEvent | None:
+        """Everything new since the last call (None on timeout); final once closed."""
+        if not self._ready.wait(timeout):
+            return None
+        with self._lock:
+            self._ready.clear()
+            if self._final is not None:
+                self._ready.set()  # a closed stream stays readable
+                final, self._final = self._final, StreamEvent("", self._final.status, self._final.error)
+                return final
+            text, self._text = self._text, ""
+        return StreamEvent(text, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)  # identity: requests are compared in scheduler lists every step
 class Request:
     request_id: str
     model: str
@@ -58,8 +96,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    # Tokens whose K/V are in the cache (prompt chunks prefilled + decoded).
+    # Tokens whose K/V are in the cache (prompt prefilled + decoded).
     num_computed_tokens: int = 0
+    # Bumped on every preemption, so a prefill result computed before it is recognised as stale.
+    attempt: int = 0
     first_token_time: float | None = None
     last_token_time: float = 0.0
     cancel_time: float | None = None  # when a cancel was asked for
@@ -67,15 +107,12 @@ class Request:
     finish_time: float | None = None
     error: str | None = None
     text: str = ""
-    events: queue.Queue[StreamEvent] = field(default_factory=queue.Queue)
+    output: OutputStream = field(default_factory=OutputStream)
+    done: threading.Event = field(default_factory=threading.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.detokenizer = IncrementalDetokenizer(self.params.stop)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +132,10 @@ class Request:
     def prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.prefill_length
 
+    def emit(self, text: str) -> None:
+        self.text += text
+        self.output.put(text)
+
     def finish(self, status: RequestStatus, error: str | None = None) -> None:
         """Mark final and send the last event (flushing held-back text unless aborted)."""
         if self.status.finished:
@@ -103,4 +144,5 @@ class Request:
         self.finish_time = time.monotonic()
         tail = self.detokenizer.flush() if status <= RequestStatus.FINISHED_EOS else ""
         self.text += tail
-        self.events.put(StreamEvent(tail, status, error))
+        self.output.close(tail, status, error)
+        self.done.set()

@@ -11,8 +11,9 @@ ways to keep its cache, chosen by where the model runs:
   `present.*` outputs straight back as `past_key_values.*`, so the cache never leaves GPU
   memory; the graph's Concat runs at device bandwidth.
 
-The batch is re-packed on the host only when its membership changes (a sequence joins after
-prefill or leaves).
+Prompts run in a second ONNX Runtime session (the prefill worker's, in its own thread) and
+touch no batch state; their caches join the batch on the engine thread. The batch is re-packed
+on the host only when its membership changes (a sequence joins or leaves).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,22 +44,26 @@ def choose_providers(device: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def default_threads() -> int:
+    """Intra-op threads per session: the decode and the prefill session share the cores."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 @dataclass
 class RunnerTimings:
-    """Seconds spent in graph calls and in host-side cache handling (writes, re-packs)."""
+    """Seconds spent in decode graph calls and in host-side cache handling (writes, re-packs)."""
 
     graph: float = 0.0
     cache: float = 0.0
 
 
 @dataclass
-class PrefillChunk:
-    """Prompt tokens [start, start + len(token_ids)) of one request."""
+class PrefilledPrompt:
+    """A computed prompt, ready to join the batch: last-position logits and its K/V per layer."""
 
     request_id: str
-    token_ids: list[int]
-    start: int
-    is_last: bool
+    logits: np.ndarray  # (vocab,)
+    cache: list[np.ndarray]  # (1, heads, length, head_dim) per layer and kind, host memory
 
 
 class ModelRunner:
@@ -76,16 +82,9 @@ class ModelRunner:
         self.in_place = self.variant == SERVING
         self.dtype = self.variant.removeprefix("serving-")
         manifest.verify_all()
-        path = manifest.onnx_path(self.variant)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = threads or max(1, os.cpu_count() or 1)
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        # Spinning intra-op threads would take the cores the engine and gRPC threads need
-        # between steps (measured: +30% single-stream tokens/s through gRPC without it).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(path), options, providers=self.providers)
+        self.threads = threads or default_threads()
+        self.session = self._session()  # the decode batch (engine thread)
+        self.prefill_session = self._session()  # prompts and scoring (prefill worker, gRPC threads)
         self.device_type = "cuda" if self.on_gpu else "cpu"
         self.n_layers = manifest.n_layers
         kinds = [f"{i}.{kind}" for i in range(self.n_layers) for kind in ("key", "value")]
@@ -93,35 +92,50 @@ class ModelRunner:
         self.output_names = ["logits"] + [f"{'new_key_values' if self.in_place else 'present'}.{k}" for k in kinds]
         self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
         self.growth_tokens = growth_tokens
-        # The decode batch: row order, mask (B, P) with 0 for padding and unused slots, cache.
+        # The decode batch. mask: (B, capacity + 1) in place (the last column is the token fed
+        # this step, always 1), (B, filled) otherwise; 0 marks padding and unused slots.
         self.rows: list[str] = []
-        self.mask = np.zeros((0, 0), dtype=np.int64)
+        self.mask = np.zeros((0, 1), dtype=np.int64)
+        self.positions = np.zeros((0, 1), dtype=np.int64)  # (B, 1): the next position per row
         self.filled = 0  # columns in use (in place: the rest up to capacity are free slots)
         self.buffers: list[np.ndarray] = []  # in place: (B, nh, capacity, hs) per layer
         self.device_past: list[np.ndarray | ort.OrtValue] = []  # present -> past: (B, nh, P, hs) per layer
-        # Caches of prompts prefilled in several chunks, until they join the batch.
-        self._partial: dict[str, list[np.ndarray]] = {}
         self.timings = RunnerTimings()
         # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
 
+    def _session(self) -> ort.InferenceSession:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        # Spinning intra-op threads would take the cores the other session, the engine and the
+        # gRPC threads need between calls (measured: +30% single-stream tokens/s without it).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        path = self.manifest.onnx_path(self.variant)
+        return ort.InferenceSession(str(path), options, providers=self.providers)
+
     # ------------------------------------------------------------------ graph calls
 
     def _run(
-        self, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list[np.ndarray | ort.OrtValue]
+        self,
+        session: ort.InferenceSession,
+        input_ids: np.ndarray,
+        mask: np.ndarray,
+        positions: np.ndarray,
+        past: list[np.ndarray | ort.OrtValue],
     ) -> tuple[np.ndarray, list[np.ndarray | ort.OrtValue]]:
         """One graph call. On the CPU inputs and outputs are numpy arrays (ONNX Runtime reads
         contiguous inputs in place); on the GPU the K/V stay device OrtValues (IO binding)."""
         check_positions(positions, self.manifest.max_positions)
-        started = time.perf_counter()
         if not self.on_gpu:
             feeds: dict[str, np.ndarray] = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions}
             feeds.update(zip(self.past_names, past, strict=True))  # type: ignore[arg-type]
-            logits, *kv = self.session.run(self.output_names, feeds)
-            self.timings.graph += time.perf_counter() - started
+            logits, *kv = session.run(self.output_names, feeds)
             return logits, kv
-        binding = self.session.io_binding()
+        binding = session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask, dtype=np.int64))
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(positions, dtype=np.int64))
@@ -133,8 +147,7 @@ class ModelRunner:
         binding.bind_output("logits", "cpu")
         for name in self.output_names[1:]:
             binding.bind_output(name, self.device_type)
-        self.session.run_with_iobinding(binding)
-        self.timings.graph += time.perf_counter() - started
+        session.run_with_iobinding(binding)
         logits, *kv_values = binding.get_outputs()
         return logits.numpy().astype(np.float32), kv_values
 
@@ -151,173 +164,234 @@ class ModelRunner:
     def _host(value: np.ndarray | ort.OrtValue) -> np.ndarray:
         return value if isinstance(value, np.ndarray) else value.numpy()
 
-    def _host_cache(self) -> list[np.ndarray]:
-        """The batch cache's filled columns as host arrays (B, nh, filled, hs)."""
-        if self.in_place:
-            return [b[:, :, : self.filled] for b in self.buffers]
-        return [self._host(value) for value in self.device_past]
+    # ------------------------------------------------------------------ prefill (any thread)
 
-    # ------------------------------------------------------------------ prefill
-
-    def prefill(self, chunks: list[PrefillChunk]) -> tuple[dict[str, np.ndarray], dict[str, Exception]]:
-        """Run prompt chunks: (last-position logits of every prompt that completed, failures).
-
-        Whole prompts are batched into one left-padded call; if that call fails, each runs
-        alone so a failure stays with the prompt that caused it. A prompt split into chunks
-        runs alone with its own growing cache. Completed prompts join the decode batch.
-        """
-        results: dict[str, np.ndarray] = {}
-        failures: dict[str, Exception] = {}
-        whole = [c for c in chunks if c.start == 0 and c.is_last]
-        if whole:
-            try:
-                self._prefill_whole(whole, results)
-            except Exception as batch_error:
-                if len(whole) == 1:
-                    failures[whole[0].request_id] = batch_error
-                for chunk in whole if len(whole) > 1 else ():
-                    try:
-                        self._prefill_whole([chunk], results)
-                    except Exception as error:
-                        failures[chunk.request_id] = error
-        for chunk in (c for c in chunks if not (c.start == 0 and c.is_last)):
-            try:
-                self._prefill_chunk(chunk, results)
-            except Exception as error:
-                self._partial.pop(chunk.request_id, None)
-                failures[chunk.request_id] = error
-        return results, failures
-
-    def _check_fault(self, chunks: list[PrefillChunk]) -> None:
-        if self._fault_marker and any(self._fault_marker in bytes(t for t in c.token_ids if t < 256) for c in chunks):
+    def _check_fault(self, prompts: list[list[int]]) -> None:
+        if self._fault_marker and any(self._fault_marker in bytes(t for t in ids if t < 256) for ids in prompts):
             raise RuntimeError("injected fault (POSENC_FAULT_INJECTION_MARKER)")
 
-    def _prefill_whole(self, whole: list[PrefillChunk], results: dict[str, np.ndarray]) -> None:
-        self._check_fault(whole)
-        ids, mask, positions = left_pad_batch([c.token_ids for c in whole], self.pad_token_id)
-        logits, kv = self._run(ids, mask, positions, self._empty(len(whole)))  # type: ignore[arg-type]
-        self._join([c.request_id for c in whole], [self._host(v) for v in kv], mask)
-        for row, chunk in enumerate(whole):
-            results[chunk.request_id] = logits[row, -1]
-
-    def _prefill_chunk(self, chunk: PrefillChunk, results: dict[str, np.ndarray]) -> None:
-        self._check_fault([chunk])
-        past = self._partial.pop(chunk.request_id, None) or self._empty(1)
-        length = past[0].shape[2]
-        assert length == chunk.start, (length, chunk.start)
-        total = length + len(chunk.token_ids)
-        ids = np.asarray([chunk.token_ids], dtype=np.int64)
-        mask = np.ones((1, total), dtype=np.int64)
-        positions = np.arange(length, total, dtype=np.int64)[None]
-        logits, kv = self._run(ids, mask, positions, past)  # type: ignore[arg-type]
+    def prefill_batch(self, prompts: dict[str, list[int]]) -> list[PrefilledPrompt]:
+        """Whole prompts in one left-padded call; each row's cache comes back without padding."""
+        self._check_fault(list(prompts.values()))
+        ids, mask, positions = left_pad_batch(list(prompts.values()), self.pad_token_id)
+        logits, kv = self._run(self.prefill_session, ids, mask, positions, self._empty(len(prompts)))  # type: ignore[arg-type]
         arrays = [self._host(v) for v in kv]
-        if self.in_place:  # new tokens only: extend the partial cache
-            arrays = [np.concatenate([old, new], axis=2) for old, new in zip(past, arrays, strict=True)]
-        if chunk.is_last:
-            self._join([chunk.request_id], arrays, mask)
-            results[chunk.request_id] = logits[0, -1]
-        else:
-            self._partial[chunk.request_id] = arrays
+        width = ids.shape[1]
+        return [
+            PrefilledPrompt(rid, logits[row, -1], [a[row : row + 1, :, width - len(p) :] for a in arrays])
+            for row, (rid, p) in enumerate(prompts.items())
+        ]
 
-    # ------------------------------------------------------------------ decode
+    def prefill_chunks(
+        self, request_id: str, token_ids: list[int], chunk_tokens: int
+    ) -> Iterator[PrefilledPrompt | None]:
+        """A long prompt in chunks of `chunk_tokens` (bounding the score tensors), each chunk
+        attending to the cache of the ones before. Yields None after every chunk but the last,
+        so the caller can interleave other work or give up between chunks."""
+        self._check_fault([token_ids])
+        past = self._empty(1)
+        for start in range(0, len(token_ids), chunk_tokens):
+            chunk = token_ids[start : start + chunk_tokens]
+            end = start + len(chunk)
+            ids = np.asarray([chunk], dtype=np.int64)
+            mask = np.ones((1, end), dtype=np.int64)
+            positions = np.arange(start, end, dtype=np.int64)[None]
+            logits, kv = self._run(self.prefill_session, ids, mask, positions, past)  # type: ignore[arg-type]
+            arrays = [self._host(v) for v in kv]
+            if self.in_place:  # new tokens only: extend the cache
+                arrays = [np.concatenate([old, new], axis=2) for old, new in zip(past, arrays, strict=True)]
+            past = arrays
+            yield PrefilledPrompt(request_id, logits[0, -1], past) if end == len(token_ids) else None
 
-    def decode(self, next_tokens: dict[str, int]) -> dict[str, np.ndarray]:
-        """One step for every row of the batch; `next_tokens` has one token per row."""
-        if not self.rows:
-            return {}
+    def prefill_chunked(
+        self, request_id: str, token_ids: list[int], chunk_tokens: int, aborted: Callable[[], bool] = lambda: False
+    ) -> PrefilledPrompt | None:
+        """All chunks of a prompt at once; None if `aborted()` turns true in between."""
+        for result in self.prefill_chunks(request_id, token_ids, chunk_tokens):
+            if result is not None:
+                return result
+            if aborted():
+                return None
+        raise ValueError("prefill_chunked: empty prompt")
+
+    # ------------------------------------------------------------------ decode (engine thread)
+
+    def decode(self, tokens: np.ndarray) -> np.ndarray:
+        """One step for every row of the batch; tokens (B,) in `rows` order -> logits (B, vocab)."""
         batch = len(self.rows)
-        ids = np.asarray([[next_tokens[r]] for r in self.rows], dtype=np.int64)  # (B, 1)
-        positions = self.mask.sum(axis=1, keepdims=True)  # real tokens so far = the new position
+        if not batch:
+            return np.zeros((0, 0), dtype=np.float32)
+        ids = tokens.reshape(-1, 1).astype(np.int64, copy=False)
+        started = time.perf_counter()
         if self.in_place:
-            if self.filled == self.mask.shape[1]:
-                self._repack(self._host_cache(), self.mask, self.filled + 1)
-            mask = np.concatenate([self.mask, np.ones((batch, 1), dtype=np.int64)], axis=1)  # (B, capacity + 1)
-            logits, new = self._run(ids, mask, positions, self.buffers)  # type: ignore[arg-type]
-            started = time.perf_counter()
+            if self.filled == self.mask.shape[1] - 1:  # no free column: grow
+                self._rebuild(self.filled)
+            past = [b[:batch] for b in self.buffers]  # leading rows of a C-order array: no copy
+            logits, new = self._run(self.session, ids, self.mask[:batch], self.positions[:batch], past)  # type: ignore[arg-type]
+            after_graph = time.perf_counter()
+            column = self.filled
             for buffer, value in zip(self.buffers, new, strict=True):
-                buffer[:, :, self.filled] = self._host(value)[:, :, 0]
-            self.mask[:, self.filled] = 1
+                buffer[:batch, :, column] = value[:, :, 0]  # type: ignore[index]
+            self.mask[:batch, column] = 1
             self.filled += 1
-            self.timings.cache += time.perf_counter() - started
+            self.timings.cache += time.perf_counter() - after_graph
         else:
             mask = np.concatenate([self.mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-            logits, self.device_past = self._run(ids, mask, positions, self.device_past)  # type: ignore[arg-type]
+            logits, self.device_past = self._run(self.session, ids, mask, self.positions, self.device_past)  # type: ignore[arg-type]
+            after_graph = time.perf_counter()
             self.mask = mask
             self.filled += 1
-        return {row: logits[i, -1] for i, row in enumerate(self.rows)}
+        self.timings.graph += after_graph - started
+        self.positions[:batch] += 1
+        return logits[:, -1]
 
     # ------------------------------------------------------------------ batch membership
 
-    def _join(self, request_ids: list[str], arrays: list[np.ndarray], mask: np.ndarray) -> None:
-        """Add prefilled rows; old and new caches are right-aligned at a common length."""
-        if not self.rows:
-            self.rows = list(request_ids)
-            self._repack(arrays, mask, mask.shape[1] + 1)
+    def join(self, prompts: list[PrefilledPrompt]) -> None:
+        """Add prefilled rows, right-aligned at the batch's filled length.
+
+        In place, a newcomer is written into a spare row of the buffers (O(its own cache));
+        the buffers are re-allocated only when rows or columns run out or the newcomer is
+        longer than the batch so far.
+        """
+        if not prompts:
             return
-        old_cache, old_mask = self._host_cache(), self.mask[:, : self.filled]
-        length = max(self.filled, mask.shape[1])
+        if not self.in_place:
+            self._join_concatenated(prompts)
+            return
+        started = time.perf_counter()
+        longest = max(p.cache[0].shape[2] for p in prompts)
+        batch = len(self.rows)
+        if (
+            not self.buffers
+            or batch + len(prompts) > self.buffers[0].shape[0]
+            or longest > self.filled
+            or self.filled >= self.mask.shape[1] - 1
+        ):
+            self._rebuild(max(self.filled, longest), extra_rows=len(prompts))
+        end = self.filled
+        for row, prompt in enumerate(prompts, start=batch):
+            length = prompt.cache[0].shape[2]
+            for buffer, layer in zip(self.buffers, prompt.cache, strict=True):
+                buffer[row, :, end - length : end] = layer[0]
+            self.mask[row, :-1] = 0
+            self.mask[row, end - length : end] = 1
+            self.positions[row] = length
+        self.rows = self.rows + [p.request_id for p in prompts]
+        self.timings.cache += time.perf_counter() - started
+
+    def remove(self, request_ids: set[str]) -> None:
+        """Drop finished, cancelled or preempted sequences from the batch.
+
+        In place, the last row moves into each hole (O(one row)); columns of padding left in
+        every row are trimmed, and spare rows released, only once they are a large share.
+        """
+        holes = [i for i, row in enumerate(self.rows) if row in request_ids]
+        if not holes:
+            return
+        if not self.in_place:
+            self._remove_concatenated(set(holes))
+            return
+        started = time.perf_counter()
+        for hole in reversed(holes):  # descending: a moved row never lands in a later hole
+            last = len(self.rows) - 1
+            if hole != last:
+                for buffer in self.buffers:
+                    buffer[hole] = buffer[last]
+                self.mask[hole] = self.mask[last]
+                self.positions[hole] = self.positions[last]
+                self.rows[hole] = self.rows[last]
+            self.rows.pop()
+        batch = len(self.rows)
+        if not batch:
+            self._reset()
+        else:
+            first_real = int(np.argmax(self.mask[:batch, : self.filled].any(axis=0)))
+            if first_real > max(self.growth_tokens, self.filled // 2) or self.buffers[0].shape[0] > 2 * batch + 8:
+                self._rebuild(self.filled - first_real)
+        self.timings.cache += time.perf_counter() - started
+
+    def _rebuild(self, length: int, extra_rows: int = 0) -> None:
+        """Re-allocate the in-place buffers with the active rows right-aligned at `length`
+        columns (dropping leading columns if shorter), room for `extra_rows` more rows and
+        headroom to grow (a quarter more rows, an eighth more columns, at least `growth_tokens`)."""
+        batch = len(self.rows)
+        rows = batch + extra_rows
+        columns = length + max(self.growth_tokens, length // 8)
+        columns = -(-columns // self.growth_tokens) * self.growth_tokens
+        keep = min(length, self.filled)
+        heads, head_dim = self.manifest.n_heads, self.manifest.head_dim
+        dtype = NP_DTYPES[self.dtype]
+        shape = (rows + max(1, rows // 4), heads, columns, head_dim)
+        buffers = [np.zeros(shape, dtype=dtype) for _ in self.past_names]
+        mask = np.zeros((shape[0], columns + 1), dtype=np.int64)
+        mask[:, -1] = 1
+        positions = np.zeros((shape[0], 1), dtype=np.int64)
+        if batch:
+            for new, old in zip(buffers, self.buffers, strict=True):
+                new[:batch, :, length - keep : length] = old[:batch, :, self.filled - keep : self.filled]
+            mask[:batch, length - keep : length] = self.mask[:batch, self.filled - keep : self.filled]
+            positions[:batch] = self.positions[:batch]
+        self.buffers, self.mask, self.positions, self.filled = buffers, mask, positions, length
+
+    def _reset(self) -> None:
+        self.rows, self.filled, self.buffers, self.device_past = [], 0, [], []
+        self.mask, self.positions = np.zeros((0, 1), dtype=np.int64), np.zeros((0, 1), dtype=np.int64)
+
+    # The present -> past layout (CUDA, or for comparison): the cache is re-packed on changes.
+
+    def _join_concatenated(self, prompts: list[PrefilledPrompt]) -> None:
+        started = time.perf_counter()
+        length = max([self.filled] + [p.cache[0].shape[2] for p in prompts])
 
         def pad(a: np.ndarray, axis: int) -> np.ndarray:
             widths = [(0, 0)] * a.ndim
             widths[axis] = (length - a.shape[axis], 0)
             return np.pad(a, widths)
 
-        cache = [np.concatenate([pad(o, 2), pad(n, 2)], axis=0) for o, n in zip(old_cache, arrays, strict=True)]
-        self.rows = self.rows + list(request_ids)
-        self._repack(cache, np.concatenate([pad(old_mask, 1), pad(mask, 1)], axis=0), length + 1)
+        parts = [[pad(a, 2) for a in p.cache] for p in prompts]
+        masks = [pad(np.ones((1, p.cache[0].shape[2]), dtype=np.int64), 1) for p in prompts]
+        if self.rows:
+            parts.insert(0, [pad(self._host(v), 2) for v in self.device_past])
+            masks.insert(0, pad(self.mask, 1))
+        self.rows = self.rows + [p.request_id for p in prompts]
+        self._store_concatenated([np.concatenate(layer, axis=0) for layer in zip(*parts, strict=True)], masks)
+        self.timings.cache += time.perf_counter() - started
 
-    def _repack(self, cache: list[np.ndarray], mask: np.ndarray, needed: int) -> None:
-        """Store (B, nh, L, hs) caches with mask (B, L) as the batch, room for `needed` columns."""
+    def _remove_concatenated(self, holes: set[int]) -> None:
         started = time.perf_counter()
-        try:
-            self._store(cache, mask, needed)
-        finally:
-            self.timings.cache += time.perf_counter() - started
-
-    def _store(self, cache: list[np.ndarray], mask: np.ndarray, needed: int) -> None:
-        length = mask.shape[1]
-        self.filled = length
-        if not self.in_place:
-            self.mask = np.ascontiguousarray(mask)
-            self.device_past = self._to_device(cache)
-            return
-        capacity = -(-needed // self.growth_tokens) * self.growth_tokens
-        batch = mask.shape[0]
-        self.mask = np.zeros((batch, capacity), dtype=np.int64)
-        self.mask[:, :length] = mask
-        self.buffers = []
-        for layer in cache:
-            buffer = np.zeros((batch, layer.shape[1], capacity, layer.shape[3]), dtype=layer.dtype)
-            buffer[:, :, :length] = layer
-            self.buffers.append(buffer)
-
-    def remove(self, request_ids: set[str]) -> None:
-        """Drop finished or cancelled sequences (and any partial prefill) from the batch."""
-        for request_id in request_ids:
-            self._partial.pop(request_id, None)
-        keep = [i for i, row in enumerate(self.rows) if row not in request_ids]
-        if len(keep) == len(self.rows):
-            return
+        keep = [i for i in range(len(self.rows)) if i not in holes]
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.mask, self.filled, self.buffers, self.device_past = np.zeros((0, 0), dtype=np.int64), 0, [], []
+            self._reset()
             return
-        mask = self.mask[keep, : self.filled]
+        mask = self.mask[keep]
         first_real = int(np.argmax(mask.any(axis=0)))  # columns of padding in every row go
-        cache = [layer[keep][:, :, first_real:] for layer in self._host_cache()]
-        self._repack(cache, mask[:, first_real:], self.filled - first_real + 1)
+        cache = [self._host(v)[keep][:, :, first_real:] for v in self.device_past]
+        self._store_concatenated(cache, [mask[:, first_real:]])
+        self.timings.cache += time.perf_counter() - started
+
+    def _store_concatenated(self, cache: list[np.ndarray], masks: list[np.ndarray]) -> None:
+        self.mask = np.ascontiguousarray(np.concatenate(masks, axis=0))
+        self.filled = self.mask.shape[1]
+        self.positions = self.mask.sum(axis=1, keepdims=True)  # real tokens so far = the next position
+        self.device_past = self._to_device(cache)
 
     @property
     def cache_slots(self) -> int:
-        """Token slots the batch cache physically occupies (rows x capacity)."""
-        return int(self.mask.size)
+        """Token slots the batch cache physically occupies (allocated rows x columns)."""
+        if not self.rows:
+            return 0
+        if self.in_place:
+            return self.buffers[0].shape[0] * self.buffers[0].shape[2]
+        return len(self.rows) * self.filled
 
-    # ------------------------------------------------------------------ scoring
+    # ------------------------------------------------------------------ scoring (any thread)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
         """Teacher-forced log-probabilities of token_ids[1:] (one call, outside the batch)."""
         ids = np.asarray([token_ids[:-1]], dtype=np.int64)
         mask = np.ones_like(ids)
         positions = np.arange(ids.shape[1], dtype=np.int64)[None]
-        logits, _ = self._run(ids, mask, positions, self._empty(1))  # type: ignore[arg-type]
+        logits, _ = self._run(self.prefill_session, ids, mask, positions, self._empty(1))  # type: ignore[arg-type]
         return target_logprobs(logits[0], token_ids[1:])

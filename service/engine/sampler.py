@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine.request import SamplingParams
+from service.engine.request import Request, SamplingParams
 
 # Below this, temperature sampling is greedy (dividing by it would overflow).
 MIN_TEMPERATURE = 1e-5
@@ -28,6 +28,18 @@ class Sampler:
         if not np.all(np.isfinite(probs)):  # e.g. non-finite logits: fall back to the mode
             return int(np.argmax(logits))
         return int(generator.choice(len(logits), p=probs))
+
+    def sample_batch(self, requests: list[Request], logits: np.ndarray) -> list[int | Exception]:
+        """One token per row of logits (n, vocab): greedy rows in one argmax, the rest one by
+        one; a row whose sampling fails gets the exception instead of a token."""
+        tokens: list[int | Exception] = logits.argmax(axis=1).tolist()
+        for row, request in enumerate(requests):
+            if request.params.temperature >= MIN_TEMPERATURE:
+                try:
+                    tokens[row] = self.sample(request.request_id, logits[row], request.params)
+                except Exception as error:
+                    tokens[row] = error
+        return tokens
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

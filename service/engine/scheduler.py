@@ -1,9 +1,10 @@
 """Iteration-level (continuous) batching: who runs this step, within cache and batch limits.
 
-Each step every decoding sequence advances one token, and prompt work fills a per-step token
-budget: chunks of long prompts first, then new requests in arrival order. Blocks are taken
-one at a time as sequences grow; when the pool runs dry the newest sequence is preempted
-(its blocks freed, recomputed later), as vLLM does.
+Each step every decoding sequence advances one token, and waiting requests are admitted in
+arrival order while the batch and the block pool have room; their prompts go to the prefill
+worker and join the batch when computed. Blocks are taken one at a time as sequences grow;
+when the pool runs dry the newest sequence is preempted (its blocks freed, recomputed later),
+as vLLM does.
 """
 
 from __future__ import annotations
@@ -20,35 +21,17 @@ class QueueFullError(RuntimeError):
 
 
 @dataclass
-class ScheduledChunk:
-    request: Request
-    start: int
-    end: int
-
-    @property
-    def is_last(self) -> bool:
-        return self.end >= self.request.prefill_length
-
-
-@dataclass
 class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)
-    prefill: list[ScheduledChunk] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # prompts to compute
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
 
 
 class Scheduler:
-    def __init__(
-        self, kv_cache: KVCacheManager, max_batch_size: int = 32, max_queue: int = 128, prefill_tokens: int = 512
-    ) -> None:
+    def __init__(self, kv_cache: KVCacheManager, max_batch_size: int = 32, max_queue: int = 128) -> None:
         self.kv_cache = kv_cache
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
-        self.prefill_tokens = prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -71,39 +54,22 @@ class Scheduler:
                 out.preempted.append(victim)
             if request in self.running:
                 out.decode.append(request)
-        # 2. Prompt work within the token budget: unfinished chunked prompts, then new requests.
-        budget = self.prefill_tokens
-        for request in [r for r in self.running if not r.prefill_done]:
-            if budget <= 0:
-                break
-            chunk = self._chunk(request, budget)
-            if chunk is None:
-                break
-            out.prefill.append(chunk)
-            budget -= chunk.end - chunk.start
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        # 2. New requests (and preempted ones) in arrival order, blocks for their whole prompt.
+        while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
-            chunk = self._chunk(request, budget)
-            if chunk is None:
+            if not self.kv_cache.allocate(request.request_id, request.prefill_length):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.prefill.append(chunk)
-            budget -= chunk.end - chunk.start
+            out.admitted.append(request)
         return out
-
-    def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
-        start = request.num_computed_tokens
-        end = min(request.prefill_length, start + budget)
-        if not self.kv_cache.allocate(request.request_id, end):
-            return None
-        return ScheduledChunk(request, start, end)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request.request_id)
         request.num_computed_tokens = 0
+        request.attempt += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

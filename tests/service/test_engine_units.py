@@ -47,32 +47,32 @@ def test_reserved_but_unused_is_under_one_block_per_sequence() -> None:
     assert wasted / lengths.sum() < 0.05
 
 
-def test_scheduler_batches_prefill_chunks_long_prompts_and_respects_limits() -> None:
-    kv = KVCacheManager(budget_bytes=1000 * 16, bytes_per_token=1, block_size=16)
-    scheduler = Scheduler(kv, max_batch_size=2, max_queue=2, prefill_tokens=100)
+def test_scheduler_admits_in_order_within_batch_queue_and_block_limits() -> None:
+    kv = KVCacheManager(budget_bytes=17 * 16, bytes_per_token=1, block_size=16)
+    scheduler = Scheduler(kv, max_batch_size=2, max_queue=2)
     long, short, third = make_request("long", 250), make_request("short", 20), make_request("third", 5)
     scheduler.add(long)
     scheduler.add(short)
     with pytest.raises(QueueFullError, match="max_queue=2"):
         scheduler.add(make_request("x", 1))
     out = scheduler.schedule()
-    assert [(c.request.request_id, c.start, c.end) for c in out.prefill] == [("long", 0, 100)]
-    long.num_computed_tokens = 100
+    assert out.admitted == [long] and list(scheduler.waiting) == [short]  # 16 blocks + 2 > 17: waits
+    assert kv.stats().used_blocks == 16  # the whole prompt's blocks, taken at admission
     scheduler.add(third)
-    out = scheduler.schedule()  # the chunked prompt continues, the short one joins
-    assert [(c.request.request_id, c.start, c.end) for c in out.prefill] == [("long", 100, 200)]
-    long.num_computed_tokens = 200
+    long.num_computed_tokens = 250  # its prefill joined the batch
+    long.output_ids.append(7)
+    assert scheduler.schedule().decode == [long]  # 251 tokens still fit in 16 blocks
+    scheduler.remove(long)
     out = scheduler.schedule()
-    assert [(c.request.request_id, c.start, c.end, c.is_last) for c in out.prefill] == [
-        ("long", 200, 250, True),
-        ("short", 0, 20, True),
-    ]
-    assert len(scheduler.running) == 2 and list(scheduler.waiting) == [third]  # batch limit
+    assert out.admitted == [short, third] and out.decode == []
+    assert kv.stats().used_blocks == 3
+    scheduler.add(make_request("fourth", 1))
+    assert scheduler.schedule().admitted == [] and len(scheduler.waiting) == 1  # batch limit
 
 
 def test_scheduler_preempts_newest_when_the_pool_runs_dry() -> None:
     kv = KVCacheManager(budget_bytes=4 * 16, bytes_per_token=1, block_size=16)
-    scheduler = Scheduler(kv, max_batch_size=8, prefill_tokens=1000)
+    scheduler = Scheduler(kv, max_batch_size=8)
     a, b = make_request("a", 32), make_request("b", 32)
     scheduler.add(a)
     scheduler.add(b)
@@ -82,7 +82,7 @@ def test_scheduler_preempts_newest_when_the_pool_runs_dry() -> None:
         request.output_ids.append(5)
     out = scheduler.schedule()  # a needs a 3rd block: b is preempted
     assert out.preempted == [b] and out.decode == [a]
-    assert list(scheduler.waiting) == [b] and b.num_computed_tokens == 0
+    assert list(scheduler.waiting) == [b] and b.num_computed_tokens == 0 and b.attempt == 1
     assert b.prefill_ids == [1] * 32  # recomputed later without its last output token
     scheduler.remove(a)
     assert kv.stats().used_blocks == 0

@@ -10,7 +10,7 @@ import pytest
 from export.manifest import Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
-from service.engine.runner import ModelRunner, PrefillChunk
+from service.engine.runner import ModelRunner, PrefilledPrompt
 
 PROMPTS = {
     "a": TOKENIZER.encode("def f(x):\n"),
@@ -39,19 +39,27 @@ def test_sequences_joining_and_leaving_match_lone_runs(repository: Path, model: 
             seen[rid].append(logits)
             tokens[rid] = int(np.argmax(expected[rid][len(seen[rid]) - 1]))  # follow the lone run's path
 
-    record(runner.prefill([PrefillChunk("a", PROMPTS["a"], 0, True)])[0])
+    def joined(prompts: list[PrefilledPrompt]) -> None:
+        runner.join(prompts)
+        record({p.request_id: p.logits for p in prompts})
+
+    def step() -> None:
+        logits = runner.decode(np.array([tokens[r] for r in runner.rows]))
+        record(dict(zip(runner.rows, logits, strict=True)))
+
+    joined(runner.prefill_batch({"a": PROMPTS["a"]}))
     for _ in range(3):
-        record(runner.decode({r: tokens[r] for r in runner.rows}))
-    # "b" arrives in two chunks while "a" decodes, then "c" joins whole.
-    b = PROMPTS["b"]
-    record(runner.prefill([PrefillChunk("b", b[:20], 0, False)])[0])
-    record(runner.decode({r: tokens[r] for r in runner.rows}))
-    record(runner.prefill([PrefillChunk("b", b[20:], 20, True), PrefillChunk("c", PROMPTS["c"], 0, True)])[0])
+        step()
+    # "b" is computed in chunks (longer than "a" so far), then "b" and "c" join together.
+    b = runner.prefill_chunked("b", PROMPTS["b"], chunk_tokens=20)
+    assert b is not None
+    step()
+    joined([b, *runner.prefill_batch({"c": PROMPTS["c"]})])
     for _ in range(4):
-        record(runner.decode({r: tokens[r] for r in runner.rows}))
+        step()
     runner.remove({"a"})
     for _ in range(4):
-        record(runner.decode({r: tokens[r] for r in runner.rows}))
+        step()
     assert sorted(runner.rows) == ["b", "c"]
     for rid, logits in seen.items():
         assert len(logits) > 1
@@ -59,3 +67,21 @@ def test_sequences_joining_and_leaving_match_lone_runs(repository: Path, model: 
             np.testing.assert_allclose(value, expected[rid][step], atol=1e-4, err_msg=f"{rid} step {step}")
     runner.remove({"b", "c"})
     assert runner.rows == [] and runner.cache_slots == 0
+
+
+def test_batched_prompts_match_lone_prompts(repository: Path) -> None:
+    """Left padding of a batched prefill is cut off: each row's cache is its lone cache."""
+    runner = ModelRunner(Manifest.load(repository / "rope"), "cpu", threads=1)
+    together = runner.prefill_batch(PROMPTS)
+    for prompt in together:
+        alone = runner.prefill_batch({prompt.request_id: PROMPTS[prompt.request_id]})[0]
+        assert prompt.cache[0].shape == alone.cache[0].shape == (1, 4, len(PROMPTS[prompt.request_id]), 32)
+        np.testing.assert_allclose(prompt.logits, alone.logits, atol=1e-4)
+        for mine, lone in zip(prompt.cache, alone.cache, strict=True):
+            np.testing.assert_allclose(mine, lone, atol=1e-4)
+
+
+def test_aborted_chunked_prefill_returns_nothing(repository: Path) -> None:
+    runner = ModelRunner(Manifest.load(repository / "alibi"), "cpu", threads=1)
+    calls = iter([False, True])
+    assert runner.prefill_chunked("x", PROMPTS["b"], chunk_tokens=8, aborted=lambda: next(calls)) is None

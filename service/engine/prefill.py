@@ -1,0 +1,171 @@
+"""The prefill worker: computes admitted prompts in its own thread and ONNX Runtime session.
+
+A long prompt then never stalls the decode steps of running sequences (their inter-token
+latency stays near its unloaded value; only the new prompt's first token waits for it), the
+goal chunked prefill serves in vLLM and Sarathi-Serve. Short prompts that arrive together are
+computed in one left-padded call; a long prompt is computed in chunks, and short prompts that
+arrive meanwhile run between its chunks instead of queueing behind all of it.
+
+On a machine with few cores the worker thread also runs at a lower OS priority (`nice`), so
+the decode steps and the gRPC threads that stream their tokens get the CPU first and prompts
+use what is left (its ONNX Runtime session computes on this thread when it has one intra-op
+thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from service.engine.request import Request
+from service.engine.runner import ModelRunner, PrefilledPrompt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillJob:
+    request: Request
+    attempt: int  # the request's preemption count when submitted: a later result is stale
+    token_ids: list[int]
+
+    @property
+    def aborted(self) -> bool:
+        request = self.request
+        if request.status.finished or request.attempt != self.attempt or request.cancelled.is_set():
+            return True
+        return request.deadline is not None and time.monotonic() >= request.deadline
+
+
+@dataclass
+class PrefillResult:
+    job: PrefillJob
+    prompt: PrefilledPrompt | None = None  # None: aborted, or failed
+    error: Exception | None = None
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        chunk_tokens: int,
+        deliver: Callable[[list[PrefillResult]], None],
+        observe: Callable[[float, int], None],
+        name: str,
+        nice: int = 0,
+    ) -> None:
+        """`deliver` gets finished results (on this thread); `observe(seconds, batch)` each call."""
+        self.runner = runner
+        self.chunk_tokens = chunk_tokens
+        self._deliver = deliver
+        self._observe = observe
+        self._jobs: deque[PrefillJob] = deque()
+        self._long: deque[tuple[PrefillJob, Iterator[PrefilledPrompt | None]]] = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.nice = nice
+        self._thread = threading.Thread(target=self._loop, name=f"prefill-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def submit(self, jobs: list[PrefillJob]) -> None:
+        with self._wake:
+            self._jobs.extend(jobs)
+            self._wake.notify()
+
+    def _lower_priority(self) -> None:
+        """Raise this thread's nice value (Linux schedules threads apart; lowering is always allowed)."""
+        if self.nice <= 0 or not hasattr(os, "setpriority"):
+            return
+        try:
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + self.nice)
+        except OSError as error:
+            logger.warning("prefill worker: could not lower its priority: %s", error)
+
+    def _loop(self) -> None:
+        self._lower_priority()
+        while True:
+            with self._wake:
+                while not self._jobs and not self._long and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                short = []
+                while self._jobs:
+                    job = self._jobs.popleft()
+                    if len(job.token_ids) <= self.chunk_tokens:
+                        short.append(job)
+                    else:
+                        self._long.append((job, self.runner.prefill_chunks("", job.token_ids, self.chunk_tokens)))
+            results: list[PrefillResult] = []
+            try:
+                self._run_short(short, results)
+                self._advance_long(results)
+            except Exception:  # a bug must not kill the worker (and strand its requests)
+                logger.exception("prefill worker failed")
+            if results:
+                self._deliver(results)
+
+    def _run_short(self, jobs: list[PrefillJob], results: list[PrefillResult]) -> None:
+        """Prompts of up to `chunk_tokens` in left-padded batches of up to `chunk_tokens` tokens."""
+        live = []
+        for job in jobs:
+            (results.append(PrefillResult(job)) if job.aborted else live.append(job))
+        batch: list[PrefillJob] = []
+        for job in live:
+            if batch and sum(len(j.token_ids) for j in batch) + len(job.token_ids) > self.chunk_tokens:
+                self._run_batch(batch, results)
+                batch = []
+            batch.append(job)
+        if batch:
+            self._run_batch(batch, results)
+
+    def _run_batch(self, batch: list[PrefillJob], results: list[PrefillResult]) -> None:
+        """One call for the batch; if it fails, each prompt alone, so the failure stays with its cause."""
+        started = time.monotonic()
+        try:
+            prompts = self.runner.prefill_batch({j.request.request_id: j.token_ids for j in batch})
+        except Exception as error:
+            if len(batch) == 1:
+                results.append(PrefillResult(batch[0], error=error))
+                return
+            for job in batch:
+                self._run_batch([job], results)
+            return
+        self._observe(time.monotonic() - started, len(batch))
+        results.extend(PrefillResult(job, prompt) for job, prompt in zip(batch, prompts, strict=True))
+
+    def _advance_long(self, results: list[PrefillResult]) -> None:
+        """One chunk of the oldest long prompt."""
+        if not self._long:
+            return
+        job, chunks = self._long[0]
+        if job.aborted:
+            self._long.popleft()
+            results.append(PrefillResult(job))
+            return
+        started = time.monotonic()
+        try:
+            prompt = next(chunks)
+        except Exception as error:
+            self._long.popleft()
+            results.append(PrefillResult(job, error=error))
+            return
+        self._observe(time.monotonic() - started, 1)
+        if prompt is not None:
+            self._long.popleft()
+            prompt.request_id = job.request.request_id
+            results.append(PrefillResult(job, prompt))
