@@ -35,14 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cancel-fraction", type=float, default=0.2)
     parser.add_argument("--models", default="alibi:1,rope:1,relative:1,none:1,sinusoidal:1,learned:1")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--warmup-seconds", type=int, default=60)
     args = parser.parse_args(argv)
     server = ServerProcess(args.model_repository, "--max-queue", "1024", threads=0).wait_serving()
     out = Path(tempfile.mkdtemp(prefix="posenc-soak-"))
     try:
-        # Warm up so the start figure includes loaded sessions and allocator pools.
+        # Warm up at the soak's own load, so the start figure already holds what steady state
+        # needs (loaded sessions, ONNX Runtime's arenas at the peak batch shapes); growth from
+        # there is what leaks.
         subprocess.run(
             [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest/locustfile.py"), "--headless",
-             "-u", "8", "-r", "8", "-t", "15s", "--host", server.target, "--models", args.models, "--only-summary"],
+             "-u", str(args.users), "-r", str(args.users), "-t", f"{args.warmup_seconds}s", "--host", server.target,
+             "--models", args.models, "--max-new-tokens", str(args.max_new_tokens), "--prompt-bytes", "uniform:16:200",
+             "--cancel-fraction", str(args.cancel_fraction), "--only-summary"],
             cwd=ROOT, capture_output=True, check=True,
         )  # fmt: skip
         start_rss = resident_bytes(server.process.pid)

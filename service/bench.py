@@ -201,6 +201,7 @@ def cache_share(folder: Path, batch: int, context: int, threads: int, in_place: 
     runner.session = ort.InferenceSession(
         str(runner.manifest.onnx_path(runner.variant)), options, providers=["CPUExecutionProvider"]
     )
+    runner._binding = None  # bind the new session
     for _ in range(steps):
         runner.decode(np.full(len(runner.rows), 65))
     profile_path = Path(runner.session.end_profiling())

@@ -30,6 +30,9 @@ from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
+# Gauges (cache bytes, running, queued) are refreshed this often while busy, and whenever idle.
+GAUGE_INTERVAL_SECONDS = 0.02
+
 
 class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
@@ -95,7 +98,8 @@ class ModelEngine:
         self._preemptions = metrics.preemptions.labels(**self.labels)
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, joined at the next step
-        self._to_remove: set[str] = set()  # rows leaving the batch, dropped together once per step
+        self._to_remove: set[str] = set()
+        self._gauges_due = 0.0  # rows leaving the batch, dropped together once per step
         self.prefill_worker = PrefillWorker(
             self.runner,
             config.prefill_tokens,
@@ -244,8 +248,12 @@ class ModelEngine:
         if output.decode:
             self._decode(output.decode)
         self._flush_removals()
-        self._update_gauges()
-        return bool(joined or output.decode)
+        busy = bool(joined or output.decode)
+        now = time.monotonic()
+        if not busy or now >= self._gauges_due:  # every step would cost ~3% of a small step
+            self._update_gauges()
+            self._gauges_due = now + GAUGE_INTERVAL_SECONDS
+        return busy
 
     def _reap_aborted(self) -> None:
         now = time.monotonic()

@@ -68,7 +68,7 @@ class PrefilledPrompt:
 
 class ModelRunner:
     def __init__(
-        self, manifest: Manifest, device: str = "auto", threads: int = 0, growth_tokens: int = 64, in_place: bool = True
+        self, manifest: Manifest, device: str = "auto", threads: int = 0, growth_tokens: int = 16, in_place: bool = True
     ) -> None:
         """`in_place=False` forces the present -> past graph on the CPU too (for comparison)."""
         self.manifest = manifest
@@ -101,6 +101,11 @@ class ModelRunner:
         self.buffers: list[np.ndarray] = []  # in place: (B, nh, capacity, hs) per layer
         self.device_past: list[np.ndarray | ort.OrtValue] = []  # present -> past: (B, nh, P, hs) per layer
         self.timings = RunnerTimings()
+        self._binding: ort.IOBinding | None = None  # the in-place decode call, bound (see _bound_step)
+        self._bound_rows = 0
+        self._ids = np.zeros((0, 1), dtype=np.int64)
+        self._logits = np.zeros((0, 1, 0), dtype=np.float32)
+        self._new_kv: list[np.ndarray] = []
         # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
@@ -221,21 +226,24 @@ class ModelRunner:
         batch = len(self.rows)
         if not batch:
             return np.zeros((0, 0), dtype=np.float32)
-        ids = tokens.reshape(-1, 1).astype(np.int64, copy=False)
         started = time.perf_counter()
         if self.in_place:
             if self.filled == self.mask.shape[1] - 1:  # no free column: grow
                 self._rebuild(self.filled)
-            past = [b[:batch] for b in self.buffers]  # leading rows of a C-order array: no copy
-            logits, new = self._run(self.session, ids, self.mask[:batch], self.positions[:batch], past)  # type: ignore[arg-type]
+            binding = self._bound_step(batch)
+            self._ids[:, 0] = tokens
+            check_positions(self.positions[:batch], self.manifest.max_positions)
+            self.session.run_with_iobinding(binding)
             after_graph = time.perf_counter()
             column = self.filled
-            for buffer, value in zip(self.buffers, new, strict=True):
-                buffer[:batch, :, column] = value[:, :, 0]  # type: ignore[index]
+            for buffer, value in zip(self.buffers, self._new_kv, strict=True):
+                buffer[:batch, :, column] = value[:, :, 0]
             self.mask[:batch, column] = 1
             self.filled += 1
             self.timings.cache += time.perf_counter() - after_graph
+            logits = self._logits.copy()  # the bound array is overwritten next step
         else:
+            ids = tokens.reshape(-1, 1).astype(np.int64, copy=False)
             mask = np.concatenate([self.mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
             logits, self.device_past = self._run(self.session, ids, mask, self.positions, self.device_past)  # type: ignore[arg-type]
             after_graph = time.perf_counter()
@@ -244,6 +252,34 @@ class ModelRunner:
         self.timings.graph += after_graph - started
         self.positions[:batch] += 1
         return logits[:, -1]
+
+    def _bound_step(self, batch: int) -> ort.IOBinding:
+        """The decode call's inputs and outputs bound once to host arrays we own (the leading
+        `batch` rows of the buffers, mask and positions; preallocated outputs), so a step is one
+        `run_with_iobinding` with no per-step conversions. Re-made when the batch or buffers change."""
+        if self._binding is not None and self._bound_rows == batch:
+            return self._binding
+        binding = self.session.io_binding()
+
+        def bind(name: str, array: np.ndarray, output: bool = False) -> None:
+            assert array.flags.c_contiguous, name
+            bind_fn = binding.bind_output if output else binding.bind_input
+            bind_fn(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+        self._ids = np.zeros((batch, 1), dtype=np.int64)
+        bind("input_ids", self._ids)
+        bind("attention_mask", self.mask[:batch])
+        bind("position_ids", self.positions[:batch])
+        for name, buffer in zip(self.past_names, self.buffers, strict=True):
+            bind(name, buffer[:batch])
+        self._logits = np.zeros((batch, 1, self.manifest.vocab_size), dtype=np.float32)
+        bind("logits", self._logits, output=True)
+        heads, head_dim = self.manifest.n_heads, self.manifest.head_dim
+        self._new_kv = [np.zeros((batch, heads, 1, head_dim), dtype=NP_DTYPES[self.dtype]) for _ in self.past_names]
+        for name, array in zip(self.output_names[1:], self._new_kv, strict=True):
+            bind(name, array, output=True)
+        self._binding, self._bound_rows = binding, batch
+        return binding
 
     # ------------------------------------------------------------------ batch membership
 
@@ -314,10 +350,11 @@ class ModelRunner:
     def _rebuild(self, length: int, extra_rows: int = 0) -> None:
         """Re-allocate the in-place buffers with the active rows right-aligned at `length`
         columns (dropping leading columns if shorter), room for `extra_rows` more rows and
-        headroom to grow (a quarter more rows, an eighth more columns, at least `growth_tokens`)."""
+        headroom to grow (a quarter more rows; a sixteenth more columns, at least `growth_tokens`:
+        every column is read each step, so spare ones cost time as well as memory)."""
         batch = len(self.rows)
         rows = batch + extra_rows
-        columns = length + max(self.growth_tokens, length // 8)
+        columns = length + max(self.growth_tokens, length // 16)
         columns = -(-columns // self.growth_tokens) * self.growth_tokens
         keep = min(length, self.filled)
         heads, head_dim = self.manifest.n_heads, self.manifest.head_dim
@@ -333,8 +370,10 @@ class ModelRunner:
             mask[:batch, length - keep : length] = self.mask[:batch, self.filled - keep : self.filled]
             positions[:batch] = self.positions[:batch]
         self.buffers, self.mask, self.positions, self.filled = buffers, mask, positions, length
+        self._binding = None
 
     def _reset(self) -> None:
+        self._binding = None
         self.rows, self.filled, self.buffers, self.device_past = [], 0, [], []
         self.mask, self.positions = np.zeros((0, 1), dtype=np.int64), np.zeros((0, 1), dtype=np.int64)
 

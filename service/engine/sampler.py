@@ -11,35 +11,57 @@ MIN_TEMPERATURE = 1e-5
 
 
 class Sampler:
-    """Each request draws from its own generator, seeded by the request, so its samples do
-    not depend on which other requests shared the batch."""
+    """Each request draws from its own generator, seeded by the request, and each row's
+    arithmetic depends on that row alone, so a request's samples do not depend on which
+    other requests shared the batch (or on the batch's order)."""
 
     def __init__(self) -> None:
         self._generators: dict[str, np.random.Generator] = {}
 
     def sample(self, request_id: str, logits: np.ndarray, params: SamplingParams) -> int:
-        """logits: (vocab,) float."""
-        if params.temperature < MIN_TEMPERATURE:
+        """One request alone; logits: (vocab,) float."""
+        token = self.sample_rows([request_id], [params], logits[None])[0]
+        if isinstance(token, Exception):
+            raise token
+        return token
+
+    def sample_batch(self, requests: list[Request], logits: np.ndarray) -> list[int | Exception]:
+        return self.sample_rows([r.request_id for r in requests], [r.params for r in requests], logits)
+
+    def sample_rows(
+        self, request_ids: list[str], params: list[SamplingParams], logits: np.ndarray
+    ) -> list[int | Exception]:
+        """One token per row of logits (n, vocab). Greedy rows share one argmax, rows with
+        temperature alone one softmax; rows with top-k / top-p filters go one by one. A row
+        whose sampling fails gets the exception instead of a token."""
+        tokens: list[int | Exception] = logits.argmax(axis=1).tolist()
+        sampled = [row for row, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
+        if not sampled:
+            return tokens
+        plain = [row for row in sampled if params[row].top_k == 0 and params[row].top_p >= 1.0]
+        cdfs: dict[int, np.ndarray] = {}
+        if plain:
+            temperatures = np.array([[params[row].temperature] for row in plain])
+            scaled = logits[plain].astype(np.float64) / temperatures
+            scaled -= scaled.max(axis=1, keepdims=True)
+            cdfs.update(zip(plain, np.cumsum(np.exp(scaled), axis=1), strict=True))
+        for row in sampled:
+            try:
+                cdf = cdfs[row] if row in cdfs else np.cumsum(probabilities(logits[row], params[row]))
+                tokens[row] = self._draw(request_ids[row], params[row].seed, cdf, logits[row])
+            except Exception as error:
+                tokens[row] = error
+        return tokens
+
+    def _draw(self, request_id: str, seed: int, cdf: np.ndarray, logits: np.ndarray) -> int:
+        """Inverse-CDF draw of one uniform from the request's generator (unnormalised cdf)."""
+        total = cdf[-1]
+        if not (np.isfinite(total) and total > 0):  # e.g. non-finite logits: fall back to the mode
             return int(np.argmax(logits))
         generator = self._generators.get(request_id)
         if generator is None:
-            generator = self._generators[request_id] = np.random.default_rng(params.seed)
-        probs = probabilities(logits, params)
-        if not np.all(np.isfinite(probs)):  # e.g. non-finite logits: fall back to the mode
-            return int(np.argmax(logits))
-        return int(generator.choice(len(logits), p=probs))
-
-    def sample_batch(self, requests: list[Request], logits: np.ndarray) -> list[int | Exception]:
-        """One token per row of logits (n, vocab): greedy rows in one argmax, the rest one by
-        one; a row whose sampling fails gets the exception instead of a token."""
-        tokens: list[int | Exception] = logits.argmax(axis=1).tolist()
-        for row, request in enumerate(requests):
-            if request.params.temperature >= MIN_TEMPERATURE:
-                try:
-                    tokens[row] = self.sample(request.request_id, logits[row], request.params)
-                except Exception as error:
-                    tokens[row] = error
-        return tokens
+            generator = self._generators[request_id] = np.random.default_rng(seed)
+        return min(int(np.searchsorted(cdf, generator.random() * total, side="right")), len(cdf) - 1)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -101,6 +101,25 @@ def test_sampler_filters() -> None:
     assert len(set(draws)) == 1  # the seed fixes the draw
 
 
+def test_batched_sampling_equals_each_request_alone() -> None:
+    """A row's token depends on its own logits, parameters and generator, not on its batch."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((12, 259)).astype(np.float32) * 3
+    params = [
+        SamplingParams(
+            1, temperature=[0.0, 0.7, 1.3][i % 3], top_k=[0, 0, 5, 0][i % 4], top_p=[1.0, 0.9][i % 2], seed=i
+        )
+        for i in range(12)
+    ]
+    ids = [f"r{i}" for i in range(12)]
+    batched, alone = Sampler(), Sampler()
+    for _ in range(20):
+        order = rng.permutation(12)
+        together = batched.sample_rows([ids[i] for i in order], [params[i] for i in order], logits[order])
+        for token, i in zip(together, order, strict=True):
+            assert token == alone.sample(ids[i], logits[i], params[i])
+
+
 def test_detokenizer_never_splits_characters_and_hides_stop_prefixes() -> None:
     detok = IncrementalDetokenizer()
     encoded = "é→".encode()
