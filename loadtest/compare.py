@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads of the server (0 = all cores)")
+    parser.add_argument("--threads", type=int, default=0, help="threads per ONNX Runtime session (0: half the cores)")
     parser.add_argument("--run-id", default=None)
     parser.add_argument("--out", type=Path, default=None, help="report folder (default reports/<run-id>)")
     args = parser.parse_args(argv)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import csv
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,6 +27,24 @@ def resident_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def settle(server: ServerProcess, timeout: float = 30.0) -> None:
+    """Wait until no sequence runs or waits on any model (the load generator has stopped and the
+    server has finished or cancelled what was in flight), so memory is measured at rest."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = server.metrics()
+        busy = [
+            line
+            for line in text.splitlines()
+            if line.startswith(("posenc_running_sequences{", "posenc_queued_sequences{", "posenc_kv_cache_used_bytes{"))
+            and float(line.rsplit(" ", 1)[1]) > 0
+        ]
+        if not busy:
+            break
+        time.sleep(0.5)
+    time.sleep(2.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +70,18 @@ def main(argv: list[str] | None = None) -> int:
              "--cancel-fraction", str(args.cancel_fraction), "--only-summary"],
             cwd=ROOT, capture_output=True, check=True,
         )  # fmt: skip
+        settle(server)
         start_rss = resident_bytes(server.process.pid)
         started = time.monotonic()
+        samples: list[tuple[float, int]] = []
+        sampling = threading.Event()
+
+        def sample_memory() -> None:
+            while not sampling.wait(args.minutes * 60 / 20):
+                samples.append((time.monotonic() - started, resident_bytes(server.process.pid)))
+
+        sampler = threading.Thread(target=sample_memory, daemon=True)
+        sampler.start()
         result = subprocess.run(
             [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest/locustfile.py"), "--headless",
              "-u", str(args.users), "-r", str(args.users), "-t", f"{int(args.minutes * 60)}s", "--host", server.target,
@@ -60,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             cwd=ROOT, capture_output=True, text=True,
         )  # fmt: skip
         elapsed = time.monotonic() - started
+        sampling.set()
+        settle(server)
         end_rss = resident_bytes(server.process.pid)
         rows = list(csv.DictReader((out / "soak_stats.csv").open()))
         failures = list(csv.DictReader((out / "soak_failures.csv").open()))
@@ -79,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"errors by code: {dict(codes) or 'none'}")
         growth = (end_rss - start_rss) / start_rss * 100 if start_rss else float("nan")
         print(f"server resident memory: start {start_rss / 1e6:.0f} MB, end {end_rss / 1e6:.0f} MB ({growth:+.1f}%)")
+        print("  under load (s: MB): " + ", ".join(f"{t:.0f}: {rss / 1e6:.0f}" for t, rss in samples))
+        if len(samples) >= 4:
+            half = len(samples) // 2
+            first, second = (statistics.median(r for _, r in part) for part in (samples[:half], samples[half:]))
+            print(
+                f"  median under load: first half {first / 1e6:.0f} MB, second half {second / 1e6:.0f} MB "
+                f"({(second - first) / first * 100:+.1f}%)"
+            )
         for model in ("alibi", "rope", "relative", "none", "sinusoidal", "learned"):
             try:
                 used = server.metric("posenc_kv_cache_used_bytes", model=model)

@@ -21,12 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from prometheus_client import CollectorRegistry
 
 from export.manifest import Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
-from service.engine.runner import ModelRunner, PrefilledPrompt
+from service.engine.engine import Engine, EngineConfig
+from service.engine.request import SamplingParams
+from service.engine.runner import ModelRunner, PrefilledPrompt, default_threads
+from service.metrics import ServiceMetrics
 from service.process import ServerProcess
 from service.server import REPOSITORY_ROOT
 
@@ -60,6 +64,32 @@ def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int)
     for _ in range(new_tokens):
         token = runner.decode(token).argmax(axis=1)
     return new_tokens / (time.perf_counter() - started)
+
+
+def decode_tokens_per_second_engine(repository: Path, model: str, new_tokens: int, threads: int) -> float:
+    """The whole engine (scheduler, runner, sampler, detokenizer, output stream, metrics) in this
+    process, read by a consumer thread as the gRPC servicer reads it: the service minus gRPC."""
+    config = EngineConfig(max_new_tokens_limit=max(4096, new_tokens), threads=threads)
+    engine = Engine.from_repository(repository, config, ServiceMetrics(CollectorRegistry()), [model])
+    engine.start()
+    try:
+        rates = []
+        for tokens in (16, new_tokens):  # the first warms up
+            request = engine.submit(model, "def main():\n", SamplingParams(max_new_tokens=tokens))
+            arrivals, count = [], 0
+            while True:
+                event = request.output.get(timeout=10)
+                if event is None:
+                    continue
+                count += len(event.text.encode())
+                arrivals.append((time.perf_counter(), count))
+                if event.status.finished:
+                    break
+            (first, first_count), (last, last_count) = arrivals[0], arrivals[-1]
+            rates.append((last_count - first_count) / (last - first))
+        return rates[-1]
+    finally:
+        engine.stop(1)
 
 
 def decode_tokens_per_second_plain_loop(folder: Path, new_tokens: int, threads: int) -> float:
@@ -156,6 +186,15 @@ def prefill_interference(server: ServerProcess, model: str, long_prompt_bytes: i
     }
 
 
+def print_interference(label: str, figures: dict[str, float]) -> None:
+    print(
+        f"\nInter-token latency of a running stream while a 4000-byte prompt is prefilled, {label}, "
+        f"over the same {figures['tokens']} tokens: unloaded {figures['unloaded_ms']:.3f} ms, "
+        f"during prefill mean {figures['during_mean_ms']:.3f} ms (longest gap {figures['during_max_ms']:.2f} ms), "
+        f"ratio {figures['ratio_mean']:.2f} (goal <= 1.5); the prefill took {figures['prefill_ms']:.0f} ms"
+    )
+
+
 def batch_runner(folder: Path, batch: int, context: int, threads: int, in_place: bool) -> ModelRunner:
     """A runner whose batch holds `batch` sequences of `context` tokens of random K/V."""
     runner = ModelRunner(Manifest.load(folder), "cpu", threads, in_place=in_place)
@@ -229,12 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository")
     parser.add_argument("--model", default="alibi", help="model for the single-stream and concurrency figures")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads per session (0: half the cores)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--quick", action="store_true", help="fewer steps and contexts")
     args = parser.parse_args(argv)
     repository: Path = args.model_repository
+    args.threads = args.threads or default_threads()
     folders = sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
     steps = 5 if args.quick else 20
 
@@ -252,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         decode_tokens_per_second_grpc(server, args.model, 16)  # warm-up
         figures = {
             "gRPC service": decode_tokens_per_second_grpc(server, args.model, args.new_tokens),
+            "in-process engine (no gRPC)": decode_tokens_per_second_engine(
+                repository, args.model, args.new_tokens, args.threads
+            ),
             "in-process runner": decode_tokens_per_second_runner(folder, args.new_tokens, args.threads),
             "in-process session.run loop": decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads),
         }
@@ -262,18 +305,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<30} {value:8.1f} tokens/s")
         grpc_rate = figures["gRPC service"]
         print(f"  gRPC / in-process runner        {grpc_rate / figures['in-process runner']:.2f}  (goal >= 0.9)")
+        print(f"  gRPC / in-process session.run   {grpc_rate / figures['in-process session.run loop']:.2f}")
+        print(f"  gRPC / in-process engine        {grpc_rate / figures['in-process engine (no gRPC)']:.2f}")
         if genai is not None:
             print(f"  gRPC / onnxruntime-genai        {grpc_rate / genai:.2f}  (goal >= 0.8)")
 
         interference = prefill_interference(server, args.model)
-        print(
-            f"\nInter-token latency of a running stream while a 4000-byte prompt is prefilled "
-            f"(prefill worker), over the same {interference['tokens']} tokens: "
-            f"unloaded {interference['unloaded_ms']:.3f} ms, "
-            f"during prefill mean {interference['during_mean_ms']:.3f} ms "
-            f"(longest gap {interference['during_max_ms']:.2f} ms), ratio {interference['ratio_mean']:.2f} "
-            f"(goal <= 1.5); the prefill took {interference['prefill_ms']:.0f} ms"
-        )
+        print_interference("prefill worker at nice +10 (default)", interference)
         print(f"\nAggregate decode throughput through gRPC ({args.new_tokens // 2} new tokens per stream):")
         rates = {}
         for streams in args.concurrency:
@@ -284,7 +322,20 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         server.stop()
-
+    one = step_seconds(batch_runner(folder, 1, 128, args.threads, True), steps * 5)
+    sixteen = step_seconds(batch_runner(folder, 16, 128, args.threads, True), steps * 5)
+    print(
+        f"  graph alone (runner, context 128): step {one * 1000:.3f} ms at batch 1, {sixteen * 1000:.3f} ms at "
+        f"batch 16, so 16 streams can be at most {16 * one / sixteen:.2f}x one stream here"
+    )
+    server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", "--prefill-nice", "0",
+                           threads=args.threads)  # fmt: skip
+    try:
+        print_interference(
+            "prefill worker at the same priority", prefill_interference(server.wait_serving(), args.model)
+        )
+    finally:
+        server.stop()
     contexts = CONTEXTS[::2] if args.quick else CONTEXTS
     print("\nDecode step time (ms, median) versus context length, batch 1 / batch 8:")
     print("  " + f"{'model':<12}" + "".join(f"{c:>16}" for c in contexts))

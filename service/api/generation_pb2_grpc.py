@@ -76,7 +76,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """Generate a completion, one chunk per engine step with the new text.
+        """Generate a completion, one chunk per engine step with the new text; when the client falls
+        behind, the texts of the steps it has not yet received are merged into one chunk.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -83,8 +83,8 @@ class ModelRunner:
         self.dtype = self.variant.removeprefix("serving-")
         manifest.verify_all()
         self.threads = threads or default_threads()
-        self.session = self._session()  # the decode batch (engine thread)
-        self.prefill_session = self._session()  # prompts and scoring (prefill worker, gRPC threads)
+        self.session = self._session(arena=True)  # the decode batch (engine thread)
+        self.prefill_session = self._session(arena=False)  # prompts and scoring (prefill worker, gRPC threads)
         self.device_type = "cuda" if self.on_gpu else "cpu"
         self.n_layers = manifest.n_layers
         kinds = [f"{i}.{kind}" for i in range(self.n_layers) for kind in ("key", "value")]
@@ -110,8 +110,11 @@ class ModelRunner:
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
 
-    def _session(self) -> ort.InferenceSession:
+    def _session(self, arena: bool) -> ort.InferenceSession:
+        """`arena=False` for prompts: their intermediates grow with batch x length^2, and an arena
+        would keep its all-time peak resident; without it they go back to the OS after each call."""
         options = ort.SessionOptions()
+        options.enable_cpu_mem_arena = arena
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
