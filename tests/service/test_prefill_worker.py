@@ -1,0 +1,97 @@
+"""The prefill worker against ONNX Runtime: interleaving, batching, giving up, failures."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from export.manifest import Manifest
+from models.tokenizer import TOKENIZER
+from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
+from service.engine.request import Request, SamplingParams
+from service.engine.runner import ModelRunner
+
+
+def job(name: str, text: str) -> PrefillJob:
+    ids = TOKENIZER.encode(text)
+    return PrefillJob(Request(name, "alibi", ids, SamplingParams(max_new_tokens=1), eos_token_id=257), 0, ids)
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.results: list[PrefillResult] = []
+        self.calls: list[int] = []
+        self.changed = threading.Condition()
+
+    def deliver(self, results: list[PrefillResult]) -> None:
+        with self.changed:
+            self.results.extend(results)
+            self.changed.notify_all()
+
+    def observe(self, seconds: float, batch: int) -> None:
+        self.calls.append(batch)
+
+    def wait_for(self, count: int) -> list[str]:
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.results) >= count, timeout=60)
+        return [r.job.request.request_id for r in self.results]
+
+
+@pytest.fixture
+def runner(repository: Path) -> ModelRunner:
+    return ModelRunner(Manifest.load(repository / "alibi"), "cpu", threads=1)
+
+
+def start(runner: ModelRunner, collector: Collector, chunk_tokens: int) -> PrefillWorker:
+    worker = PrefillWorker(runner, chunk_tokens, collector.deliver, collector.observe, "alibi", nice=5)
+    worker.start()
+    return worker
+
+
+def test_short_prompts_do_not_wait_behind_a_long_one(runner: ModelRunner) -> None:
+    collector = Collector()
+    worker = start(runner, collector, chunk_tokens=32)
+    try:
+        worker.submit([job("long", "x = [i * 2 for i in range(10)]\n" * 40)])  # 1241 tokens: 39 chunks
+        worker.submit([job("short-1", "import os\n"), job("short-2", "def f(x):\n")])
+        order = collector.wait_for(3)
+    finally:
+        worker.stop()
+    assert order.index("long") == 2  # both short prompts came back while the long one was in chunks
+    assert all(r.error is None and r.prompt is not None for r in collector.results)
+    assert 2 in collector.calls  # the two short prompts ran as one batched call
+    long = next(r for r in collector.results if r.job.request.request_id == "long")
+    assert long.prompt is not None and long.prompt.cache[0].shape[2] == len(long.job.token_ids)
+    whole = runner.prefill_batch({"long": long.job.token_ids})[0]
+    np.testing.assert_allclose(long.prompt.logits, whole.logits, atol=1e-3)
+
+
+def test_a_cancelled_long_prompt_is_given_up_between_chunks(runner: ModelRunner) -> None:
+    collector = Collector()
+    worker = start(runner, collector, chunk_tokens=16)
+    long = job("long", "x = [i * 2 for i in range(10)]\n" * 40)
+    try:
+        worker.submit([long])
+        long.request.cancelled.set()
+        collector.wait_for(1)
+    finally:
+        worker.stop()
+    assert collector.results[0].prompt is None and collector.results[0].error is None
+    assert len(collector.calls) < 78  # it stopped early
+
+
+def test_a_failing_prompt_fails_alone(runner: ModelRunner) -> None:
+    runner._fault_marker = b"BOOM"
+    collector = Collector()
+    worker = start(runner, collector, chunk_tokens=64)
+    try:
+        worker.submit([job("good", "import os\n"), job("bad", "BOOM = 1\n"), job("fine", "def f(x):\n")])
+        collector.wait_for(3)
+    finally:
+        worker.stop()
+    errors = {r.job.request.request_id: r.error for r in collector.results}
+    assert errors["good"] is None and errors["fine"] is None
+    assert "injected fault" in str(errors["bad"])
