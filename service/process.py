@@ -32,17 +32,23 @@ class ServerProcess:
         self, repository: Path, *flags: str, threads: int = 1, credentials: grpc.ChannelCredentials | None = None,
         port: int | None = None, metrics_port: int | None = None,
     ) -> None:  # fmt: skip
-        self.port, self.metrics_port = port or free_port(), metrics_port or free_port()
+        self.repository, self.flags, self.threads, self.credentials = repository, flags, threads, credentials
+        self._pick_ports = port is None and metrics_port is None
+        self._launch(port or free_port(), metrics_port or free_port())
+
+    def _launch(self, port: int, metrics_port: int) -> None:
+        self.port, self.metrics_port = port, metrics_port
         self.target = f"127.0.0.1:{self.port}"
         command = [
-            sys.executable, "-m", "service", "--model-repository", str(repository), "--port", str(self.port),
-            "--metrics-port", str(self.metrics_port), "--threads", str(threads), *flags,
+            sys.executable, "-m", "service", "--model-repository", str(self.repository), "--port", str(self.port),
+            "--metrics-port", str(self.metrics_port), "--threads", str(self.threads), *self.flags,
         ]  # fmt: skip
         # A file, not a pipe: nobody reads a pipe while the server runs, and a full one blocks it.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="posenc-server-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
             command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
         )
+        credentials = self.credentials
         self.channel = (
             grpc.secure_channel(self.target, credentials) if credentials else grpc.insecure_channel(self.target)
         )
@@ -50,10 +56,19 @@ class ServerProcess:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def wait_serving(self, timeout: float = 120.0) -> ServerProcess:
+        """Wait for SERVING. A free port can be taken by another process between our probe and
+        the server's bind (client sockets share the ephemeral range): then start again on new ports."""
         deadline = time.monotonic() + timeout
+        retries = 3
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited {self.process.returncode}: {self.output()}")
+                output = self.output()
+                if self._pick_ports and retries and ("Address already in use" in output or "Failed to bind" in output):
+                    retries -= 1
+                    self.channel.close()
+                    self._launch(free_port(), free_port())
+                    continue
+                raise RuntimeError(f"server exited {self.process.returncode}: {output}")
             try:
                 status = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
                 if status == health_pb2.HealthCheckResponse.SERVING:

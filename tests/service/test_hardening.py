@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import service.process
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess, free_port, wait_for
 
@@ -208,3 +210,22 @@ def test_inference_failure_fails_only_the_affected_requests(repository: Path, mo
         assert wait_for(lambda: server.metric("posenc_kv_cache_used_bytes", model="alibi") == 0)
     finally:
         server.stop()
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced(repository: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free-port probing races with other sockets; the launcher starts again on new ports."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], free_port()])
+    real_free_port = service.process.free_port
+    monkeypatch.setattr(service.process, "free_port", lambda: next(ports, None) or real_free_port())
+    server = ServerProcess(repository, "--models", "none")
+    try:
+        assert server.port == taken.getsockname()[1]
+        server.wait_serving()
+        assert server.port != taken.getsockname()[1]
+        assert server.stub.ListModels(pb.ListModelsRequest(), timeout=10).models[0].name == "none"
+    finally:
+        server.stop()
+        taken.close()
