@@ -68,7 +68,7 @@ class ModelEngine:
     def __init__(self, manifest: Manifest, config: EngineConfig, metrics: ServiceMetrics) -> None:
         self.manifest = manifest
         self.config = config
-        self.runner = ModelRunner(manifest, config.device, config.threads)
+        self.runner = ModelRunner(manifest, config.device, config.threads, open_prefill_session=False)
         self.kv_cache = KVCacheManager(
             config.kv_cache_bytes, manifest.kv_bytes_per_token(self.runner.dtype), config.block_size
         )

@@ -6,10 +6,9 @@ goal chunked prefill serves in vLLM and Sarathi-Serve. Short prompts that arrive
 computed in one left-padded call; a long prompt is computed in chunks, and short prompts that
 arrive meanwhile run between its chunks instead of queueing behind all of it.
 
-On a machine with few cores the worker thread also runs at a lower OS priority (`nice`), so
-the decode steps and the gRPC threads that stream their tokens get the CPU first and prompts
-use what is left (its ONNX Runtime session computes on this thread when it has one intra-op
-thread).
+The worker thread, and the intra-op threads of the session it opens, run at a lower OS
+priority (`nice`): the decode steps and the gRPC threads that stream their tokens get the CPU
+first, and prompts use every core that is left.
 """
 
 from __future__ import annotations
@@ -68,11 +67,18 @@ class PrefillWorker:
         self._long: deque[tuple[PrefillJob, Iterator[PrefilledPrompt | None]]] = deque()
         self._wake = threading.Condition()
         self._stopped = False
+        self._ready = threading.Event()
+        self._open_error: Exception | None = None
         self.nice = nice
         self._thread = threading.Thread(target=self._loop, name=f"prefill-{name}", daemon=True)
 
     def start(self) -> None:
+        """Start the thread; it opens the prompt session itself (so ONNX Runtime's pool threads
+        inherit its lower priority), and this returns once that is done."""
         self._thread.start()
+        self._ready.wait()
+        if self._open_error is not None:
+            raise self._open_error
 
     def stop(self) -> None:
         with self._wake:
@@ -97,6 +103,13 @@ class PrefillWorker:
 
     def _loop(self) -> None:
         self._lower_priority()
+        try:
+            self.runner.open_prefill_session()
+        except Exception as error:
+            self._open_error = error
+            return
+        finally:
+            self._ready.set()
         while True:
             with self._wake:
                 while not self._jobs and not self._long and not self._stopped:

@@ -45,7 +45,8 @@ def choose_providers(device: str) -> list[str]:
 
 
 def default_threads() -> int:
-    """Intra-op threads per session: the decode and the prefill session share the cores."""
+    """Intra-op threads of the decode session: half the cores (the prefill session gets them all,
+    at a lower priority, see PrefillWorker)."""
     return max(1, (os.cpu_count() or 2) // 2)
 
 
@@ -68,7 +69,13 @@ class PrefilledPrompt:
 
 class ModelRunner:
     def __init__(
-        self, manifest: Manifest, device: str = "auto", threads: int = 0, growth_tokens: int = 16, in_place: bool = True
+        self,
+        manifest: Manifest,
+        device: str = "auto",
+        threads: int = 0,
+        growth_tokens: int = 16,
+        in_place: bool = True,
+        open_prefill_session: bool = True,
     ) -> None:
         """`in_place=False` forces the present -> past graph on the CPU too (for comparison)."""
         self.manifest = manifest
@@ -83,8 +90,11 @@ class ModelRunner:
         self.dtype = self.variant.removeprefix("serving-")
         manifest.verify_all()
         self.threads = threads or default_threads()
-        self.session = self._session(arena=True)  # the decode batch (engine thread)
-        self.prefill_session = self._session(arena=False)  # prompts and scoring (prefill worker, gRPC threads)
+        self.prefill_threads = threads or os.cpu_count() or 1
+        self.session = self._session(self.threads, arena=True)  # the decode batch (engine thread)
+        # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
+        self.prefill_session = self._session(self.prefill_threads, arena=False) if open_prefill_session else None
+
         self.device_type = "cuda" if self.on_gpu else "cpu"
         self.n_layers = manifest.n_layers
         kinds = [f"{i}.{kind}" for i in range(self.n_layers) for kind in ("key", "value")]
@@ -110,13 +120,19 @@ class ModelRunner:
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
 
-    def _session(self, arena: bool) -> ort.InferenceSession:
+    def open_prefill_session(self) -> None:
+        """(Re)create the prompt session from the calling thread: ONNX Runtime's pool threads
+        inherit that thread's OS priority."""
+        self.prefill_session = self._session(self.prefill_threads, arena=False)
+
+    def _session(self, threads: int, arena: bool) -> ort.InferenceSession:
         """`arena=False` for prompts: their intermediates grow with batch x length^2, and an arena
-        would keep its all-time peak resident; without it they go back to the OS after each call."""
+        would hold its all-time peak resident (a 10-minute soak grew 21% that way); without one they
+        go back to the OS after each call, for 1.6x the prefill time of a 2048-token prompt."""
         options = ort.SessionOptions()
         options.enable_cpu_mem_arena = arena
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = self.threads
+        options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
         # Spinning intra-op threads would take the cores the other session, the engine and the
