@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps and contexts")
     args = parser.parse_args(argv)
     repository: Path = args.model_repository
-    args.threads = args.threads or default_threads()
+    server_threads = args.threads  # 0: the server's own default (decode half the cores, prefill all)
+    args.threads = args.threads or default_threads()  # decode threads, for the in-process figures
     folders = sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
     steps = 5 if args.quick else 20
 
@@ -285,15 +286,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {manifest.name:<12} {manifest.kv_bytes_per_token():>6} B/token   positions: {limit}")
 
     folder = repository / args.model
-    print(f"\nSingle-stream decode, {args.new_tokens} tokens, model {args.model}, {args.threads} threads:")
-    server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", threads=args.threads)
+    print(f"\nSingle-stream decode, {args.new_tokens} tokens, model {args.model}, {args.threads} decode threads:")
+    server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", threads=server_threads)
     try:
         server.wait_serving()
         decode_tokens_per_second_grpc(server, args.model, 16)  # warm-up
         figures = {
             "gRPC service": decode_tokens_per_second_grpc(server, args.model, args.new_tokens),
             "in-process engine (no gRPC)": decode_tokens_per_second_engine(
-                repository, args.model, args.new_tokens, args.threads
+                repository, args.model, args.new_tokens, server_threads
             ),
             "in-process runner": decode_tokens_per_second_runner(folder, args.new_tokens, args.threads),
             "in-process session.run loop": decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads),
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         f"batch 16, so 16 streams can be at most {16 * one / sixteen:.2f}x one stream here"
     )
     server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", "--prefill-nice", "0",
-                           threads=args.threads)  # fmt: skip
+                           threads=server_threads)  # fmt: skip
     try:
         print_interference(
             "prefill worker at the same priority", prefill_interference(server.wait_serving(), args.model)

@@ -61,7 +61,7 @@ ENGINE_FLAGS = {
     "max_sequence_tokens": ("--max-sequence-tokens", int, "prompt + new tokens limit for unbounded schemes"),
     "device": ("--device", str, "auto | cpu | cuda"),
     "prefill_nice": ("--prefill-nice", int, "nice value added to prefill worker threads (decode first; 0: off)"),
-    "threads": ("--threads", int, "intra-op threads per ONNX Runtime session (0: half the cores each)"),
+    "threads": ("--threads", int, "threads per ONNX Runtime session (0: decode half the cores, prefill all)"),
 }
 SERVER_FLAGS = {
     "host": ("--host", str, "address to bind the gRPC port"),

@@ -58,7 +58,7 @@ class EngineConfig:
     default_max_new_tokens: int = 64
     max_sequence_tokens: int = 4096  # prompt + new tokens, for schemes with no hard limit
     device: str = "auto"
-    threads: int = 0  # intra-op threads per session (0: half the cores each for decode and prefill)
+    threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
 
 
