@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +35,10 @@ from service.process import ServerProcess
 from service.server import REPOSITORY_ROOT
 
 CONTEXTS = (128, 256, 512, 1024, 2048)
+
+
+def median_of(measure: Callable[[], float], runs: int = 3) -> float:
+    return statistics.median(measure() for _ in range(runs))
 
 
 def token_arrivals(stream: Iterator[pb.GenerateStreamResponse]) -> list[tuple[float, int]]:
@@ -74,7 +78,7 @@ def decode_tokens_per_second_engine(repository: Path, model: str, new_tokens: in
     engine.start()
     try:
         rates = []
-        for tokens in (16, new_tokens):  # the first warms up
+        for tokens in (16, new_tokens, new_tokens, new_tokens):  # the first warms up
             request = engine.submit(model, "def main():\n", SamplingParams(max_new_tokens=tokens))
             arrivals, count = [], 0
             while True:
@@ -87,7 +91,7 @@ def decode_tokens_per_second_engine(repository: Path, model: str, new_tokens: in
                     break
             (first, first_count), (last, last_count) = arrivals[0], arrivals[-1]
             rates.append((last_count - first_count) / (last - first))
-        return rates[-1]
+        return statistics.median(rates[1:])
     finally:
         engine.stop(1)
 
@@ -291,16 +295,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.wait_serving()
         decode_tokens_per_second_grpc(server, args.model, 16)  # warm-up
+        # Median of three runs each: the machine is noisy and one run can land on a busy moment.
         figures = {
-            "gRPC service": decode_tokens_per_second_grpc(server, args.model, args.new_tokens),
+            "gRPC service": median_of(lambda: decode_tokens_per_second_grpc(server, args.model, args.new_tokens)),
             "in-process engine (no gRPC)": decode_tokens_per_second_engine(
                 repository, args.model, args.new_tokens, server_threads
             ),
-            "in-process runner": decode_tokens_per_second_runner(folder, args.new_tokens, args.threads),
-            "in-process session.run loop": decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads),
+            "in-process runner": median_of(
+                lambda: decode_tokens_per_second_runner(folder, args.new_tokens, args.threads)
+            ),
+            "in-process session.run loop": median_of(
+                lambda: decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads)
+            ),
         }
         genai = decode_tokens_per_second_genai(folder, args.new_tokens)
         if genai is not None:
+            genai = median_of(lambda: decode_tokens_per_second_genai(folder, args.new_tokens) or 0.0)
             figures["onnxruntime-genai"] = genai
         for name, value in figures.items():
             print(f"  {name:<30} {value:8.1f} tokens/s")
