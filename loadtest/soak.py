@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from service.process import ROOT, ServerProcess
+from service.process import ROOT, ServerProcess, wait_for
 
 
 def resident_bytes(pid: int) -> int:
@@ -32,18 +32,8 @@ def resident_bytes(pid: int) -> int:
 def settle(server: ServerProcess, timeout: float = 30.0) -> None:
     """Wait until no sequence runs or waits on any model (the load generator has stopped and the
     server has finished or cancelled what was in flight), so memory is measured at rest."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = server.metrics()
-        busy = [
-            line
-            for line in text.splitlines()
-            if line.startswith(("posenc_running_sequences{", "posenc_queued_sequences{", "posenc_kv_cache_used_bytes{"))
-            and float(line.rsplit(" ", 1)[1]) > 0
-        ]
-        if not busy:
-            break
-        time.sleep(0.5)
+    gauges = ("posenc_running_sequences", "posenc_queued_sequences", "posenc_kv_cache_used_bytes")
+    wait_for(lambda: not any(server.metric(name) for name in gauges), timeout=timeout, interval=0.5)
     time.sleep(2.0)
 
 

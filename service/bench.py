@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.engine.engine import Engine, EngineConfig
-from service.engine.request import SamplingParams
+from service.engine.request import Request, SamplingParams
 from service.engine.runner import ModelRunner, PrefilledPrompt, default_threads
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess
@@ -41,21 +41,31 @@ def median_of(measure: Callable[[], float], runs: int = 3) -> float:
     return statistics.median(measure() for _ in range(runs))
 
 
-def token_arrivals(stream: Iterator[pb.GenerateStreamResponse]) -> list[tuple[float, int]]:
-    """(arrival time, tokens received so far) per chunk. A chunk may merge several steps when
-    the client falls behind; the tokenizer is byte-level, so a chunk's bytes are its tokens."""
+def token_arrivals(texts: Iterable[str], each: Callable[[int], None] = lambda chunks: None) -> list[tuple[float, int]]:
+    """(arrival time, tokens received so far) per chunk of streamed text; `each(chunks so far)`
+    runs after every chunk. A chunk may merge several steps when the reader falls behind; the
+    tokenizer is byte-level, so a chunk's bytes are its tokens."""
     arrivals, count = [], 0
-    for chunk in stream:
-        count += len(chunk.text.encode())
+    for text in texts:
+        count += len(text.encode())
         arrivals.append((time.perf_counter(), count))
+        each(len(arrivals))
     return arrivals
+
+
+def decode_rate(arrivals: list[tuple[float, int]]) -> float:
+    """Tokens/s from the first chunk to the last: decode steps only (the first token is the prefill's)."""
+    (first, first_count), (last, last_count) = arrivals[0], arrivals[-1]
+    return (last_count - first_count) / (last - first)
+
+
+def stream_texts(stream: Iterator[pb.GenerateStreamResponse]) -> Iterator[str]:
+    return (chunk.text for chunk in stream)
 
 
 def decode_tokens_per_second_grpc(server: ServerProcess, model: str, new_tokens: int) -> float:
     request = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=new_tokens)
-    arrivals = token_arrivals(server.stub.GenerateStream(request, timeout=600))
-    (first, first_count), (last, last_count) = arrivals[0], arrivals[-1]
-    return (last_count - first_count) / (last - first)  # decode steps only: the first token is the prefill's
+    return decode_rate(token_arrivals(stream_texts(server.stub.GenerateStream(request, timeout=600))))
 
 
 def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int) -> float:
@@ -70,6 +80,16 @@ def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int)
     return new_tokens / (time.perf_counter() - started)
 
 
+def output_texts(request: Request) -> Iterator[str]:
+    """A request's streamed text read from its output stream, as the gRPC servicer reads it."""
+    while True:
+        event = request.output.get(timeout=10)
+        if event is not None:
+            yield event.text
+            if event.status.finished:
+                return
+
+
 def decode_tokens_per_second_engine(repository: Path, model: str, new_tokens: int, threads: int) -> float:
     """The whole engine (scheduler, runner, sampler, detokenizer, output stream, metrics) in this
     process, read by a consumer thread as the gRPC servicer reads it: the service minus gRPC."""
@@ -80,17 +100,7 @@ def decode_tokens_per_second_engine(repository: Path, model: str, new_tokens: in
         rates = []
         for tokens in (16, new_tokens, new_tokens, new_tokens):  # the first warms up
             request = engine.submit(model, "def main():\n", SamplingParams(max_new_tokens=tokens))
-            arrivals, count = [], 0
-            while True:
-                event = request.output.get(timeout=10)
-                if event is None:
-                    continue
-                count += len(event.text.encode())
-                arrivals.append((time.perf_counter(), count))
-                if event.status.finished:
-                    break
-            (first, first_count), (last, last_count) = arrivals[0], arrivals[-1]
-            rates.append((last_count - first_count) / (last - first))
+            rates.append(decode_rate(token_arrivals(output_texts(request))))
         return statistics.median(rates[1:])
     finally:
         engine.stop(1)
@@ -141,7 +151,7 @@ def prefill_interference(server: ServerProcess, model: str, long_prompt_bytes: i
     """Mean inter-token latency of a running stream while a long prompt is prefilled, against
     the same stream's tokens (same positions, same context) when it runs alone."""
     running = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=3000)
-    alone = token_arrivals(server.stub.GenerateStream(running, timeout=600))
+    alone = token_arrivals(stream_texts(server.stub.GenerateStream(running, timeout=600)))
     window: dict[str, float] = {}
 
     def long_request() -> None:
@@ -154,12 +164,11 @@ def prefill_interference(server: ServerProcess, model: str, long_prompt_bytes: i
         window["end"] = time.perf_counter()
         list(stream)
 
-    arrivals, count, thread = [], 0, threading.Thread(target=long_request)
-    for chunk in server.stub.GenerateStream(running, timeout=600):
-        count += len(chunk.text.encode())
-        arrivals.append((time.perf_counter(), count))
-        if len(arrivals) == 50:
-            thread.start()
+    thread = threading.Thread(target=long_request)
+    arrivals = token_arrivals(
+        stream_texts(server.stub.GenerateStream(running, timeout=600)),
+        each=lambda chunks: thread.start() if chunks == 50 else None,
+    )
     thread.join()
     inside = [(t, n) for t, n in arrivals if window["start"] <= t <= window["end"]]
     before = [(t, n) for t, n in arrivals if t < window["start"]]

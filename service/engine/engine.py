@@ -98,8 +98,8 @@ class ModelEngine:
         self._preemptions = metrics.preemptions.labels(**self.labels)
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, joined at the next step
-        self._to_remove: set[str] = set()
-        self._gauges_due = 0.0  # rows leaving the batch, dropped together once per step
+        self._to_remove: set[str] = set()  # rows leaving the batch, dropped together once per step
+        self._gauges_due = 0.0
         self.prefill_worker = PrefillWorker(
             self.runner,
             config.prefill_tokens,

@@ -122,7 +122,8 @@ class PrefillWorker:
                     if len(job.token_ids) <= self.chunk_tokens:
                         short.append(job)
                     else:
-                        self._long.append((job, self.runner.prefill_chunks("", job.token_ids, self.chunk_tokens)))
+                        chunks = self.runner.prefill_chunks(job.request.request_id, job.token_ids, self.chunk_tokens)
+                        self._long.append((job, chunks))
             results: list[PrefillResult] = []
             try:
                 self._run_short(short, results)
@@ -134,15 +135,17 @@ class PrefillWorker:
 
     def _run_short(self, jobs: list[PrefillJob], results: list[PrefillResult]) -> None:
         """Prompts of up to `chunk_tokens` in left-padded batches of up to `chunk_tokens` tokens."""
-        live = []
-        for job in jobs:
-            (results.append(PrefillResult(job)) if job.aborted else live.append(job))
         batch: list[PrefillJob] = []
-        for job in live:
-            if batch and sum(len(j.token_ids) for j in batch) + len(job.token_ids) > self.chunk_tokens:
+        tokens = 0
+        for job in jobs:
+            if job.aborted:
+                results.append(PrefillResult(job))
+                continue
+            if batch and tokens + len(job.token_ids) > self.chunk_tokens:
                 self._run_batch(batch, results)
-                batch = []
+                batch, tokens = [], 0
             batch.append(job)
+            tokens += len(job.token_ids)
         if batch:
             self._run_batch(batch, results)
 
@@ -180,5 +183,4 @@ class PrefillWorker:
         self._observe(time.monotonic() - started, 1)
         if prompt is not None:
             self._long.popleft()
-            prompt.request_id = job.request.request_id
             results.append(PrefillResult(job, prompt))

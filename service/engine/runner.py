@@ -93,7 +93,9 @@ class ModelRunner:
         self.prefill_threads = threads or os.cpu_count() or 1
         self.session = self._session(self.threads, arena=True)  # the decode batch (engine thread)
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
-        self.prefill_session = self._session(self.prefill_threads, arena=False) if open_prefill_session else None
+        self.prefill_session: ort.InferenceSession | None = None
+        if open_prefill_session:
+            self.open_prefill_session()
 
         self.device_type = "cuda" if self.on_gpu else "cpu"
         self.n_layers = manifest.n_layers
@@ -317,12 +319,7 @@ class ModelRunner:
         started = time.perf_counter()
         longest = max(p.cache[0].shape[2] for p in prompts)
         batch = len(self.rows)
-        if (
-            not self.buffers
-            or batch + len(prompts) > self.buffers[0].shape[0]
-            or longest > self.filled
-            or self.filled >= self.mask.shape[1] - 1
-        ):
+        if not self.buffers or batch + len(prompts) > self.buffers[0].shape[0] or longest > self.filled:
             self._rebuild(max(self.filled, longest), extra_rows=len(prompts))
         end = self.filled
         for row, prompt in enumerate(prompts, start=batch):
