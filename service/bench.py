@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,7 @@ from export.manifest import Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
+from service.api import generation_pb2_grpc
 from service.engine.engine import Engine, EngineConfig
 from service.engine.request import Request, SamplingParams
 from service.engine.runner import ModelRunner, PrefilledPrompt, default_threads
@@ -66,6 +68,40 @@ def stream_texts(stream: Iterator[pb.GenerateStreamResponse]) -> Iterator[str]:
 def decode_tokens_per_second_grpc(server: ServerProcess, model: str, new_tokens: int) -> float:
     request = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=new_tokens)
     return decode_rate(token_arrivals(stream_texts(server.stub.GenerateStream(request, timeout=600))))
+
+
+class _BareStreamer(generation_pb2_grpc.GenerationServicer):
+    """A GenerateStream that yields `max_new_tokens` one-byte messages and does nothing else."""
+
+    def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        for _ in range(request.max_new_tokens):
+            yield pb.GenerateStreamResponse(text="a")
+
+
+def grpc_stream_ceiling(messages: int = 5000) -> tuple[float, float]:
+    """(messages/s, CPU microseconds per message) of a bare gRPC server stream read by a client in
+    this process: what one chunk per token costs in transport alone, with no engine at all."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    generation_pb2_grpc.add_GenerationServicer_to_server(_BareStreamer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(max_new_tokens=messages)
+            list(stub.GenerateStream(request))  # warm-up
+
+            def once() -> tuple[float, float]:
+                wall, cpu = time.perf_counter(), time.process_time()
+                count = sum(1 for _ in stub.GenerateStream(request))
+                return count / (time.perf_counter() - wall), (time.process_time() - cpu) / count * 1e6
+
+            rate, cpu = zip(*(once() for _ in range(3)), strict=True)
+            return statistics.median(rate), statistics.median(cpu)
+    finally:
+        server.stop(0)
 
 
 def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int) -> float:
@@ -134,16 +170,23 @@ def decode_tokens_per_second_genai(folder: Path, new_tokens: int) -> float | Non
     return count / (time.perf_counter() - started) if count else None
 
 
-def aggregate_tokens_per_second(server: ServerProcess, model: str, streams: int, new_tokens: int) -> float:
-    prompts = [f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(streams)]
+def aggregate_tokens_per_second(
+    server: ServerProcess, model: str, streams: int, new_tokens: int, requests_per_stream: int = 4
+) -> float:
+    """Generated tokens/s of `streams` clients, each sending unary requests back to back, so
+    every concurrency (one stream too) is measured over several requests, prefills included."""
 
-    def one(prompt: str) -> int:
-        request = pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=new_tokens, temperature=0.8, seed=1)
-        return server.stub.Generate(request, timeout=600).usage.completion_tokens
+    def client(stream: int) -> int:
+        tokens = 0
+        for i in range(requests_per_stream):
+            prompt = f"def function_{stream}_{i}(x):\n    return x * {i}\n\n"
+            request = pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=new_tokens, temperature=0.8, seed=i)
+            tokens += server.stub.Generate(request, timeout=600).usage.completion_tokens
+        return tokens
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=streams) as pool:
-        total = sum(pool.map(one, prompts))
+        total = sum(pool.map(client, range(streams)))
     return total / (time.perf_counter() - started)
 
 
@@ -329,10 +372,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  gRPC / in-process engine        {grpc_rate / figures['in-process engine (no gRPC)']:.2f}")
         if genai is not None:
             print(f"  gRPC / onnxruntime-genai        {grpc_rate / genai:.2f}  (goal >= 0.8)")
+        ceiling, cpu_per_message = grpc_stream_ceiling()
+        print(
+            f"  gRPC transport alone (a bare server stream of one-byte messages, no engine): {ceiling:.0f} "
+            f"messages/s, {cpu_per_message:.0f} us of CPU per message (server and client together); one "
+            f"chunk per token at {grpc_rate:.0f} tokens/s takes {grpc_rate * cpu_per_message / 1e4:.0f}% "
+            "of one core for transport alone"
+        )
 
         interference = prefill_interference(server, args.model)
         print_interference("prefill worker at nice +10 (default)", interference)
-        print(f"\nAggregate decode throughput through gRPC ({args.new_tokens // 2} new tokens per stream):")
+        print(
+            f"\nAggregate throughput through gRPC (each stream: 4 unary requests of {args.new_tokens // 2} new "
+            "tokens back to back, prefills included):"
+        )
         rates = {}
         for streams in args.concurrency:
             rates[streams] = aggregate_tokens_per_second(server, args.model, streams, args.new_tokens // 2)

@@ -307,15 +307,15 @@ class ModelEngine:
 
     def _decode(self, requests: list[Request]) -> None:
         by_id = {r.request_id: r for r in requests}
-        strays = {row for row in self.runner.rows if row not in by_id}
-        if strays or len(by_id) != len(self.runner.rows):  # must not happen; never decode a wrong batch
+        rows = [by_id.get(row) for row in self.runner.rows]
+        if len(by_id) != len(rows) or None in rows:  # must not happen; never decode a wrong batch
+            strays = {row for row in self.runner.rows if row not in by_id}
             logger.error("model %s: decode batch and scheduler disagree (%d strays)", self.manifest.name, len(strays))
             self.runner.remove(strays)
             for request in requests:
                 if request.request_id not in self.runner.rows:
                     self._finish(request, RequestStatus.FINISHED_ERROR, "internal error: sequence lost its cache")
             return
-        rows = [by_id[row] for row in self.runner.rows]
         tokens = np.fromiter((r.output_ids[-1] for r in rows), dtype=np.int64, count=len(rows))
         started = time.monotonic()
         try:
@@ -327,7 +327,7 @@ class ModelEngine:
         self._batches["decode"].observe(len(rows))
         for request in rows:
             request.num_computed_tokens = request.num_tokens
-        self._append(rows, logits)
+        self._append(rows, logits)  # type: ignore[arg-type]
 
     def _append(self, requests: list[Request], logits: np.ndarray) -> None:
         """Sample one token per request (rows of logits), stream the new text, finish the done."""

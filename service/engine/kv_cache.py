@@ -54,6 +54,9 @@ class KVCacheManager:
         """Grow the request's blocks to hold `tokens` tokens; False (and no change) if the pool is short."""
         with self._lock:
             held = self._blocks.setdefault(request_id, [])
+            if len(held) * self.block_size >= tokens:  # the usual decode step: room in the last block
+                self._tokens[request_id] = max(tokens, self._tokens.get(request_id, 0))
+                return True
             missing = self.blocks_needed(tokens) - len(held)
             if missing > len(self._free):
                 if not held:

@@ -48,11 +48,15 @@ class Scheduler:
         out = SchedulerOutput()
         # 1. Every decoding sequence gets room for the token it feeds this step.
         for request in [r for r in self.running if r.prefill_done]:
-            while request in self.running and not self.kv_cache.allocate(request.request_id, request.num_tokens):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted below for an earlier request of this step
+            while not self.kv_cache.allocate(request.request_id, request.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
-            if request in self.running:
+                if victim is request:
+                    break
+            else:
                 out.decode.append(request)
         # 2. New requests (and preempted ones) in arrival order, blocks for their whole prompt.
         while self.waiting and len(self.running) < self.max_batch_size:

@@ -133,6 +133,18 @@ def test_detokenizer_never_splits_characters_and_hides_stop_prefixes() -> None:
     assert "".join(detok.push(b) for b in b"xEN") + detok.flush() == "xEN"
 
 
+def test_detokenizer_streams_any_bytes_as_one_decode_would() -> None:
+    """Pieces, joined, equal decoding all bytes at once (invalid ones as U+FFFD): the ASCII
+    fast path must not skip past a character whose first bytes the decoder holds."""
+    rng = np.random.default_rng(0)
+    alphabet = [*"aé→€😀\n".encode(), 0x80, 0xC3, 0xE2, 0xFF]
+    for _ in range(200):
+        data = bytes(rng.choice(alphabet, size=int(rng.integers(1, 40))).tolist())
+        detok = IncrementalDetokenizer()
+        pieces = [detok.push(b) for b in data]
+        assert "".join(pieces) + detok.flush() == data.decode("utf-8", errors="replace")
+
+
 def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     build.generate(tmp_path)
     for name in build.GENERATED:
