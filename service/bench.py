@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import tempfile
 import threading
@@ -40,7 +41,9 @@ CONTEXTS = (128, 256, 512, 1024, 2048)
 
 
 def median_of(measure: Callable[[], float], runs: int = 3) -> float:
-    return statistics.median(measure() for _ in range(runs))
+    """Median of `runs` measurements that produced a figure (NaN: the run could not be measured)."""
+    figures = [figure for figure in (measure() for _ in range(runs)) if not math.isnan(figure)]
+    return statistics.median(figures) if figures else math.nan
 
 
 def token_arrivals(texts: Iterable[str], each: Callable[[int], None] = lambda chunks: None) -> list[tuple[float, int]]:
@@ -56,9 +59,10 @@ def token_arrivals(texts: Iterable[str], each: Callable[[int], None] = lambda ch
 
 
 def decode_rate(arrivals: list[tuple[float, int]]) -> float:
-    """Tokens/s from the first chunk to the last: decode steps only (the first token is the prefill's)."""
+    """Tokens/s from the first chunk to the last: decode steps only (the first token is the prefill's).
+    NaN when the reader got everything in one chunk (it was descheduled for the whole run)."""
     (first, first_count), (last, last_count) = arrivals[0], arrivals[-1]
-    return (last_count - first_count) / (last - first)
+    return (last_count - first_count) / (last - first) if last > first else math.nan
 
 
 def stream_texts(stream: Iterator[pb.GenerateStreamResponse]) -> Iterator[str]:
@@ -131,13 +135,15 @@ def decode_tokens_per_second_engine(repository: Path, model: str, new_tokens: in
     process, read by a consumer thread as the gRPC servicer reads it: the service minus gRPC."""
     config = EngineConfig(max_new_tokens_limit=max(4096, new_tokens), threads=threads)
     engine = Engine.from_repository(repository, config, ServiceMetrics(CollectorRegistry()), [model])
+
+    def once(tokens: int) -> float:
+        request = engine.submit(model, "def main():\n", SamplingParams(max_new_tokens=tokens))
+        return decode_rate(token_arrivals(output_texts(request)))
+
     engine.start()
     try:
-        rates = []
-        for tokens in (16, new_tokens, new_tokens, new_tokens):  # the first warms up
-            request = engine.submit(model, "def main():\n", SamplingParams(max_new_tokens=tokens))
-            rates.append(decode_rate(token_arrivals(output_texts(request))))
-        return statistics.median(rates[1:])
+        once(16)  # warm-up
+        return median_of(lambda: once(new_tokens))
     finally:
         engine.stop(1)
 
