@@ -38,6 +38,7 @@ from service.process import ServerProcess
 from service.server import REPOSITORY_ROOT
 
 CONTEXTS = (128, 256, 512, 1024, 2048)
+REQUESTS_PER_STREAM = 4  # aggregate throughput: unary requests each stream sends back to back
 
 
 def median_of(measure: Callable[[], float], runs: int = 3) -> float:
@@ -177,7 +178,7 @@ def decode_tokens_per_second_genai(folder: Path, new_tokens: int) -> float | Non
 
 
 def aggregate_tokens_per_second(
-    server: ServerProcess, model: str, streams: int, new_tokens: int, requests_per_stream: int = 4
+    server: ServerProcess, model: str, streams: int, new_tokens: int, requests_per_stream: int = REQUESTS_PER_STREAM
 ) -> float:
     """Generated tokens/s of `streams` clients, each sending unary requests back to back, so
     every concurrency (one stream too) is measured over several requests, prefills included."""
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         genai = decode_tokens_per_second_genai(folder, args.new_tokens)
         if genai is not None:
-            genai = median_of(lambda: decode_tokens_per_second_genai(folder, args.new_tokens) or 0.0)
+            genai = median_of(lambda: decode_tokens_per_second_genai(folder, args.new_tokens) or math.nan)
             figures["onnxruntime-genai"] = genai
         for name, value in figures.items():
             print(f"  {name:<30} {value:8.1f} tokens/s")
@@ -401,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         interference = prefill_interference(server, args.model)
         print_interference("prefill worker at nice +10 (default)", interference)
         print(
-            f"\nAggregate throughput through gRPC (each stream: 4 unary requests of {args.new_tokens // 2} new "
-            "tokens back to back, prefills included):"
+            f"\nAggregate throughput through gRPC (each stream: {REQUESTS_PER_STREAM} unary requests of "
+            f"{args.new_tokens // 2} new tokens back to back, prefills included):"
         )
         rates = {}
         for streams in args.concurrency:

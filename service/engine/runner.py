@@ -112,9 +112,8 @@ class ModelRunner:
         self.positions = np.zeros((0, 1), dtype=np.int64)  # (B, 1): the next position per row
         self.filled = 0  # columns in use (in place: the rest up to capacity are free slots)
         # In place: every layer's K and V in one array, (2 x layers, B, nh, capacity, hs), so a
-        # step's new column (and a join or a leave) is one copy; `buffers` are its per-layer views.
-        self.cache = np.zeros((0,), dtype=NP_DTYPES[self.dtype])
-        self.buffers: list[np.ndarray] = []
+        # step's new column (and a join or a leave) is one copy; the graph reads its per-layer views.
+        self.cache = self._empty_cache()
         self.device_past: list[np.ndarray | ort.OrtValue] = []  # present -> past: (B, nh, P, hs) per layer
         self.timings = RunnerTimings()
         self._binding: ort.IOBinding | None = None  # the in-place decode call, bound (see _bound_step)
@@ -294,8 +293,8 @@ class ModelRunner:
         bind("input_ids", self._ids)
         bind("attention_mask", self.mask[:batch])
         bind("position_ids", self.positions[:batch])
-        for name, buffer in zip(self.past_names, self.buffers, strict=True):
-            bind(name, buffer[:batch])
+        for name, layer in zip(self.past_names, self.cache, strict=True):
+            bind(name, layer[:batch])
         self._logits = np.zeros((batch, 1, self.manifest.vocab_size), dtype=np.float32)
         bind("logits", self._logits, output=True)
         heads, head_dim = self.manifest.n_heads, self.manifest.head_dim
@@ -322,12 +321,12 @@ class ModelRunner:
         started = time.perf_counter()
         longest = max(p.cache[0].shape[2] for p in prompts)
         batch = len(self.rows)
-        if not self.buffers or batch + len(prompts) > self.buffers[0].shape[0] or longest > self.filled:
+        if batch + len(prompts) > self.cache.shape[1] or longest > self.filled:
             self._rebuild(max(self.filled, longest), extra_rows=len(prompts))
         end = self.filled
         for row, prompt in enumerate(prompts, start=batch):
             length = prompt.cache[0].shape[2]
-            for buffer, layer in zip(self.buffers, prompt.cache, strict=True):
+            for buffer, layer in zip(self.cache, prompt.cache, strict=True):
                 buffer[row, :, end - length : end] = layer[0]
             self.mask[row, :-1] = 0
             self.mask[row, end - length : end] = 1
@@ -361,7 +360,7 @@ class ModelRunner:
             self._reset()
         else:
             first_real = int(np.argmax(self.mask[:batch, : self.filled].any(axis=0)))
-            if first_real > max(self.growth_tokens, self.filled // 2) or self.buffers[0].shape[0] > 2 * batch + 8:
+            if first_real > max(self.growth_tokens, self.filled // 2) or self.cache.shape[1] > 2 * batch + 8:
                 self._rebuild(self.filled - first_real)
         self.timings.cache += time.perf_counter() - started
 
@@ -390,14 +389,18 @@ class ModelRunner:
             cache[:, :batch, :, length - keep : length] = self.cache[:, :batch, :, self.filled - keep : self.filled]
             mask[:batch, length - keep : length] = self.mask[:batch, self.filled - keep : self.filled]
             positions[:batch] = self.positions[:batch]
-        self.cache, self.buffers = cache, list(cache)
+        self.cache = cache
         self.mask, self.positions, self.filled = mask, positions, length
         self._binding = None
 
+    def _empty_cache(self) -> np.ndarray:
+        shape = (len(self.past_names), 0, self.manifest.n_heads, 0, self.manifest.head_dim)
+        return np.zeros(shape, dtype=NP_DTYPES[self.dtype])
+
     def _reset(self) -> None:
         self._binding = None
-        self.rows, self.filled, self.buffers, self.device_past = [], 0, [], []
-        self.cache = np.zeros((0,), dtype=NP_DTYPES[self.dtype])
+        self.rows, self.filled, self.device_past = [], 0, []
+        self.cache = self._empty_cache()
         self.mask, self.positions = np.zeros((0, 1), dtype=np.int64), np.zeros((0, 1), dtype=np.int64)
 
     # The present -> past layout (CUDA, or for comparison): the cache is re-packed on changes.
@@ -445,7 +448,7 @@ class ModelRunner:
         if not self.rows:
             return 0
         if self.in_place:
-            return self.buffers[0].shape[0] * self.buffers[0].shape[2]
+            return self.cache.shape[1] * self.cache.shape[3]
         return len(self.rows) * self.filled
 
     # ------------------------------------------------------------------ scoring (any thread)
