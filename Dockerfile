@@ -13,6 +13,7 @@ ARG TORCH_INDEX
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY contract contract
 COPY models models
 COPY export export
 COPY service service
@@ -41,6 +42,7 @@ RUN apt-get update \
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY contract contract
 COPY models models
 COPY export export
 COPY service service

@@ -1,8 +1,8 @@
 """torch -> ONNX with past/present KV, one graph for prefill and decode.
 
-Input and output names follow Hugging Face Optimum and onnxruntime-genai:
-`input_ids`, `attention_mask`, `position_ids`, `past_key_values.{i}.key|value` ->
-`logits`, `present.{i}.key|value`. Batch, sequence and past length are dynamic.
+Input and output names follow Hugging Face Optimum and onnxruntime-genai; they are defined
+once in `contract.graph`, which the service reads too. Batch, sequence and past length are
+dynamic.
 """
 
 from __future__ import annotations
@@ -15,27 +15,12 @@ import onnx
 import torch
 from torch import Tensor, nn
 
+from contract.graph import input_names, output_names
 from models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
 
 OPSET = 18
-
-
-def input_names(n_layers: int) -> list[str]:
-    names = ["input_ids", "attention_mask", "position_ids"]
-    for i in range(n_layers):
-        names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-    return names
-
-
-def output_names(n_layers: int, new_only: bool = False) -> list[str]:
-    """`present.*` (past + new, Optimum) or, for the serving graph, `new_key_values.*` (new only)."""
-    prefix = "new_key_values" if new_only else "present"
-    names = ["logits"]
-    for i in range(n_layers):
-        names += [f"{prefix}.{i}.key", f"{prefix}.{i}.value"]
-    return names
 
 
 class FlatKeyValueModel(nn.Module):

@@ -1,8 +1,9 @@
 """A plain ONNX Runtime wrapper for one exported model: the offline reference loop.
 
 Used by parity checks, evaluation and tests as "ONNX Runtime alone"; the serving engine has
-its own runner. Positions beyond a bounded model's table are refused here, before ONNX
-Runtime would silently index out of range.
+its own runner. The in-place serving graphs run here too (their new K/V is appended to the
+past outside the graph), so their parity is checked the same way. Positions beyond a bounded
+model's table are refused here, before ONNX Runtime would silently index out of range.
 """
 
 from __future__ import annotations
@@ -12,33 +13,19 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from export.manifest import Manifest
+from contract.graph import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    left_pad_batch,
+    output_names,
+    past_names,
+    target_logprobs,
+)
+from contract.manifest import NP_DTYPES, SERVING, SERVING_FP16, Manifest, variant_dtype
 from models.limits import check_positions
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16}
-
 Past = list[np.ndarray]  # per layer: key, value, key, value, ...
-
-
-def left_pad_batch(sequences: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(input_ids, attention_mask, position_ids), each (B, longest), padding on the left."""
-    longest = max(len(s) for s in sequences)
-    ids = np.full((len(sequences), longest), pad_token_id, dtype=np.int64)
-    mask = np.zeros((len(sequences), longest), dtype=np.int64)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, longest - len(seq) :] = seq
-            mask[row, longest - len(seq) :] = 1
-    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    return ids, mask, positions
-
-
-def target_logprobs(logits: np.ndarray, targets: list[int]) -> np.ndarray:
-    """log softmax(logits)[i, targets[i]] for logits (T, vocab), in float64."""
-    logits = logits.astype(np.float64)
-    top = logits.max(-1, keepdims=True)
-    log_norm = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
-    return logits[np.arange(len(targets)), targets] - log_norm
 
 
 def session_options(threads: int = 0) -> ort.SessionOptions:
@@ -55,7 +42,8 @@ class OnnxCausalLM:
         self, folder: Path, dtype: str = "float32", providers: list[str] | None = None, threads: int = 0
     ) -> None:
         self.manifest = Manifest.load(folder)
-        self.dtype = dtype
+        self.dtype = dtype  # the variant: float32, float16, serving-float32 or serving-float16
+        self.in_place = dtype in (SERVING, SERVING_FP16)
         path = self.manifest.verify(dtype)
         self.session = ort.InferenceSession(
             str(path), session_options(threads), providers=providers or ["CPUExecutionProvider"]
@@ -64,18 +52,20 @@ class OnnxCausalLM:
 
     def empty_past(self, batch: int) -> Past:
         shape = (batch, self.manifest.n_heads, 0, self.manifest.head_dim)
-        return [np.zeros(shape, dtype=NP_DTYPES[self.dtype]) for _ in range(2 * self.manifest.n_layers)]
+        dtype = NP_DTYPES[variant_dtype(self.dtype)]
+        return [np.zeros(shape, dtype=dtype) for _ in past_names(self.manifest.n_layers)]
 
     def forward(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
     ) -> tuple[np.ndarray, Past]:
-        """One graph call; returns logits (B, T, vocab) and the present K/V."""
+        """One graph call; returns logits (B, T, vocab) and the present K/V (past + new)."""
         check_positions(position_ids, self.manifest.max_positions)
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        for i in range(self.manifest.n_layers):
-            feeds[f"past_key_values.{i}.key"] = past[2 * i]
-            feeds[f"past_key_values.{i}.value"] = past[2 * i + 1]
-        logits, *present = self.session.run(None, feeds)
+        feeds = {INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, POSITION_IDS: position_ids}
+        feeds.update(zip(past_names(self.manifest.n_layers), past, strict=True))
+        outputs = output_names(self.manifest.n_layers, new_only=self.in_place)
+        logits, *present = self.session.run(outputs, feeds)
+        if self.in_place:  # the serving graph returns only the new tokens' K/V
+            present = [np.concatenate((old, new), axis=2) for old, new in zip(past, present, strict=True)]
         return logits, present
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[np.ndarray]]:

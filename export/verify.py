@@ -7,13 +7,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from export.runtime import OnnxCausalLM, left_pad_batch
+from contract.graph import left_pad_batch
+from contract.manifest import variant_dtype
+from export.runtime import OnnxCausalLM
 from models.transformer import Transformer
 
 # Tolerances on logits (max absolute difference).
 FP32_TOLERANCE = 1e-4
 # fp16 keeps ~3 significant digits; logits here reach ~20 in magnitude.
 FP16_TOLERANCE = 0.1
+
+
+def tolerance(variant: str) -> float:
+    """The logit tolerance of a graph variant: set by its dtype, serving graphs alike."""
+    return FP32_TOLERANCE if variant_dtype(variant) == "float32" else FP16_TOLERANCE
+
 
 PARITY_PROMPTS = [
     b"def fibonacci(n):\n    ",
@@ -48,7 +56,8 @@ def default_prompts(bos_token_id: int) -> list[list[int]]:
 def check_parity(model: Transformer, runtime: OnnxCausalLM, prompts: list[list[int]], steps: int = 32) -> ParityReport:
     """Batched left-padded prefill, then `steps` cached decode steps fed the same tokens.
 
-    PyTorch runs in float32 as the reference; the ONNX graph may be float16.
+    PyTorch runs in float32 as the reference; the ONNX graph may be float16 or a serving graph
+    (whose new K/V the runtime appends to the past).
     """
     model = model.float().eval()
     ids, mask, positions = left_pad_batch(prompts, runtime.pad_token_id)

@@ -28,11 +28,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from export.__main__ import ExportOptions
-from export.__main__ import run as export_run
+from contract.manifest import MANIFEST
+from export.repository import ExportOptions, rope_scaled_name
+from export.repository import run as export_run
 from loadtest.streaming import timed_stream
-from models.config import SCHEMES, RopeScaling
+from models.config import RopeScaling
 from models.corpus import load_corpus
+from models.positional import SCHEMES
 from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
@@ -303,11 +305,9 @@ def ensure_repository(repository: Path, schemes: list[str], budget: Budget) -> l
     scalings = (
         [f"{kind}:{m:g}" for kind in ROPE_SCALINGS for m in budget.scaling_multiples] if "rope" in schemes else []
     )
-    names = [f"rope-{RopeScaling.parse(s).kind}-x{RopeScaling.parse(s).factor:g}" for s in scalings]
-    missing_schemes = [s for s in schemes if not (repository / s / "manifest.json").is_file()]
-    missing_scalings = [
-        s for s, n in zip(scalings, names, strict=True) if not (repository / n / "manifest.json").is_file()
-    ]
+    names = [rope_scaled_name(RopeScaling.parse(s)) for s in scalings]
+    missing_schemes = [s for s in schemes if not (repository / s / MANIFEST).is_file()]
+    missing_scalings = [s for s, n in zip(scalings, names, strict=True) if not (repository / n / MANIFEST).is_file()]
     if missing_schemes or missing_scalings:
         export_run(
             ExportOptions(

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  median under load: first half {first / 1e6:.0f} MB, second half {second / 1e6:.0f} MB "
                 f"({(second - first) / first * 100:+.1f}%)"
             )
-        for model in ("alibi", "rope", "relative", "none", "sinusoidal", "learned"):
+        for model in (spec.partition(":")[0] for spec in args.models.split(",")):  # the models under load
             try:
                 used = server.metric("posenc_kv_cache_used_bytes", model=model)
                 print(f"kv cache used at end ({model}): {used:.0f} bytes")

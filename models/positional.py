@@ -232,6 +232,7 @@ class PositionalScheme(nn.Module):
         return QueryKeyRotation()
 
 
+# The one list of schemes: name -> module. Registration order is the order every list shows.
 SCHEME_REGISTRY: dict[str, type[PositionalScheme]] = {}
 
 
@@ -241,14 +242,10 @@ def register(cls: type[PositionalScheme]) -> type[PositionalScheme]:
 
 
 def build_positional(config: ModelConfig) -> PositionalScheme:
+    """The scheme's module; the scheme name is validated here, where the registry lives."""
+    if config.scheme not in SCHEME_REGISTRY:
+        raise ValueError(f"scheme must be one of {', '.join(SCHEME_REGISTRY)}, got {config.scheme!r}")
     return SCHEME_REGISTRY[config.scheme](config)
-
-
-@register
-class NoPositions(PositionalScheme):
-    """NoPE: order comes only from the causal mask (Kazemnejad et al. 2023)."""
-
-    name = "none"
 
 
 @register
@@ -328,3 +325,29 @@ class AlibiBias(PositionalScheme):
     def attention_bias(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
         distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, Tq, Tk)
         return -self.slopes * distance.to(torch.float32)  # (B, H, Tq, Tk)
+
+
+@register
+class NoPositions(PositionalScheme):
+    """NoPE: order comes only from the causal mask (Kazemnejad et al. 2023)."""
+
+    name = "none"
+
+
+# Every list of schemes (CLI choices, export, load tests, tests) is this one, in registration order.
+SCHEMES: tuple[str, ...] = tuple(SCHEME_REGISTRY)
+
+
+def matched_config(scheme: str, **overrides: object) -> ModelConfig:
+    """A config whose total parameter count matches the scheme-free model.
+
+    A learned position table is ~4% of a model this small; to give every scheme the same
+    budget we take those parameters out of the MLP hidden width (2 * d_model + 1 per unit
+    per layer), the usual way parameter-matched ablations are built.
+    """
+    config = ModelConfig(scheme=scheme, **overrides)  # type: ignore[arg-type]
+    extra = sum(p.numel() for p in build_positional(config).parameters())
+    per_unit = config.n_layers * (2 * config.d_model + 1)
+    assert config.d_ff is not None
+    config.d_ff -= round(extra / per_unit)
+    return config

@@ -22,8 +22,8 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from models.config import SCHEMES, matched_config
 from models.corpus import Corpus, load_corpus
+from models.positional import SCHEMES, matched_config
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -25,19 +26,21 @@ import numpy as np
 import onnxruntime as ort
 from prometheus_client import CollectorRegistry
 
-from export.manifest import Manifest
+from contract.manifest import NP_DTYPES, Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.engine.engine import Engine, EngineConfig
-from service.engine.request import Request, SamplingParams
-from service.engine.runner import ModelRunner, PrefilledPrompt, default_threads
+from service.engine.input_processor import GenerateInput
+from service.engine.request import Request
+from service.engine.runner import ModelRunner, PrefilledPrompt, StoreConfig, default_threads
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess
 from service.server import REPOSITORY_ROOT
 
 CONTEXTS = (128, 256, 512, 1024, 2048)
+SECTIONS = ("mixed", "throughput", "steps", "share")
 REQUESTS_PER_STREAM = 4  # aggregate throughput: unary requests each stream sends back to back
 
 
@@ -109,15 +112,17 @@ def grpc_stream_ceiling(messages: int = 5000) -> tuple[float, float]:
         server.stop(0)
 
 
-def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int) -> float:
+def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int, device: str = "cpu") -> float:
     """The engine's own runner without gRPC, scheduler or sampler: the in-process ceiling."""
-    runner = ModelRunner(Manifest.load(folder), "cpu", threads)
-    prompt = runner.prefill_batch({"r": TOKENIZER.encode("def main():\n")})
-    runner.join(prompt)
-    token = np.array([prompt[0].logits.argmax()])
+    runner = ModelRunner(Manifest.load(folder), StoreConfig(1 << 34, 16, 4096), device, threads)
+    prompt = runner.prefill_batch({"r": TOKENIZER.encode("def main():\n")})[0]
+    runner.store.reserve("r", prompt.length + 1)
+    runner.join([prompt])
+    token = int(prompt.logits.argmax())
     started = time.perf_counter()
-    for _ in range(new_tokens):
-        token = runner.decode(token).argmax(axis=1)
+    for step in range(new_tokens):
+        runner.store.reserve("r", prompt.length + step + 1)
+        token = int(runner.decode({"r": token})["r"].argmax())
     return new_tokens / (time.perf_counter() - started)
 
 
@@ -138,7 +143,7 @@ def decode_tokens_per_second_engine(repository: Path, model: str, new_tokens: in
     engine = Engine.from_repository(repository, config, ServiceMetrics(CollectorRegistry()), [model])
 
     def once(tokens: int) -> float:
-        request = engine.submit(model, "def main():\n", SamplingParams(max_new_tokens=tokens))
+        request = engine.submit(GenerateInput(model, "def main():\n", max_new_tokens=tokens))
         return decode_rate(token_arrivals(output_texts(request)))
 
     engine.start()
@@ -258,67 +263,70 @@ def print_interference(label: str, figures: dict[str, float]) -> None:
     )
 
 
-def batch_runner(folder: Path, batch: int, context: int, threads: int, in_place: bool) -> ModelRunner:
-    """A runner whose batch holds `batch` sequences of `context` tokens of random K/V."""
-    runner = ModelRunner(Manifest.load(folder), "cpu", threads, in_place=in_place)
-    manifest = runner.manifest
+def batch_runner(
+    folder: Path, batch: int, context: int, threads: int, device: str = "cpu", backend: str = "auto"
+) -> ModelRunner:
+    """A runner whose store holds `batch` sequences of `context` tokens of random K/V."""
+    store = StoreConfig(1 << 34, 16, max(4096, context + 64))
+    runner = ModelRunner(Manifest.load(folder), store, device, threads, backend)
+    layout = runner.layout
     rng = np.random.default_rng(0)
-    cache = [
-        rng.standard_normal((batch, manifest.n_heads, context, manifest.head_dim)).astype(np.float32) * 0.1
-        for _ in runner.past_names
-    ]
-    logits = np.zeros(manifest.vocab_size, dtype=np.float32)
-    runner.join([PrefilledPrompt(f"r{i}", logits, [layer[i : i + 1] for layer in cache]) for i in range(batch)])
+    shape = (layout.tensors, layout.n_heads, context, layout.head_dim)
+    logits = np.zeros(runner.manifest.vocab_size, dtype=np.float32)
+    prompts = []
+    for i in range(batch):
+        cache = runner.backend.upload((rng.standard_normal(shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
+        runner.store.reserve(f"r{i}", context + 1)
+        prompts.append(PrefilledPrompt(f"r{i}", logits, cache, context))
+    runner.join(prompts)
     return runner
 
 
 def step_seconds(runner: ModelRunner, steps: int) -> float:
-    """Median decode step time at the batch's context: each step's new column is taken back
-    (in place), so every step reads the same context."""
-    tokens = np.full(len(runner.rows), 65)
-    batch = len(runner.rows)
-
-    def take_back() -> None:
-        if runner.in_place:
-            runner.filled -= 1
-            runner.mask[:batch, runner.filled] = 0
-            runner.positions[:batch] -= 1
-
+    """Median decode step time at the store's context: each step's new column is taken back,
+    so every step reads the same context."""
+    tokens = dict.fromkeys(runner.store.members(), 65)
     runner.decode(tokens)  # warm-up
-    take_back()
+    runner.store.rewind(1)
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         runner.decode(tokens)
         times.append(time.perf_counter() - started)
-        take_back()
+        runner.store.rewind(1)
     return statistics.median(times)
 
 
-def cache_share(folder: Path, batch: int, context: int, threads: int, in_place: bool, steps: int) -> dict[str, float]:
-    """Share of decode step time spent on the cache: host copies plus in-graph KV Concat kernels.
+def cache_share(
+    folder: Path, batch: int, context: int, threads: int, steps: int, device: str = "cpu"
+) -> dict[str, float]:
+    """Share of decode step time spent on the cache: the store's writes on the engine thread plus
+    in-graph KV Concat kernels (none in the in-place serving graph; counted to show it).
 
-    Step time and host copies come from an unprofiled run; the Concat share of kernel time
+    Step time and store writes come from an unprofiled run; the Concat share of kernel time
     from a profiled one (profiling slows every kernel alike), scaled to the graph's share.
     """
-    runner = batch_runner(folder, batch, context, threads, in_place)
+    runner = batch_runner(folder, batch, context, threads, device)
     step = step_seconds(runner, steps)
+    tokens = dict.fromkeys(runner.store.members(), 65)
     runner.timings.graph = runner.timings.cache = 0.0
     for _ in range(steps):
-        runner.decode(np.full(len(runner.rows), 65))
+        runner.decode(tokens)
+        runner.store.rewind(1)
     host, graph = runner.timings.cache / steps, runner.timings.graph / steps
 
     options = ort.SessionOptions()
     options.enable_profiling = True
     options.intra_op_num_threads = threads
     options.profile_file_prefix = str(Path(tempfile.gettempdir()) / "posenc-profile")
-    runner.session = ort.InferenceSession(
-        str(runner.manifest.onnx_path(runner.variant)), options, providers=["CPUExecutionProvider"]
-    )
-    runner._binding = None  # bind the new session
+    path = str(runner.manifest.onnx_path(runner.variant))
+    profiled = ort.InferenceSession(path, options, providers=runner.providers)
+    runner.session.session = profiled
+    runner.forget_calls(everything=True)  # bind the profiled session
     for _ in range(steps):
-        runner.decode(np.full(len(runner.rows), 65))
-    profile_path = Path(runner.session.end_profiling())
+        runner.decode(tokens)
+        runner.store.rewind(1)
+    profile_path = Path(profiled.end_profiling())
     kernel_all = kernel_concat = 0.0
     cache_bytes = batch * context * runner.manifest.n_heads * runner.manifest.head_dim * 4
     for event in json.loads(profile_path.read_text()):
@@ -339,6 +347,93 @@ def cache_share(folder: Path, batch: int, context: int, threads: int, in_place: 
     }
 
 
+DECODE_SUM = 'posenc_step_duration_seconds_sum{phase="decode"}'
+DECODE_COUNT = 'posenc_step_duration_seconds_count{phase="decode"}'
+W1_GAUGES = [
+    "posenc_kv_cache_used_bytes",
+    "posenc_kv_cache_physical_bytes",
+    "posenc_kv_cache_physical_peak_bytes",
+    "posenc_kv_cache_capacity_bytes",
+    "posenc_running_sequences",
+    DECODE_SUM,
+    DECODE_COUNT,
+]
+
+
+@dataclass
+class MixedLengthsFigures:
+    """What an outside process saw of the KV cache while one long and many short sequences ran."""
+
+    samples: list[dict[str, float]]
+    peak_physical: float  # max of the sampled physical bytes and the store's own high-water mark
+    capacity: float
+    texts: list[str]
+
+    def busy(self, running: int = 8) -> list[dict[str, float]]:
+        return [s for s in self.samples if s["posenc_running_sequences"] >= running]
+
+    @property
+    def used_over_physical(self) -> float:
+        """Median over scrapes with 8 or more sequences running."""
+        ratios = [s["posenc_kv_cache_used_bytes"] / s["posenc_kv_cache_physical_bytes"] for s in self.busy()]
+        return statistics.median(ratios) if ratios else math.nan
+
+    @property
+    def decode_step_seconds(self) -> float:
+        """Mean decode step time between scrapes while 8 or more sequences ran."""
+        busy = self.busy()
+        if len(busy) < 2:
+            return math.nan
+        steps = busy[-1][DECODE_COUNT] - busy[0][DECODE_COUNT]
+        return (busy[-1][DECODE_SUM] - busy[0][DECODE_SUM]) / steps if steps else math.nan
+
+
+def mixed_lengths_workload(
+    server: ServerProcess,
+    model: str,
+    long_prompt_bytes: int = 3000,
+    short_streams: int = 15,
+    short_prompt_bytes: int = 50,
+    new_tokens: int = 1000,
+    delay: float = 1.5,
+    interval: float = 0.05,
+) -> MixedLengthsFigures:
+    """W1: one stream with a long prompt, `delay` s later `short_streams` streams with short prompts,
+    each generating `new_tokens` tokens (temperature 0.8); /metrics scraped every `interval` s
+    (works against any build of the server that exports these gauges)."""
+    text = "".join(f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(400))
+
+    def stream(prompt: str, seed: int) -> str:
+        request = pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=new_tokens, temperature=0.8, seed=seed)
+        return "".join(chunk.text for chunk in server.stub.GenerateStream(request, timeout=900))
+
+    samples: list[dict[str, float]] = []
+    done = threading.Event()
+    gauges = [g for g in W1_GAUGES if g != "posenc_kv_cache_physical_peak_bytes"]
+
+    def scrape() -> None:
+        while not done.is_set():
+            samples.append(server.sample(gauges, model=model))
+            time.sleep(interval)
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    with ThreadPoolExecutor(short_streams + 1) as pool:
+        futures = [pool.submit(stream, text[:long_prompt_bytes], 0)]
+        time.sleep(delay)
+        futures += [pool.submit(stream, text[i * 7 : i * 7 + short_prompt_bytes], i + 1) for i in range(short_streams)]
+        texts = [f.result() for f in futures]
+    done.set()
+    scraper.join()
+    final = server.sample(gauges, model=model)
+    peaks = [s["posenc_kv_cache_physical_bytes"] for s in samples]
+    try:  # the store's own high-water mark (counts re-allocations between scrapes)
+        peaks.append(server.metric("posenc_kv_cache_physical_peak_bytes", model=model))
+    except KeyError:
+        pass  # a build without the store
+    return MixedLengthsFigures(samples, max(peaks), final["posenc_kv_cache_capacity_bytes"], texts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository")
@@ -347,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--quick", action="store_true", help="fewer steps and contexts")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the service and runners run")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+        help="which parts to run (default: all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     repository: Path = args.model_repository
     server_threads = args.threads  # 0: the server's own default (decode half the cores, prefill all)
@@ -360,9 +460,26 @@ def main(argv: list[str] | None = None) -> int:
         limit = manifest.max_positions or "unbounded"
         print(f"  {manifest.name:<12} {manifest.kv_bytes_per_token():>6} B/token   positions: {limit}")
 
+    device_flags = ["--device", args.device]
+    if "mixed" in args.sections:
+        print_mixed_lengths(repository, args.model, server_threads, device_flags, args.quick)
+    if "throughput" in args.sections:
+        print_throughput(args, repository, server_threads, device_flags, steps)
+    if "steps" in args.sections:
+        print_step_table(folders, args, steps)
+    if "share" in args.sections:
+        print_cache_share(repository / args.model, args, steps)
+    return 0
+
+
+def print_throughput(
+    args: argparse.Namespace, repository: Path, server_threads: int, device_flags: list[str], steps: int
+) -> None:
     folder = repository / args.model
     print(f"\nSingle-stream decode, {args.new_tokens} tokens, model {args.model}, {args.threads} decode threads:")
-    server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", threads=server_threads)
+    server = ServerProcess(
+        repository, "--models", args.model, "--max-new-tokens-limit", "4096", *device_flags, threads=server_threads
+    )
     try:
         server.wait_serving()
         decode_tokens_per_second_grpc(server, args.model, 16)  # warm-up
@@ -373,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 repository, args.model, args.new_tokens, server_threads
             ),
             "in-process runner": median_of(
-                lambda: decode_tokens_per_second_runner(folder, args.new_tokens, args.threads)
+                lambda: decode_tokens_per_second_runner(folder, args.new_tokens, args.threads, args.device)
             ),
             "in-process session.run loop": median_of(
                 lambda: decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads)
@@ -414,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         server.stop()
-    one_runner, sixteen_runner = (batch_runner(folder, batch, 128, args.threads, True) for batch in (1, 16))
+    one_runner, sixteen_runner = (batch_runner(folder, batch, 128, args.threads, args.device) for batch in (1, 16))
     pairs = [(step_seconds(one_runner, steps * 5), step_seconds(sixteen_runner, steps * 5)) for _ in range(3)]
     one, sixteen = (statistics.median(times) for times in zip(*pairs, strict=True))
     print(
@@ -422,13 +539,16 @@ def main(argv: list[str] | None = None) -> int:
         f"batch 16, so 16 streams can be at most {16 * one / sixteen:.2f}x one stream here"
     )
     server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", "--prefill-nice", "0",
-                           threads=server_threads)  # fmt: skip
+                           *device_flags, threads=server_threads)  # fmt: skip
     try:
         print_interference(
             "prefill worker at the same priority", prefill_interference(server.wait_serving(), args.model)
         )
     finally:
         server.stop()
+
+
+def print_step_table(folders: list[Path], args: argparse.Namespace, steps: int) -> None:
     contexts = CONTEXTS[::2] if args.quick else CONTEXTS
     print("\nDecode step time (ms, median) versus context length, batch 1 / batch 8:")
     print("  " + f"{'model':<12}" + "".join(f"{c:>16}" for c in contexts))
@@ -439,19 +559,41 @@ def main(argv: list[str] | None = None) -> int:
             if manifest.max_positions is not None and context >= manifest.max_positions:
                 cells.append(f"{'not servable':>16}")
                 continue
-            one = step_seconds(batch_runner(folder, 1, context, args.threads, True), steps) * 1000
-            eight = step_seconds(batch_runner(folder, 8, context, args.threads, True), steps) * 1000
+            one = step_seconds(batch_runner(folder, 1, context, args.threads, args.device), steps) * 1000
+            eight = step_seconds(batch_runner(folder, 8, context, args.threads, args.device), steps) * 1000
             cells.append(f"{one:7.2f} /{eight:7.2f}")
         print(f"  {manifest.name:<12}" + "".join(cells))
 
+
+def print_cache_share(folder: Path, args: argparse.Namespace, steps: int) -> None:
     print("\nCache handling share of decode step time, batch 8, context 2048 (goal <= 20%):")
-    share_folder = repository / args.model
-    for in_place, label in ((False, "present->past graph (Concat)"), (True, "in-place serving graph")):
-        share = cache_share(share_folder, 8, 2048, args.threads, in_place, steps)
-        print(
-            f"  {label:<30} step {share['step_ms']:7.2f} ms   host copies {share['host_cache_ms']:6.2f} ms   "
-            f"KV Concat {share['kv_concat_ms']:6.2f} ms   share {share['share'] * 100:5.1f}%"
-        )
+    share = cache_share(folder, 8, 2048, args.threads, steps, args.device)
+    print(
+        f"  {'KV store, in-place serving graph':<34} step {share['step_ms']:7.2f} ms   store writes "
+        f"{share['host_cache_ms']:6.2f} ms   KV Concat {share['kv_concat_ms']:6.2f} ms   "
+        f"share {share['share'] * 100:5.1f}%"
+    )
+
+
+def print_mixed_lengths(
+    repository: Path, model: str, server_threads: int, device_flags: list[str], quick: bool
+) -> None:
+    new_tokens = 200 if quick else 1000
+    print(
+        f"\nMixed lengths (W1), model {model}, default cache flags: one stream with a 3000-byte prompt, 1.5 s later "
+        f"15 streams with 50-byte prompts, {new_tokens} new tokens each (temperature 0.8), /metrics every 50 ms:"
+    )
+    server = ServerProcess(repository, "--models", model, *device_flags, threads=server_threads)
+    try:
+        figures = mixed_lengths_workload(server.wait_serving(), model, new_tokens=new_tokens)
+    finally:
+        server.stop()
+    print(
+        f"  used/physical (median, >= 8 running) {figures.used_over_physical:5.2f}   (goal >= 0.8)\n"
+        f"  peak physical {figures.peak_physical / 2**20:7.1f} MiB   budget {figures.capacity / 2**20:7.1f} MiB   "
+        f"({'within' if figures.peak_physical <= figures.capacity else 'ABOVE'} the budget)\n"
+        f"  decode step of the mixed batch (mean, >= 8 running) {figures.decode_step_seconds * 1000:6.2f} ms"
+    )
     return 0
 
 

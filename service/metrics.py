@@ -34,13 +34,26 @@ class ServiceMetrics:
         )  # fmt: skip
         self.prompt_tokens = Counter("posenc_prompt_tokens", "Prompt tokens admitted.", LABELS, **kw)
         self.generated_tokens = Counter("posenc_generated_tokens", "Tokens generated.", LABELS, **kw)
-        self.kv_cache_used = Gauge("posenc_kv_cache_used_bytes", "KV-cache bytes held by sequences.", LABELS, **kw)
-        self.kv_cache_capacity = Gauge("posenc_kv_cache_capacity_bytes", "KV-cache pool size in bytes.", LABELS, **kw)
-        self.kv_cache_physical = Gauge(
-            "posenc_kv_cache_physical_bytes",
-            "Bytes of the batch's dense KV tensors: used blocks plus left padding and growth slack.",
+        self.kv_cache_used = Gauge(
+            "posenc_kv_cache_used_bytes", "KV-cache bytes held by sequences (their tokens, in whole blocks).",
             LABELS, **kw,
         )  # fmt: skip
+        self.kv_cache_capacity = Gauge(
+            "posenc_kv_cache_capacity_bytes", "KV-cache budget (--kv-cache-bytes, in whole blocks).", LABELS, **kw
+        )
+        self.kv_cache_physical = Gauge(
+            "posenc_kv_cache_physical_bytes",
+            "Bytes of K/V arrays the KV store has allocated now (rows of every capacity class).",
+            LABELS, **kw,
+        )  # fmt: skip
+        self.kv_cache_physical_peak = Gauge(
+            "posenc_kv_cache_physical_peak_bytes",
+            "High-water mark of allocated K/V bytes, counting old and new array while a class is re-allocated.",
+            LABELS, **kw,
+        )  # fmt: skip
+        self.kv_cache_classes = Gauge(
+            "posenc_kv_cache_classes", "Capacity classes (dense batches, one graph call each) allocated.", LABELS, **kw
+        )
         self.running = Gauge("posenc_running_sequences", "Sequences in the running batch.", LABELS, **kw)
         self.queued = Gauge("posenc_queued_sequences", "Requests waiting for admission.", LABELS, **kw)
         self.batch_size = Histogram(

@@ -88,16 +88,25 @@ class ServerProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""
-        total, found = 0.0, False
+        return self.sample([name], **labels)[name]
+
+    def sample(self, names: list[str], **labels: str) -> dict[str, float]:
+        """Several metrics from one scrape: per name (optionally with its own label selector, as in
+        `name{phase="decode"}`), the sum of its samples whose labels include `labels`."""
+        wanted = [(key, key.partition("{")[0], key.partition("{")[2].rstrip("}")) for key in names]
+        totals: dict[str, float] = {}
         for line in self.metrics().splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
             head, _, value = line.rpartition(" ")
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total, found = total + float(value), True
-        if not found:
-            raise KeyError(f"{name} {labels} not in /metrics")
-        return total
+            name = head.partition("{")[0]
+            if not all(f'{k}="{v}"' in head for k, v in labels.items()):
+                continue
+            for key, base, selector in wanted:  # a key may select more labels: name{phase="decode"}
+                if name == base and (not selector or all(part in head for part in selector.split(","))):
+                    totals[key] = totals.get(key, 0.0) + float(value)
+        missing = [name for name in names if name not in totals]
+        if missing:
+            raise KeyError(f"{', '.join(missing)} {labels} not in /metrics")
+        return totals
 
     def stop(self) -> None:
         self.channel.close()

@@ -21,9 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from export.manifest import ManifestError
+from contract.manifest import ManifestError
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.engine import Engine, EngineConfig
+from service.engine.kv_store import KVBudgetError
 from service.metrics import ServiceMetrics
 from service.security import BearerTokenInterceptor, read_token, server_credentials
 from service.servicer import GenerationServicer
@@ -51,7 +52,7 @@ class ServerConfig:
 
 
 ENGINE_FLAGS = {
-    "kv_cache_bytes": ("--kv-cache-bytes", int, "KV-cache pool per model, bytes"),
+    "kv_cache_bytes": ("--kv-cache-bytes", int, "KV-cache budget per model, bytes: allocated K/V never exceed it"),
     "block_size": ("--block-size", int, "tokens per KV-cache block"),
     "max_batch_size": ("--max-batch-size", int, "sequences per running batch"),
     "max_queue": ("--max-queue", int, "waiting requests per model before RESOURCE_EXHAUSTED"),
@@ -60,6 +61,7 @@ ENGINE_FLAGS = {
     "default_max_new_tokens": ("--default-max-new-tokens", int, "max_new_tokens when a request leaves it unset"),
     "max_sequence_tokens": ("--max-sequence-tokens", int, "prompt + new tokens limit for unbounded schemes"),
     "device": ("--device", str, "auto | cpu | cuda"),
+    "kv_backend": ("--kv-backend", str, "KV store arrays: auto (numpy on CPU, torch on CUDA) | numpy | torch"),
     "prefill_nice": ("--prefill-nice", int, "nice value added to prefill worker threads (decode first; 0: off)"),
     "threads": ("--threads", int, "threads per ONNX Runtime session (0: decode half the cores, prefill all)"),
 }
@@ -132,7 +134,7 @@ class RunningServer:
         self.config = config
         self.metrics = ServiceMetrics()
         self.health = health.HealthServicer()
-        self.servicer = GenerationServicer(self.metrics, config.engine.default_max_new_tokens)
+        self.servicer = GenerationServicer(self.metrics)
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers),
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     try:
         running = serve(config)
-    except (ManifestError, RuntimeError) as error:
+    except (ManifestError, KVBudgetError, RuntimeError) as error:
         logger.error("refusing to start: %s", error)
         return 2
     stop_requested = threading.Event()

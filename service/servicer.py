@@ -10,8 +10,10 @@ import grpc
 
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
-from service.engine.engine import Engine, ErrorKind, RequestError
-from service.engine.request import Request, RequestStatus, SamplingParams, StreamEvent
+from service.engine.engine import Engine
+from service.engine.errors import ErrorKind, RequestError
+from service.engine.input_processor import GenerateInput
+from service.engine.request import Request, RequestStatus, StreamEvent
 from service.metrics import ServiceMetrics
 
 FINISH_REASONS = {
@@ -29,6 +31,7 @@ ABORT_CODES = {
     RequestStatus.FINISHED_CANCELLED: grpc.StatusCode.CANCELLED,
     RequestStatus.FINISHED_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     RequestStatus.FINISHED_ERROR: grpc.StatusCode.INTERNAL,
+    RequestStatus.FINISHED_SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -39,10 +42,9 @@ class _Aborted(Exception):
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, metrics: ServiceMetrics, default_max_new_tokens: int = 64) -> None:
+    def __init__(self, metrics: ServiceMetrics) -> None:
         self.engine: Engine | None = None  # set once models are loaded
         self.metrics = metrics
-        self.default_max_new_tokens = default_max_new_tokens
         self.shutting_down = False
 
     # ------------------------------------------------------------------ RPCs
@@ -65,7 +67,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     dtype=model.runner.dtype,
                     max_new_tokens_limit=model.config.max_new_tokens_limit,
                     max_sequence_tokens=model.max_sequence_tokens,
-                    kv_cache_capacity_bytes=model.kv_cache.stats().capacity_bytes,
+                    kv_cache_capacity_bytes=model.store.capacity_bytes,
                 )
             )
         return pb.ListModelsResponse(models=models)
@@ -115,18 +117,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         try:
             engine = self._engine(context)
-            model = self._call(lambda: engine.model(request.model))
-            if not request.text:
-                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, "text: must not be empty")
-            ids = model.tokenize(request.text)
-            limit = model.manifest.max_positions or model.config.max_sequence_tokens
-            if len(ids) - 1 > limit:
-                what = "max_positions" if model.manifest.max_positions else "max_sequence_tokens"
-                raise _Aborted(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"text: {len(ids) - 1} tokens to score exceed {what}={limit} of model {request.model!r}",
-                )
-            logprobs = model.runner.score(ids)
+            logprobs = self._call(lambda: engine.score(request.model, request.text))
         except _Aborted as aborted:
             self._count(request.model, "Score", aborted.code, started)
             context.abort(aborted.code, aborted.message)
@@ -154,19 +145,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Request:
         engine = self._engine(context)
-        params = SamplingParams(
-            max_new_tokens=request.max_new_tokens
-            if request.HasField("max_new_tokens")
-            else self.default_max_new_tokens,
+        remaining = context.time_remaining()
+        raw = GenerateInput(
+            model=request.model,
+            prompt=request.prompt,
+            max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             temperature=request.temperature,
             top_k=request.top_k,
-            top_p=request.top_p if request.HasField("top_p") else 1.0,
+            top_p=request.top_p if request.HasField("top_p") else None,
             seed=request.seed,
             stop=tuple(request.stop),
+            deadline=time.monotonic() + remaining if remaining is not None else None,
         )
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        handle: Request = self._call(lambda: engine.submit(request.model, request.prompt, params, deadline))
+        handle: Request = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))
         return handle
 
@@ -184,10 +175,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _raise_if_aborted(self, handle: Request) -> None:
         if handle.status in ABORT_CODES:
-            code = ABORT_CODES[handle.status]
-            if handle.error == "server shut down":
-                code = grpc.StatusCode.UNAVAILABLE
-            raise _Aborted(code, handle.error or handle.status.name.lower())
+            raise _Aborted(ABORT_CODES[handle.status], handle.error or handle.status.name.lower())
 
     def _count(self, model: str, method: str, code: grpc.StatusCode, started: float) -> None:
         known = self.engine is not None and model in self.engine.models

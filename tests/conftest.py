@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from export.__main__ import ExportOptions, run
+from export.repository import ExportOptions, run
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,16 @@
-"""The engine loop: one thread per model runs schedule -> decode -> sample -> update, and
-streams each request's new text back through its output stream.
+"""The engine core: one thread per model runs schedule -> execute -> process outputs, and streams
+each request's new text back through its output stream.
 
-Requests arrive from gRPC threads through a small inbox. Admitted prompts go to the model's
-prefill worker (its own thread and session) and join the decode batch at a step boundary
-once computed. Cancellation and deadlines are honoured at the next step boundary, where the
-sequence leaves the batch and frees its blocks.
+The roles, as vLLM v1 splits them: the input processor (defaults, validation, tokens) runs on
+the caller's thread before a request reaches the core; the scheduler decides who runs and
+reserves their rows in the KV store; the runner computes prompts (on the prefill worker's
+thread) and decode steps; the output processor turns logits into tokens, text and stops.
+Requests arrive through a small inbox. Cancellation and deadlines are honoured at the next
+step boundary, where the sequence's row is freed.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from export.manifest import Manifest, ManifestError
-from service.engine.kv_cache import KVCacheManager
+from contract.manifest import Manifest, ManifestError
+from service.engine.errors import ErrorKind, RequestError
+from service.engine.input_processor import GenerateInput, InputLimits, InputProcessor
+from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
+from service.engine.output_processor import Finished, OutputProcessor
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
-from service.engine.request import Request, RequestStatus, SamplingParams
-from service.engine.runner import ModelRunner
-from service.engine.sampler import Sampler
+from service.engine.request import Request, RequestStatus
+from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.scheduler import QueueFullError, Scheduler
 from service.metrics import ServiceMetrics
 
@@ -33,23 +36,12 @@ logger = logging.getLogger(__name__)
 # Gauges (cache bytes, running, queued) are refreshed this often while busy, and whenever idle.
 GAUGE_INTERVAL_SECONDS = 0.02
 
-
-class ErrorKind(enum.Enum):
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    NOT_FOUND = "NOT_FOUND"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"
-
-
-class RequestError(Exception):
-    def __init__(self, kind: ErrorKind, message: str) -> None:
-        super().__init__(message)
-        self.kind, self.message = kind, message
+__all__ = ["Engine", "EngineConfig", "ErrorKind", "GenerateInput", "ModelEngine", "RequestError"]
 
 
 @dataclass
 class EngineConfig:
-    kv_cache_bytes: int = 256 * 1024 * 1024  # per model
+    kv_cache_bytes: int = 256 * 1024 * 1024  # per model: the K/V arrays never exceed it
     block_size: int = 16
     max_batch_size: int = 32
     max_queue: int = 128
@@ -58,8 +50,28 @@ class EngineConfig:
     default_max_new_tokens: int = 64
     max_sequence_tokens: int = 4096  # prompt + new tokens, for schemes with no hard limit
     device: str = "auto"
+    kv_backend: str = "auto"  # numpy (CPU) | torch (CUDA; on the CPU too, to run that path)
     threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
+
+
+def sequence_limit(manifest: Manifest, config: EngineConfig) -> int:
+    """Prompt (with BOS) + new tokens one request may reach on this model."""
+    return manifest.max_positions or config.max_sequence_tokens
+
+
+def check_kv_budget(manifest: Manifest, config: EngineConfig, dtype: str = "float32") -> None:
+    """Refuse a budget that cannot hold one sequence of the longest allowed length (before any session opens)."""
+    layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, dtype)
+    tokens = sequence_limit(manifest, config)
+    minimum = KVStore.minimum_budget(layout, tokens, config.block_size)
+    if config.kv_cache_bytes < minimum:
+        raise KVBudgetError(
+            f"--kv-cache-bytes {config.kv_cache_bytes} cannot hold one sequence of {tokens} tokens "
+            f"(--max-sequence-tokens, or the model's max_positions) of model {manifest.name!r} at "
+            f"{layout.token_bytes} bytes per token; the minimum is {minimum} bytes (one row of the widest "
+            "capacity class and the row it moves from)"
+        )
 
 
 class ModelEngine:
@@ -68,95 +80,54 @@ class ModelEngine:
     def __init__(self, manifest: Manifest, config: EngineConfig, metrics: ServiceMetrics) -> None:
         self.manifest = manifest
         self.config = config
-        self.runner = ModelRunner(manifest, config.device, config.threads, open_prefill_session=False)
-        self.kv_cache = KVCacheManager(
-            config.kv_cache_bytes, manifest.kv_bytes_per_token(self.runner.dtype), config.block_size
+        store = StoreConfig(config.kv_cache_bytes, config.block_size, sequence_limit(manifest, config))
+        self.runner = ModelRunner(
+            manifest, store, config.device, config.threads, config.kv_backend, open_prefill_session=False
         )
-        self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_queue)
-        self.sampler = Sampler()
-        self.eos_token_id = int(manifest.tokenizer["eos_token_id"])  # type: ignore[call-overload]
-        self.bos_token_id = int(manifest.tokenizer["bos_token_id"])  # type: ignore[call-overload]
-        self.add_bos = bool(manifest.tokenizer.get("add_bos", True))
+        self.store = self.runner.store
+        self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)
+        self.inputs = InputProcessor(
+            manifest, InputLimits(config.max_new_tokens_limit, config.default_max_new_tokens, self.store.max_tokens)
+        )
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.metrics = metrics
-        # Labelled children resolved once: per-token metric updates stay cheap.
-        self._ttft = metrics.time_to_first_token.labels(**self.labels)
-        self._itl = metrics.inter_token_latency.labels(**self.labels)
-        self._generated = metrics.generated_tokens.labels(**self.labels)
-        self._steps = {
-            phase: metrics.step_duration.labels(**self.labels, phase=phase) for phase in ("prefill", "decode")
+        labels = self.labels
+        self.outputs = OutputProcessor(
+            self.inputs.eos_token_id,
+            metrics.time_to_first_token.labels(**labels),
+            metrics.inter_token_latency.labels(**labels),
+            metrics.generated_tokens.labels(**labels),
+        )
+        self._steps = {phase: metrics.step_duration.labels(**labels, phase=phase) for phase in ("prefill", "decode")}
+        self._batches = {phase: metrics.batch_size.labels(**labels, phase=phase) for phase in ("prefill", "decode")}
+        self._cancel_latency = metrics.cancellation_latency.labels(**labels)
+        self._gauges = {
+            "used": metrics.kv_cache_used.labels(**labels),
+            "physical": metrics.kv_cache_physical.labels(**labels),
+            "peak": metrics.kv_cache_physical_peak.labels(**labels),
+            "classes": metrics.kv_cache_classes.labels(**labels),
+            "running": metrics.running.labels(**labels),
+            "queued": metrics.queued.labels(**labels),
         }
-        self._batches = {
-            phase: metrics.batch_size.labels(**self.labels, phase=phase) for phase in ("prefill", "decode")
-        }
-        self._cancel_latency = metrics.cancellation_latency.labels(**self.labels)
-        self._kv_used = metrics.kv_cache_used.labels(**self.labels)
-        self._kv_physical = metrics.kv_cache_physical.labels(**self.labels)
-        self._running = metrics.running.labels(**self.labels)
-        self._queued = metrics.queued.labels(**self.labels)
-        self._prompt_tokens = metrics.prompt_tokens.labels(**self.labels)
-        self._preemptions = metrics.preemptions.labels(**self.labels)
+        self._prompt_tokens = metrics.prompt_tokens.labels(**labels)
+        self._preemptions = metrics.preemptions.labels(**labels)
         self._inbox: list[Request] = []
-        self._prefilled: list[PrefillResult] = []  # from the worker, joined at the next step
-        self._to_remove: set[str] = set()  # rows leaving the batch, dropped together once per step
+        self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
         self._gauges_due = 0.0
         self.prefill_worker = PrefillWorker(
-            self.runner,
-            config.prefill_tokens,
-            self._deliver_prefilled,
-            self._observe_prefill,
-            manifest.name,
+            self.runner, config.prefill_tokens, self._deliver_prefilled, self._observe_prefill, manifest.name,
             config.prefill_nice,
-        )
+        )  # fmt: skip
         self._wake = threading.Condition()
         self._stopping = False  # no new requests
         self._stopped = False  # the loop exits
         self._thread = threading.Thread(target=self._loop, name=f"engine-{manifest.name}", daemon=True)
-        stats = self.kv_cache.stats()
-        metrics.kv_cache_capacity.labels(**self.labels).set(stats.capacity_bytes)
-        metrics.kv_cache_used.labels(**self.labels).set(0)
-
-    # ------------------------------------------------------------------ limits
+        metrics.kv_cache_capacity.labels(**labels).set(self.store.capacity_bytes)
+        self._update_gauges()
 
     @property
     def max_sequence_tokens(self) -> int:
-        """Prompt (with BOS) + new tokens one request may reach."""
-        limit = self.manifest.max_positions or self.config.max_sequence_tokens
-        return min(limit, self.kv_cache.total_blocks * self.kv_cache.block_size)
-
-    def tokenize(self, text: str) -> list[int]:
-        data = list(text.encode("utf-8"))
-        return [self.bos_token_id, *data] if self.add_bos else data
-
-    def validate(self, prompt: str, params: SamplingParams) -> list[int]:
-        if not prompt:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, "prompt: must not be empty")
-        limit = self.config.max_new_tokens_limit
-        if not 0 < params.max_new_tokens <= limit:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT,
-                f"max_new_tokens: must be in [1, {limit}], got {params.max_new_tokens}",
-            )
-        if not (params.temperature >= 0.0 and np.isfinite(params.temperature)):
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"temperature: must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_p: must be in (0, 1], got {params.top_p}")
-        if params.top_k < 0:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_k: must be >= 0, got {params.top_k}")
-        ids = self.tokenize(prompt)
-        total = len(ids) + params.max_new_tokens
-        if total > self.max_sequence_tokens:
-            what = (
-                f"max_positions={self.manifest.max_positions} of model {self.manifest.name!r}"
-                if self.manifest.max_positions
-                else f"max_sequence_tokens={self.max_sequence_tokens} of this server"
-            )
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT,
-                f"prompt + max_new_tokens: {len(ids)} prompt tokens + {params.max_new_tokens} new tokens "
-                f"= {total} exceeds {what}",
-            )
-        return ids
+        return self.store.max_tokens
 
     # ------------------------------------------------------------------ requests in
 
@@ -194,7 +165,7 @@ class ModelEngine:
             time.sleep(0.01)
         with self._wake:
             for request in self._inbox:
-                request.finish(RequestStatus.FINISHED_CANCELLED, "server shut down")
+                request.finish(RequestStatus.FINISHED_SHUTDOWN, "server shut down")
             self._inbox.clear()
         self._stopped = True
         with self._wake:
@@ -229,28 +200,25 @@ class ModelEngine:
                 logger.exception("engine step failed for %s", self.manifest.name)
                 busy = False
         for request in self.scheduler.requests():
-            self._finish(request, RequestStatus.FINISHED_CANCELLED, "server shut down")
+            self._finish(request, RequestStatus.FINISHED_SHUTDOWN, "server shut down")
 
     def step(self) -> bool:
-        """One iteration; False when it found nothing to run (the loop may sleep)."""
+        """One iteration: reap aborted, write computed prompts, schedule, decode, process outputs.
+        False when it found nothing to run (the loop may sleep)."""
         self._reap_aborted()
         with self._wake:
             prefilled, self._prefilled = self._prefilled, []
-        self._flush_removals()
         joined = self._join(prefilled)
         output = self.scheduler.schedule()
-        for request in output.preempted:
-            self._to_remove.add(request.request_id)
-            self._preemptions.inc()
-        self._flush_removals()
+        self._preemptions.inc(len(output.preempted))
         if output.admitted:
             self._start_prefill(output.admitted)
         if output.decode:
             self._decode(output.decode)
-        self._flush_removals()
         busy = bool(joined or output.decode)
         now = time.monotonic()
         if not busy or now >= self._gauges_due:  # every step would cost ~3% of a small step
+            self.runner.forget_calls()
             self._update_gauges()
             self._gauges_due = now + GAUGE_INTERVAL_SECONDS
         return busy
@@ -264,11 +232,6 @@ class ModelEngine:
                 request.cancel_time = request.deadline
                 self._finish(request, RequestStatus.FINISHED_DEADLINE, "deadline exceeded")
 
-    def _flush_removals(self) -> None:
-        if self._to_remove:
-            self.runner.remove(self._to_remove)
-            self._to_remove = set()
-
     def _start_prefill(self, admitted: list[Request]) -> None:
         now = time.monotonic()
         for request in admitted:
@@ -278,12 +241,12 @@ class ModelEngine:
         self.prefill_worker.submit([PrefillJob(r, r.attempt, r.prefill_ids) for r in admitted])
 
     def _join(self, results: list[PrefillResult]) -> int:
-        """Computed prompts join the decode batch; first tokens are sampled. Returns how many joined."""
+        """Computed prompts are written into their rows; first tokens are sampled. Returns how many joined."""
         ready = []
         for result in results:
             request = result.job.request
             if request.status.finished or request.attempt != result.job.attempt:
-                continue  # finished or preempted meanwhile: its blocks are already free
+                continue  # finished or preempted meanwhile: its row is already free
             if result.error is not None:
                 self._fail([request], result.error)
             elif result.prompt is not None:  # None: given up (cancel or deadline, reaped here)
@@ -299,67 +262,29 @@ class ModelEngine:
         for request in requests:
             request.num_computed_tokens = request.prefill_length
         # After a preemption the next token is already known: no sample.
-        fresh = [(row, r) for row, r in enumerate(requests) if not r.output_ids]
+        fresh = [row for row, r in enumerate(requests) if not r.output_ids]
         if fresh:
-            logits = np.stack([ready[row].prompt.logits for row, _ in fresh])  # type: ignore[union-attr]
-            self._append([r for _, r in fresh], logits)
+            logits = np.stack([ready[row].prompt.logits for row in fresh])  # type: ignore[union-attr]
+            self._finish_all(self.outputs.process([requests[row] for row in fresh], logits))
         return len(ready)
 
     def _decode(self, requests: list[Request]) -> None:
-        by_id = {r.request_id: r for r in requests}
-        rows = [by_id.get(row) for row in self.runner.rows]
-        if len(by_id) != len(rows) or None in rows:  # must not happen; never decode a wrong batch
-            strays = {row for row in self.runner.rows if row not in by_id}
-            logger.error("model %s: decode batch and scheduler disagree (%d strays)", self.manifest.name, len(strays))
-            self.runner.remove(strays)
-            for request in requests:
-                if request.request_id not in self.runner.rows:
-                    self._finish(request, RequestStatus.FINISHED_ERROR, "internal error: sequence lost its cache")
-            return
-        tokens = np.fromiter((r.output_ids[-1] for r in rows), dtype=np.int64, count=len(rows))
+        tokens = {r.request_id: r.output_ids[-1] for r in requests}
         started = time.monotonic()
         try:
             logits = self.runner.decode(tokens)
         except Exception as error:  # fail only the sequences of this call
-            self._fail(rows, error)
+            self._fail(requests, error)
             return
         self._steps["decode"].observe(time.monotonic() - started)
-        self._batches["decode"].observe(len(rows))
-        for request in rows:
+        self._batches["decode"].observe(len(requests))
+        for request in requests:
             request.num_computed_tokens = request.num_tokens
-        self._append(rows, logits)  # type: ignore[arg-type]
+        self._finish_all(self.outputs.process(requests, np.stack([logits[r.request_id] for r in requests])))
 
-    def _append(self, requests: list[Request], logits: np.ndarray) -> None:
-        """Sample one token per request (rows of logits), stream the new text, finish the done."""
-        tokens = self.sampler.sample_batch(requests, logits)
-        now = time.monotonic()
-        eos, generated = self.eos_token_id, 0
-        for request, token in zip(requests, tokens, strict=True):
-            if request.status.finished:
-                continue
-            if isinstance(token, Exception):  # one request's sampling failure ends that request only
-                logger.error("sampling failed for %s: %s", request.request_id, token)
-                self._finish(request, RequestStatus.FINISHED_ERROR, f"sampling failed: {token}")
-                continue
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self._ttft.observe(now - request.arrival_time)
-            else:
-                self._itl.observe(now - request.last_token_time)
-            request.last_token_time = now
-            request.output_ids.append(token)
-            generated += 1
-            if token == eos:
-                self._finish(request, RequestStatus.FINISHED_EOS)
-                continue
-            text = request.detokenizer.push(token)
-            if text:
-                request.emit(text)
-            if request.detokenizer.stopped:
-                self._finish(request, RequestStatus.FINISHED_STOP)
-            elif len(request.output_ids) >= request.params.max_new_tokens:
-                self._finish(request, RequestStatus.FINISHED_LENGTH)
-        self._generated.inc(generated)
+    def _finish_all(self, finished: list[Finished]) -> None:
+        for done in finished:
+            self._finish(done.request, done.status, done.error)
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         logger.error("model %s: ONNX Runtime failed for %d request(s): %s", self.manifest.name, len(requests), error)
@@ -367,9 +292,8 @@ class ModelEngine:
             self._finish(request, RequestStatus.FINISHED_ERROR, f"inference failed: {error}")
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        self.scheduler.remove(request)
-        self._to_remove.add(request.request_id)
-        self.sampler.forget(request.request_id)
+        self.scheduler.remove(request)  # frees its row in the store at once
+        self.outputs.forget(request)
         if status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_DEADLINE) and request.cancel_time:
             self._cancel_latency.observe(time.monotonic() - request.cancel_time)
         request.finish(status, error)
@@ -379,10 +303,13 @@ class ModelEngine:
         self._batches["prefill"].observe(batch)
 
     def _update_gauges(self) -> None:
-        self._kv_used.set(self.kv_cache.stats().used_bytes)
-        self._kv_physical.set(self.runner.cache_slots * self.manifest.kv_bytes_per_token(self.runner.dtype))
-        self._running.set(len(self.scheduler.running))
-        self._queued.set(len(self.scheduler.waiting) + len(self._inbox))
+        stats = self.store.stats()
+        self._gauges["used"].set(stats.used_bytes)
+        self._gauges["physical"].set(stats.physical_bytes)
+        self._gauges["peak"].set(stats.peak_physical_bytes)
+        self._gauges["classes"].set(stats.classes)
+        self._gauges["running"].set(len(self.scheduler.running))
+        self._gauges["queued"].set(len(self.scheduler.waiting) + len(self._inbox))
 
 
 class Engine:
@@ -396,7 +323,8 @@ class Engine:
     def from_repository(
         cls, repository: Path, config: EngineConfig, metrics: ServiceMetrics, names: list[str] | None = None
     ) -> Engine:
-        """Load every model folder (or those named); a bad manifest or file stops the start."""
+        """Load every model folder (or those named); a bad manifest, file or budget stops the start
+        before any session opens."""
         if not repository.is_dir():
             raise ManifestError(f"{repository}: model repository does not exist")
         folders = sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
@@ -407,7 +335,10 @@ class Engine:
             folders = [p for p in folders if p.name in names]
         if not folders:
             raise ManifestError(f"{repository}: no model folders with a manifest.json")
-        return cls({p.name: ModelEngine(Manifest.load(p), config, metrics) for p in folders})
+        manifests = [Manifest.load(p) for p in folders]
+        for manifest in manifests:
+            check_kv_budget(manifest, config)
+        return cls({m.folder.name: ModelEngine(m, config, metrics) for m in manifests})
 
     def model(self, name: str) -> ModelEngine:
         try:
@@ -416,15 +347,19 @@ class Engine:
             known = ", ".join(sorted(self.models))
             raise RequestError(ErrorKind.NOT_FOUND, f"model: unknown model {name!r} (serving: {known})") from None
 
-    def submit(self, model: str, prompt: str, params: SamplingParams, deadline: float | None = None) -> Request:
-        engine = self.model(model)
-        ids = engine.validate(prompt, params)
-        request = Request(f"{model}-{next(self._ids)}", model, ids, params, engine.eos_token_id, deadline)
-        try:
-            engine.submit(request)
-        except QueueFullError as error:
-            raise RequestError(ErrorKind.RESOURCE_EXHAUSTED, str(error)) from None
+    def submit(self, raw: GenerateInput) -> Request:
+        engine = self.model(raw.model)
+        ids, params = engine.inputs.generate(raw)
+        request = Request(
+            f"{raw.model}-{next(self._ids)}", raw.model, ids, params, engine.inputs.eos_token_id, raw.deadline
+        )
+        engine.submit(request)
         return request
+
+    def score(self, model: str, text: str) -> np.ndarray:
+        """Teacher-forced log-probabilities of the text's tokens after the first."""
+        engine = self.model(model)
+        return engine.runner.score(engine.inputs.score(text))
 
     def cancel(self, request: Request) -> None:
         if request.cancel_time is None and not request.status.finished:

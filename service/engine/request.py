@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_CANCELLED = 5
     FINISHED_DEADLINE = 6
     FINISHED_ERROR = 7
+    FINISHED_SHUTDOWN = 8  # cancelled because the server stopped before it finished
 
     @property
     def finished(self) -> bool:

@@ -1,9 +1,9 @@
-"""Iteration-level (continuous) batching: who runs this step, within cache and batch limits.
+"""Iteration-level (continuous) batching: who runs this step, within the KV store and batch limits.
 
 Each step every decoding sequence advances one token, and waiting requests are admitted in
-arrival order while the batch and the block pool have room; their prompts go to the prefill
-worker and join the batch when computed. Blocks are taken one at a time as sequences grow;
-when the pool runs dry the newest sequence is preempted (its blocks freed, recomputed later),
+arrival order while the batch has room and the KV store can allocate their rows; their prompts
+go to the prefill worker and are written into those rows when computed. When the store cannot
+grow a sequence, the preemption policy picks a victim whose row is freed (recomputed later),
 as vLLM does.
 """
 
@@ -11,13 +11,34 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from service.engine.kv_cache import KVCacheManager
 from service.engine.request import Request, RequestStatus
 
 
 class QueueFullError(RuntimeError):
     """The bounded waiting queue is full."""
+
+
+class KVAllocator(Protocol):
+    """What the scheduler needs of the KV store: allocation that is the memory, and release."""
+
+    def reserve(self, sequence_id: str, tokens: int) -> bool: ...
+
+    def free(self, sequence_id: str) -> None: ...
+
+
+class PreemptionPolicy(Protocol):
+    def victim(self, running: list[Request]) -> Request:
+        """The running request to give up its cache when memory runs out (`running` is in admission order)."""
+        ...
+
+
+class NewestFirst:
+    """vLLM's default: the most recently admitted request has done the least work to redo."""
+
+    def victim(self, running: list[Request]) -> Request:
+        return running[-1]
 
 
 @dataclass
@@ -28,10 +49,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_batch_size: int = 32, max_queue: int = 128) -> None:
-        self.kv_cache = kv_cache
+    def __init__(
+        self,
+        kv: KVAllocator,
+        max_batch_size: int = 32,
+        max_queue: int = 128,
+        preemption: PreemptionPolicy | None = None,
+    ) -> None:
+        self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.preemption: PreemptionPolicy = preemption or NewestFirst()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -50,40 +78,41 @@ class Scheduler:
         for request in [r for r in self.running if r.prefill_done]:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted below for an earlier request of this step
-            while not self.kv_cache.allocate(request.request_id, request.num_tokens):
-                victim = self.running[-1]
+            while not self.kv.reserve(request.request_id, request.num_tokens):
+                victim = self.preemption.victim(self.running)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
                 out.decode.append(request)
-        # 2. New requests (and preempted ones) in arrival order, blocks for their whole prompt.
+        # 2. New requests (and preempted ones) in arrival order: a row for the prompt and its first token.
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
-            if not self.kv_cache.allocate(request.request_id, request.prefill_length):
+            if not self.kv.reserve(request.request_id, request.prefill_length + 1):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.admitted.append(request)
+        out.decode = [r for r in out.decode if r.status is RequestStatus.RUNNING]
         return out
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_cache.free(request.request_id)
+        self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.attempt += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
     def remove(self, request: Request) -> None:
-        """Forget a finished or aborted request and free its blocks."""
+        """Forget a finished or aborted request and free its cache."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request.request_id)
+        self.kv.free(request.request_id)
 
     def requests(self) -> list[Request]:
         return [*self.running, *self.waiting]

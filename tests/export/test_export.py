@@ -10,13 +10,15 @@ import numpy as np
 import onnx
 import pytest
 
+from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, input_names, left_pad_batch, output_names
+from contract.manifest import SERVING, SERVING_FP16, Manifest, ManifestError
 from export.__main__ import main
 from export.evaluate import bits_per_byte, evaluation_sequences
-from export.manifest import Manifest, ManifestError
+from export.repository import GRAPH_FILES
 from export.runtime import OnnxCausalLM
-from export.verify import FP16_TOLERANCE, FP32_TOLERANCE, check_parity, default_prompts
-from models.config import SCHEMES
+from export.verify import FP16_TOLERANCE, FP32_TOLERANCE, check_parity, default_prompts, tolerance
 from models.limits import PositionLimitError
+from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
 from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
@@ -52,9 +54,16 @@ def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
         "pad_token_id": 258,
         "add_bos": True,
     }
-    manifest.verify("float32")
-    manifest.verify("float16")
+    assert list(data["variants"]) == ["float32", SERVING, "float16", SERVING_FP16]
+    for variant, entry in data["variants"].items():  # type: ignore[union-attr]
+        assert entry["file"] == GRAPH_FILES[variant]
+    manifest.verify_all()
     assert manifest.kv_bytes_per_token() == 2 * config.n_layers * config.d_model * 4
+    assert (
+        manifest.kv_bytes_per_token(SERVING_FP16)
+        == manifest.kv_bytes_per_token("float16")
+        == 2 * config.n_layers * config.d_model * 2
+    )
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -64,22 +73,39 @@ def test_graph_contract(repository: Path, scheme: str) -> None:
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in proto.graph.output}
     n_layers = Manifest.load(repository / scheme).n_layers
-    assert list(inputs)[:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert list(inputs) == input_names(n_layers) and list(outputs) == output_names(n_layers)
+    assert (
+        list(inputs)[:3] == ["input_ids", "attention_mask", "position_ids"] == [INPUT_IDS, ATTENTION_MASK, POSITION_IDS]
+    )
     assert inputs["input_ids"] == ["batch", "sequence"] and inputs["position_ids"] == ["batch", "sequence"]
     assert inputs["attention_mask"] == ["batch", "total_sequence"]
     for i in range(n_layers):
         for kind in ("key", "value"):
             assert inputs[f"past_key_values.{i}.{kind}"][::2] == ["batch", "past_sequence"]
             assert f"present.{i}.{kind}" in outputs
-    assert outputs["logits"] == ["batch", "sequence", 259]
+    assert outputs["logits"] == ["batch", "sequence", 259] and LOGITS == "logits"
     assert len(proto.graph.input) == 3 + 2 * n_layers  # one file, weights inside
+    for variant in ("float16", SERVING, SERVING_FP16):
+        graph = onnx.load(str(repository / scheme / GRAPH_FILES[variant])).graph
+        assert [i.name for i in graph.input] == input_names(n_layers), variant
+        assert [o.name for o in graph.output] == output_names(n_layers, new_only=variant != "float16"), variant
+    assert output_names(1, new_only=True) == ["logits", "new_key_values.0.key", "new_key_values.0.value"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", FP32_TOLERANCE), ("float16", FP16_TOLERANCE)])
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [
+        ("float32", FP32_TOLERANCE),
+        ("float16", FP16_TOLERANCE),
+        (SERVING, FP32_TOLERANCE),
+        (SERVING_FP16, FP16_TOLERANCE),
+    ],
+)
 def test_parity_left_padded_prefill_then_32_cached_steps(
     repository: Path, scheme: str, dtype: str, tolerance: float
 ) -> None:
+    """Every graph against PyTorch; a serving graph's new K/V is appended to its past outside it."""
     reference = Transformer.load(WEIGHTS_DIR / scheme)
     report = check_parity(
         reference, OnnxCausalLM(repository / scheme, dtype), default_prompts(TOKENIZER.bos_token_id), steps=32
@@ -87,6 +113,32 @@ def test_parity_left_padded_prefill_then_32_cached_steps(
     assert report.prefill_max_abs <= tolerance and report.decode_max_abs <= tolerance, report
     assert report.cached_vs_full_max_abs <= tolerance, report
     assert report.greedy_equal, report
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("variant", [SERVING, SERVING_FP16])
+def test_serving_graph_reads_a_buffer_with_masked_spare_slots(repository: Path, scheme: str, variant: str) -> None:
+    """What the engine relies on: unused slots in the past buffer, masked out, change nothing."""
+    runtime = OnnxCausalLM(repository / scheme, variant)
+    prompts = default_prompts(TOKENIZER.bos_token_id)
+    ids, mask, positions = left_pad_batch(prompts, runtime.pad_token_id)
+    logits, past = runtime.forward(ids, mask, positions, runtime.empty_past(len(prompts)))
+    next_ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+    positions = positions[:, -1:] + 1
+    expected, expected_present = runtime.forward(
+        next_ids, np.concatenate([mask, np.ones_like(next_ids)], 1), positions, past
+    )
+
+    spare = np.random.default_rng(0).standard_normal((*past[0].shape[:2], 5, past[0].shape[3])).astype(past[0].dtype)
+    buffer = [np.concatenate((layer, spare), axis=2) for layer in past]
+    buffer_mask = np.concatenate([mask, np.zeros((len(prompts), 5), dtype=np.int64), np.ones_like(next_ids)], axis=1)
+    got, got_present = runtime.forward(next_ids, buffer_mask, positions, buffer)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), atol=tolerance(variant))
+    for new, reference in zip(got_present, expected_present, strict=True):  # the new token's K/V
+        np.testing.assert_allclose(
+            new[:, :, -1:].astype(np.float32), reference[:, :, -1:].astype(np.float32), atol=tolerance(variant)
+        )
 
 
 def test_learned_position_limit_is_caught_before_onnx_runtime(repository: Path) -> None:
@@ -148,5 +200,6 @@ def test_export_command_prints_table(tmp_path: Path, capsys: pytest.CaptureFixtu
     )
     assert code == 0
     table = capsys.readouterr().out
-    assert "test bpb@64" in table and "parity fp32" in table
+    assert "test bpb@64" in table and "parity fp32" in table and "parity serving" in table
+    assert json.loads((tmp_path / "none" / "manifest.json").read_text())["variants"].keys() == {"float32", SERVING}
     assert (tmp_path / "none" / "genai_config.json").is_file()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.compare import main as compare_main
-from models.config import SCHEMES
+from models.positional import SCHEMES
 from service.process import ROOT, ServerProcess
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 import torch
 
-from models.config import SCHEMES, ModelConfig, matched_config
+import models.config
+from models.config import ModelConfig
 from models.limits import PositionLimitError
+from models.positional import SCHEME_REGISTRY, SCHEMES, matched_config
 from models.transformer import Transformer
 
 TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "train_context": 64}
@@ -76,8 +79,20 @@ def test_sinusoidal_and_nope_extrapolate_without_limit() -> None:
 
 
 def test_unknown_scheme_is_refused() -> None:
-    with pytest.raises(ValueError, match="scheme must be one of"):
-        ModelConfig(scheme="xpos")
+    with pytest.raises(ValueError, match="scheme must be one of sinusoidal, learned"):
+        Transformer(ModelConfig(scheme="xpos"))
+
+
+def test_the_registry_is_the_one_list_of_schemes() -> None:
+    assert SCHEMES == tuple(SCHEME_REGISTRY) == ("sinusoidal", "learned", "relative", "rope", "alibi", "none")
+
+
+def test_config_does_not_import_the_schemes() -> None:
+    """No cycle: positional imports config, never the other way (not even inside a function)."""
+    tree = ast.parse((Path(models.config.__file__)).read_text())
+    imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert "models.positional" not in imported and "models.transformer" not in imported, imported
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:

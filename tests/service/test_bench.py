@@ -23,10 +23,10 @@ def test_median_leaves_out_runs_without_a_figure() -> None:
 
 
 def test_step_time_is_measured_at_a_fixed_context(repository: Path) -> None:
-    runner = batch_runner(repository / "alibi", 4, 40, 1, True)
-    filled, positions = runner.filled, runner.positions[:4].copy()
-    mask = runner.mask[:4].copy()
+    runner = batch_runner(repository / "alibi", 4, 40, 1)
+    (klass,) = runner.store.batches()
+    lengths, mask = klass.lengths.copy(), klass.mask.copy()
     assert step_seconds(runner, 10) > 0
-    assert runner.filled == filled
-    assert np.array_equal(runner.positions[:4], positions)
-    assert np.array_equal(runner.mask[:4], mask)
+    assert np.array_equal(klass.lengths, lengths) and np.array_equal(klass.positions[:, 0], lengths)
+    assert np.array_equal(klass.mask, mask)
+    assert runner.store.stats().used_tokens == 4 * 41

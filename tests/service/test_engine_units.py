@@ -1,4 +1,4 @@
-"""Pure engine logic: block accounting, scheduling, sampling, detokenizing, the stubs."""
+"""Pure engine logic: sampling, detokenizing, the stubs (the KV store and scheduler: test_kv_store.py)."""
 
 from __future__ import annotations
 
@@ -9,83 +9,8 @@ import pytest
 
 from service.api import build
 from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.kv_cache import KVCacheManager
-from service.engine.request import Request, SamplingParams
+from service.engine.request import SamplingParams
 from service.engine.sampler import Sampler, probabilities
-from service.engine.scheduler import QueueFullError, Scheduler
-
-
-def make_request(request_id: str, prompt_len: int, max_new: int = 10) -> Request:
-    return Request(request_id, "m", [1] * prompt_len, SamplingParams(max_new_tokens=max_new), eos_token_id=257)
-
-
-def test_kv_blocks_grow_one_at_a_time_and_free_exactly() -> None:
-    kv = KVCacheManager(budget_bytes=10 * 16 * 100, bytes_per_token=100, block_size=16)
-    assert kv.total_blocks == 10
-    assert kv.allocate("a", 17) and kv.stats().used_blocks == 2
-    assert kv.allocate("a", 32) and kv.stats().used_blocks == 2
-    assert kv.allocate("a", 33) and kv.stats().used_blocks == 3
-    assert kv.allocate("b", 16 * 7) and kv.stats().used_blocks == 10
-    assert not kv.allocate("c", 1) and "c" not in kv.holders()
-    assert not kv.allocate("a", 16 * 4)  # no partial growth either
-    assert len(kv.block_table("a")) == 3
-    assert len(set(kv.block_table("a")) | set(kv.block_table("b"))) == 10
-    kv.free("a")
-    kv.free("b")
-    stats = kv.stats()
-    assert stats.used_bytes == 0 and stats.capacity_bytes == 10 * 16 * 100
-
-
-def test_reserved_but_unused_is_under_one_block_per_sequence() -> None:
-    kv = KVCacheManager(budget_bytes=1 << 30, bytes_per_token=4096, block_size=16)
-    lengths = np.random.default_rng(0).integers(200, 2048, size=32)
-    for i, length in enumerate(lengths):
-        assert kv.allocate(str(i), int(length))
-    stats = kv.stats()
-    wasted = stats.used_blocks * 16 - int(lengths.sum())
-    assert wasted < 16 * 32
-    assert wasted / lengths.sum() < 0.05
-
-
-def test_scheduler_admits_in_order_within_batch_queue_and_block_limits() -> None:
-    kv = KVCacheManager(budget_bytes=17 * 16, bytes_per_token=1, block_size=16)
-    scheduler = Scheduler(kv, max_batch_size=2, max_queue=2)
-    long, short, third = make_request("long", 250), make_request("short", 20), make_request("third", 5)
-    scheduler.add(long)
-    scheduler.add(short)
-    with pytest.raises(QueueFullError, match="max_queue=2"):
-        scheduler.add(make_request("x", 1))
-    out = scheduler.schedule()
-    assert out.admitted == [long] and list(scheduler.waiting) == [short]  # 16 blocks + 2 > 17: waits
-    assert kv.stats().used_blocks == 16  # the whole prompt's blocks, taken at admission
-    scheduler.add(third)
-    long.num_computed_tokens = 250  # its prefill joined the batch
-    long.output_ids.append(7)
-    assert scheduler.schedule().decode == [long]  # 251 tokens still fit in 16 blocks
-    scheduler.remove(long)
-    out = scheduler.schedule()
-    assert out.admitted == [short, third] and out.decode == []
-    assert kv.stats().used_blocks == 3
-    scheduler.add(make_request("fourth", 1))
-    assert scheduler.schedule().admitted == [] and len(scheduler.waiting) == 1  # batch limit
-
-
-def test_scheduler_preempts_newest_when_the_pool_runs_dry() -> None:
-    kv = KVCacheManager(budget_bytes=4 * 16, bytes_per_token=1, block_size=16)
-    scheduler = Scheduler(kv, max_batch_size=8)
-    a, b = make_request("a", 32), make_request("b", 32)
-    scheduler.add(a)
-    scheduler.add(b)
-    scheduler.schedule()
-    for request in (a, b):
-        request.num_computed_tokens = 32
-        request.output_ids.append(5)
-    out = scheduler.schedule()  # a needs a 3rd block: b is preempted
-    assert out.preempted == [b] and out.decode == [a]
-    assert list(scheduler.waiting) == [b] and b.num_computed_tokens == 0 and b.attempt == 1
-    assert b.prefill_ids == [1] * 32  # recomputed later without its last output token
-    scheduler.remove(a)
-    assert kv.stats().used_blocks == 0
 
 
 def test_sampler_filters() -> None:
@@ -97,8 +22,38 @@ def test_sampler_filters() -> None:
     assert probabilities(logits, SamplingParams(1, temperature=1.0)).sum() == pytest.approx(1.0)
     sampler = Sampler()
     assert sampler.sample("r", logits, SamplingParams(1)) == 0  # greedy
-    draws = [Sampler().sample("r", logits, SamplingParams(1, temperature=1.0, seed=5)) for _ in range(3)]
-    assert len(set(draws)) == 1  # the seed fixes the draw
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_distribution() -> None:
+    """Would fail for a sampler that ignored the seed or always returned the argmax: on a flat-ish
+    distribution, a seed fixes the whole sequence, other seeds give other sequences, and the
+    draws' frequencies follow the (filtered) softmax."""
+    logits = np.array([1.0, 0.8, 0.6, 0.4, 0.2, 0.0, -0.5, -1.0])  # argmax holds ~21%
+    n = 3000
+
+    def draws(params: SamplingParams, request_id: str = "r") -> np.ndarray:
+        sampler = Sampler()  # fresh: the request's generator starts from its seed
+        return np.array([sampler.sample(request_id, logits, params) for _ in range(n)])
+
+    for params in (
+        SamplingParams(1, temperature=1.0, seed=5),  # plain softmax
+        SamplingParams(1, temperature=0.7, top_k=5, seed=5),  # filtered: one by one
+        SamplingParams(1, temperature=1.3, top_p=0.8, seed=5),
+    ):
+        tokens = draws(params)
+        assert np.array_equal(tokens, draws(params))  # same seed, same sequence
+        assert np.array_equal(tokens, draws(params, request_id="other"))  # the seed, not the id
+        for seed in (6, 7, 2**64 - 1):
+            other = draws(SamplingParams(1, params.temperature, params.top_k, params.top_p, seed=seed))
+            assert not np.array_equal(tokens, other)
+            assert np.mean(tokens != other) > 0.5  # not a shifted copy either
+        expected = probabilities(logits, params)
+        assert np.count_nonzero(expected) >= 4
+        assert np.mean(tokens == 0) < 0.5  # not (mostly) the argmax
+        assert set(tokens.tolist()) == set(np.flatnonzero(expected).tolist())  # every kept token, no other
+        frequencies = np.bincount(tokens, minlength=len(logits)) / n
+        # One frequency's standard error is below 0.01 here; 0.04 is a generous bound.
+        assert np.abs(frequencies - expected).max() < 0.04, (frequencies, expected)
 
 
 def test_batched_sampling_equals_each_request_alone() -> None:

@@ -43,6 +43,60 @@ def cache_is_empty(server: ServerProcess) -> bool:
     )
 
 
+def assert_completed(response: pb.GenerateResponse, prompt: str, max_new_tokens: int) -> None:
+    """A greedy request that ran to its token limit: all its tokens counted, some text out."""
+    assert response.finish_reason == pb.FINISH_REASON_LENGTH, pb.FinishReason.Name(response.finish_reason)
+    assert response.usage.completion_tokens == max_new_tokens
+    assert response.usage.prompt_tokens == len(prompt.encode()) + 1  # bytes and BOS
+    assert response.usage.total_tokens == response.usage.prompt_tokens + max_new_tokens
+    assert response.text
+
+
+# Hostile inputs of every kind the fuzz tests draw, fixed so a test can run them itself.
+NAN, INF = float("nan"), float("inf")
+HOSTILE_GENERATE_REQUESTS = [
+    pb.GenerateRequest(model="nope", prompt="x", max_new_tokens=2),
+    pb.GenerateRequest(model="", prompt="x", max_new_tokens=2),
+    pb.GenerateRequest(model="x" * 300, prompt="x"),
+    pb.GenerateRequest(model="é", prompt="x"),
+    pb.GenerateRequest(model="alibi", prompt=""),
+    pb.GenerateRequest(model="learned", prompt="\x00" * 10, max_new_tokens=5),
+    pb.GenerateRequest(model="learned", prompt="y" * 400, max_new_tokens=32),  # past max_positions
+    pb.GenerateRequest(model="alibi", prompt="y" * 400, max_new_tokens=32),
+    pb.GenerateRequest(model="alibi", prompt="é→😀\ud7ff", max_new_tokens=0),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=-1),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=-(2**31)),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=2**31 - 1),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=33),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=NAN),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=INF),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=-INF),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=-0.5),
+    pb.GenerateRequest(model="learned", prompt="x", max_new_tokens=32, temperature=1e-30, seed=2**64 - 1),
+    pb.GenerateRequest(model="learned", prompt="x", max_new_tokens=32, temperature=1e30, seed=1),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=0.7, top_k=-(2**31)),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=0.7, top_k=2**31 - 1),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=0.7, top_p=NAN),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=0.7, top_p=INF),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=0.7, top_p=0.0),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=0.7, top_p=-1.0),
+    pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=32, temperature=0.7, top_p=1e-9, top_k=1),
+    pb.GenerateRequest(model="learned", prompt="x", max_new_tokens=32, temperature=0.7, top_p=1.5),
+    pb.GenerateRequest(model="alibi", prompt="def f(", max_new_tokens=32, stop=[""]),
+    pb.GenerateRequest(model="alibi", prompt="def f(", max_new_tokens=32, stop=["\n", "", "é" * 40, "\x00"]),
+    pb.GenerateRequest(model="learned", prompt="import os\n" * 20, max_new_tokens=32, temperature=0.9, seed=3),
+]
+HOSTILE_SCORE_REQUESTS = [
+    pb.ScoreRequest(model="alibi", text=""),
+    pb.ScoreRequest(model="zzz", text="x"),
+    pb.ScoreRequest(model="", text="x"),
+    pb.ScoreRequest(model="learned", text="y" * 600),  # past max_positions
+    pb.ScoreRequest(model="alibi", text="y" * 600),
+    pb.ScoreRequest(model="alibi", text="\x00é😀"),
+    pb.ScoreRequest(model="learned", text="x"),
+]
+
+
 floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
 generate_requests = st.builds(
     pb.GenerateRequest,
@@ -83,25 +137,86 @@ def test_fuzzed_score_requests_end_with_a_defined_status(server: ServerProcess, 
         assert error.code() in ALLOWED, (error.code(), error.details())
 
 
-def test_after_fuzzing_server_is_healthy_and_cache_empty(server: ServerProcess) -> None:
+def test_after_hostile_requests_server_is_healthy_and_cache_empty(server: ServerProcess) -> None:
+    """Runs its own hostile inputs (unary, streamed, streams dropped early, concurrently), so it
+    does not depend on the fuzz tests having run before it."""
+    good = pb.GenerateRequest(model="alibi", prompt="def ok():\n", max_new_tokens=16)
+    before = server.stub.Generate(good, timeout=60)
+    assert_completed(before, good.prompt, 16)
+    codes: list[grpc.StatusCode] = []
+    lock = threading.Lock()
+
+    def run(call) -> None:  # type: ignore[no-untyped-def]
+        try:
+            call()
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            assert error.code() in ALLOWED, (error.code(), error.details())
+            assert error.details()
+            code = error.code()
+        with lock:
+            codes.append(code)
+
+    def unary(request: pb.GenerateRequest) -> None:
+        response = server.stub.Generate(request, timeout=60)
+        assert response.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert response.usage.completion_tokens <= 32
+
+    def streamed(request: pb.GenerateRequest) -> None:
+        chunks = list(server.stub.GenerateStream(request, timeout=60))
+        assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert chunks[-1].usage.completion_tokens <= 32
+
+    def dropped(request: pb.GenerateRequest) -> None:  # the client goes away after one chunk
+        stream = server.stub.GenerateStream(request, timeout=60)
+        try:
+            next(stream)
+        except StopIteration:
+            pass
+        stream.cancel()
+
+    def score(request: pb.ScoreRequest) -> None:
+        response = server.stub.Score(request, timeout=60)
+        assert response.tokens == len(request.text.encode()) == len(response.token_logprobs)
+
+    calls = [
+        *(lambda r=r: unary(r) for r in HOSTILE_GENERATE_REQUESTS),
+        *(lambda r=r: streamed(r) for r in HOSTILE_GENERATE_REQUESTS),
+        *(lambda r=r: dropped(r) for r in HOSTILE_GENERATE_REQUESTS),
+        *(lambda r=r: score(r) for r in HOSTILE_SCORE_REQUESTS),
+    ]
+    for call in calls[:: len(calls) // 10]:  # a few one at a time, then all at once
+        run(call)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        for job in [pool.submit(run, call) for call in calls]:
+            job.result()
+    # Both paths were exercised: some inputs are rejected, some are served.
+    assert grpc.StatusCode.OK in codes and grpc.StatusCode.INVALID_ARGUMENT in codes
+    assert grpc.StatusCode.NOT_FOUND in codes
+
     health = server.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    assert wait_for(lambda: cache_is_empty(server))
+    assert wait_for(lambda: cache_is_empty(server), timeout=20)
+    after = server.stub.Generate(good, timeout=60)
+    assert_completed(after, good.prompt, 16)
+    assert after.text == before.text  # nothing left behind changes what a request gets
 
 
 def test_message_over_the_grpc_limit_is_resource_exhausted(server: ServerProcess) -> None:
     with pytest.raises(grpc.RpcError) as error:
         server.stub.Generate(pb.GenerateRequest(model="alibi", prompt="z" * (5 << 20)), timeout=30)
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert server.stub.Generate(pb.GenerateRequest(model="alibi", prompt="ok", max_new_tokens=2), timeout=10)
+    response = server.stub.Generate(pb.GenerateRequest(model="alibi", prompt="ok", max_new_tokens=2), timeout=10)
+    assert_completed(response, "ok", 2)
 
 
 def test_cancellation_storm_leaks_nothing_and_spares_the_others(server: ServerProcess) -> None:
-    rng = random.Random(5)
+    seed = 5  # every task draws from its own generator: draws do not depend on thread scheduling
     keep = [pb.GenerateRequest(model="alibi", prompt=f"def keep_{i}(x):\n", max_new_tokens=24) for i in range(8)]
     alone = [server.stub.Generate(r, timeout=60).text for r in keep]
 
     def storm(index: int) -> None:
+        rng = random.Random(f"{seed}/storm/{index}")
         prompt = "import os\n" * rng.choice([1, 50, 200])  # short, or a long prefill
         stream = server.stub.GenerateStream(
             pb.GenerateRequest(model=rng.choice(MODELS[:1]), prompt=prompt, max_new_tokens=32), timeout=60
@@ -121,6 +236,7 @@ def test_cancellation_storm_leaks_nothing_and_spares_the_others(server: ServerPr
             pass
 
     def deadline(index: int) -> None:
+        rng = random.Random(f"{seed}/deadline/{index}")
         request = pb.GenerateRequest(model="alibi", prompt="class T:\n", max_new_tokens=32)
         try:
             server.stub.Generate(request, timeout=rng.uniform(0.001, 0.2))
@@ -184,7 +300,8 @@ def test_restart_after_sigkill_comes_back_healthy(repository: Path) -> None:
     first.stop()
     second = ServerProcess(repository, "--models", "none", port=port, metrics_port=metrics_port).wait_serving()
     try:
-        assert second.stub.Generate(pb.GenerateRequest(model="none", prompt="a", max_new_tokens=3), timeout=10)
+        response = second.stub.Generate(pb.GenerateRequest(model="none", prompt="a", max_new_tokens=3), timeout=10)
+        assert_completed(response, "a", 3)
     finally:
         second.stop()
 

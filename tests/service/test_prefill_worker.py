@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export.manifest import Manifest
+from contract.manifest import Manifest
 from models.tokenizer import TOKENIZER
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
 from service.engine.request import Request, SamplingParams
-from service.engine.runner import ModelRunner
+from service.engine.runner import ModelRunner, StoreConfig
 
 
 def job(name: str, text: str) -> PrefillJob:
@@ -42,7 +42,7 @@ class Collector:
 
 @pytest.fixture
 def runner(repository: Path) -> ModelRunner:
-    return ModelRunner(Manifest.load(repository / "alibi"), "cpu", threads=1)
+    return ModelRunner(Manifest.load(repository / "alibi"), StoreConfig(64 << 20, 16, 1024), "cpu", threads=1)
 
 
 def start(runner: ModelRunner, collector: Collector, chunk_tokens: int) -> PrefillWorker:
@@ -64,7 +64,7 @@ def test_short_prompts_do_not_wait_behind_a_long_one(runner: ModelRunner) -> Non
     assert all(r.error is None and r.prompt is not None for r in collector.results)
     assert 2 in collector.calls  # the two short prompts ran as one batched call
     long = next(r for r in collector.results if r.job.request.request_id == "long")
-    assert long.prompt is not None and long.prompt.cache[0].shape[2] == len(long.job.token_ids)
+    assert long.prompt is not None and long.prompt.cache.shape[2] == long.prompt.length == len(long.job.token_ids)
     whole = runner.prefill_batch({"long": long.job.token_ids})[0]
     np.testing.assert_allclose(long.prompt.logits, whole.logits, atol=1e-3)
 

@@ -1,4 +1,4 @@
-"""The runner's batch bookkeeping against ONNX Runtime alone, for both cache layouts."""
+"""The runner and its KV store against ONNX Runtime alone, on both array backends."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export.manifest import Manifest
+from contract.manifest import Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
-from service.engine.runner import ModelRunner, PrefilledPrompt
+from service.engine.runner import ModelRunner, PrefilledPrompt, StoreConfig
 
 PROMPTS = {
     "a": TOKENIZER.encode("def f(x):\n"),
-    "b": TOKENIZER.encode('class Parser(object):\n    """Parse things."""\n'),
+    "b": TOKENIZER.encode('class Parser(object):\n    """Parse things."""\n' * 2),
     "c": TOKENIZER.encode("import os\n"),
 }
 
@@ -25,12 +25,17 @@ def lone_logits(repository: Path, model: str, prompt: list[int], steps: int) -> 
     return [step[0] for step in logits]
 
 
-@pytest.mark.parametrize("in_place", [True, False])
+def runner_for(repository: Path, model: str, backend: str = "numpy") -> ModelRunner:
+    return ModelRunner(Manifest.load(repository / model), StoreConfig(64 << 20, 16, 1024), "cpu", 1, backend)
+
+
+# "torch" is the CUDA path's code (torch tensors bound by data pointer) run on the CPU.
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("model", ["alibi", "relative", "rope"])
-def test_sequences_joining_and_leaving_match_lone_runs(repository: Path, model: str, in_place: bool) -> None:
-    runner = ModelRunner(Manifest.load(repository / model), "cpu", threads=1, growth_tokens=8, in_place=in_place)
-    assert runner.in_place == in_place
-    expected = {rid: lone_logits(repository, model, prompt, 12) for rid, prompt in PROMPTS.items()}
+def test_sequences_joining_moving_and_leaving_match_lone_runs(repository: Path, model: str, backend: str) -> None:
+    runner = runner_for(repository, model, backend)
+    store = runner.store
+    expected = {rid: lone_logits(repository, model, prompt, 80) for rid, prompt in PROMPTS.items()}
     seen: dict[str, list[np.ndarray]] = {rid: [] for rid in PROMPTS}
     tokens: dict[str, int] = {}
 
@@ -40,48 +45,76 @@ def test_sequences_joining_and_leaving_match_lone_runs(repository: Path, model: 
             tokens[rid] = int(np.argmax(expected[rid][len(seen[rid]) - 1]))  # follow the lone run's path
 
     def joined(prompts: list[PrefilledPrompt]) -> None:
+        for prompt in prompts:
+            assert store.reserve(prompt.request_id, prompt.length + 1)
         runner.join(prompts)
         record({p.request_id: p.logits for p in prompts})
 
     def step() -> None:
-        logits = runner.decode(np.array([tokens[r] for r in runner.rows]))
-        record(dict(zip(runner.rows, logits, strict=True)))
+        for rid in store.members():  # a full row moves to the next capacity class here
+            assert store.reserve(rid, store.length(rid) + 1)
+        record(runner.decode({rid: tokens[rid] for rid in store.members()}))
 
     joined(runner.prefill_batch({"a": PROMPTS["a"]}))
-    for _ in range(3):
+    for _ in range(30):
         step()
-    # "b" is computed in chunks (longer than "a" so far), then "b" and "c" join together.
+    # "b" is computed in chunks, then "b" and "c" join together, into other classes than "a".
     b = runner.prefill_chunked("b", PROMPTS["b"], chunk_tokens=20)
     assert b is not None
     step()
     joined([b, *runner.prefill_batch({"c": PROMPTS["c"]})])
-    for _ in range(4):
+    assert len(list(store.batches())) == 2  # two graph calls per step from here
+    for _ in range(30):
         step()
-    runner.remove({"a"})
-    for _ in range(4):
+    store.free("a")
+    for _ in range(15):
         step()
-    assert sorted(runner.rows) == ["b", "c"]
+    assert sorted(store.members()) == ["b", "c"]
     for rid, logits in seen.items():
-        assert len(logits) > 1
-        for step, value in enumerate(logits):
-            np.testing.assert_allclose(value, expected[rid][step], atol=1e-4, err_msg=f"{rid} step {step}")
-    runner.remove({"b", "c"})
-    assert runner.rows == [] and runner.cache_slots == 0
+        assert len(logits) > 40
+        for step_index, value in enumerate(logits):
+            np.testing.assert_allclose(value, expected[rid][step_index], atol=1e-4, err_msg=f"{rid} step {step_index}")
+    store.free("b")
+    store.free("c")
+    assert store.members() == [] and store.physical_bytes == 0
+
+
+def test_torch_path_gives_the_numpy_path_s_greedy_tokens(repository: Path) -> None:
+    """The GPU code path on the CPU: same greedy tokens, logits within 1e-4, for a batch that moves."""
+    results = {}
+    for backend in ("numpy", "torch"):
+        runner = runner_for(repository, "alibi", backend)
+        prompts = runner.prefill_batch(PROMPTS)
+        for prompt in prompts:
+            runner.store.reserve(prompt.request_id, prompt.length + 1)
+        runner.join(prompts)
+        tokens = {p.request_id: int(p.logits.argmax()) for p in prompts}
+        trace: list[tuple[dict[str, int], dict[str, np.ndarray]]] = []
+        for _ in range(70):
+            for rid in runner.store.members():
+                runner.store.reserve(rid, runner.store.length(rid) + 1)
+            logits = runner.decode(tokens)
+            tokens = {rid: int(value.argmax()) for rid, value in logits.items()}
+            trace.append((tokens, logits))
+        results[backend] = trace
+    for (tokens, logits), (torch_tokens, torch_logits) in zip(results["numpy"], results["torch"], strict=True):
+        assert tokens == torch_tokens
+        for rid in logits:
+            np.testing.assert_allclose(logits[rid], torch_logits[rid], atol=1e-4)
 
 
 def test_batched_prompts_match_lone_prompts(repository: Path) -> None:
     """Left padding of a batched prefill is cut off: each row's cache is its lone cache."""
-    runner = ModelRunner(Manifest.load(repository / "rope"), "cpu", threads=1)
+    runner = runner_for(repository, "rope")
     together = runner.prefill_batch(PROMPTS)
     for prompt in together:
         alone = runner.prefill_batch({prompt.request_id: PROMPTS[prompt.request_id]})[0]
-        assert prompt.cache[0].shape == alone.cache[0].shape == (1, 4, len(PROMPTS[prompt.request_id]), 32)
+        assert prompt.cache.shape == alone.cache.shape == (8, 4, len(PROMPTS[prompt.request_id]), 32)
         np.testing.assert_allclose(prompt.logits, alone.logits, atol=1e-4)
-        for mine, lone in zip(prompt.cache, alone.cache, strict=True):
-            np.testing.assert_allclose(mine, lone, atol=1e-4)
+        np.testing.assert_allclose(prompt.cache, alone.cache, atol=1e-4)
 
 
 def test_aborted_chunked_prefill_returns_nothing(repository: Path) -> None:
-    runner = ModelRunner(Manifest.load(repository / "alibi"), "cpu", threads=1)
+    runner = runner_for(repository, "alibi")
     calls = iter([False, True])
     assert runner.prefill_chunked("x", PROMPTS["b"], chunk_tokens=8, aborted=lambda: next(calls)) is None

@@ -55,16 +55,27 @@ def test_tls_with_bearer_token(repository: Path, pki: Path) -> None:
     server = ServerProcess(repository, *flags, credentials=tls_credentials(pki)).wait_serving()
     try:
         request = pb.GenerateRequest(model="none", prompt="x", max_new_tokens=2)
-        for call in (
-            lambda md: server.stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=md),
-            lambda md: server.stub.Generate(request, timeout=10, metadata=md),
-            lambda md: list(server.stub.GenerateStream(request, timeout=10, metadata=md)),
-        ):
+        calls = {
+            "ListModels": lambda md: server.stub.ListModels(pb.ListModelsRequest(), timeout=10, metadata=md),
+            "Generate": lambda md: server.stub.Generate(request, timeout=10, metadata=md),
+            "GenerateStream": lambda md: list(server.stub.GenerateStream(request, timeout=10, metadata=md)),
+        }
+        for call in calls.values():
             for metadata in (None, bearer("wrong"), [("authorization", TOKEN)]):
                 with pytest.raises(grpc.RpcError) as error:
                     call(metadata)
                 assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert call(bearer(TOKEN))
+        # With the token every call is served in full.
+        listed = calls["ListModels"](bearer(TOKEN))
+        assert [m.name for m in listed.models] == ["none"]
+        generated = calls["Generate"](bearer(TOKEN))
+        assert generated.finish_reason == pb.FINISH_REASON_LENGTH
+        assert generated.usage.completion_tokens == 2 and generated.usage.prompt_tokens == 2  # BOS and "x"
+        assert generated.text
+        chunks = calls["GenerateStream"](bearer(TOKEN))
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert chunks[-1].usage.completion_tokens == 2
+        assert "".join(c.text for c in chunks) == generated.text  # greedy: the same text
         # Probes need no token.
         health = server.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from export.runtime import OnnxCausalLM
-from models.config import SCHEMES
+from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess, wait_for

@@ -1,0 +1,77 @@
+"""Graph input/output names and how the graphs are fed and read: one definition each.
+
+Names follow Hugging Face Optimum and onnxruntime-genai: `input_ids`, `attention_mask`,
+`position_ids`, `past_key_values.{i}.key|value` -> `logits`, `present.{i}.key|value`. The
+in-place serving graph takes the same inputs and returns `new_key_values.{i}.key|value`
+(the new tokens only) instead of `present`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+LOGITS = "logits"
+PAST_KEY_VALUES = "past_key_values"
+PRESENT = "present"
+NEW_KEY_VALUES = "new_key_values"
+KV_KINDS = ("key", "value")
+
+
+def kv_name(prefix: str, layer: int | str, kind: str) -> str:
+    """`{prefix}.{layer}.{kind}`; `layer` may be a placeholder ("{i}", "%d") for documented patterns."""
+    return f"{prefix}.{layer}.{kind}"
+
+
+def _kv_names(prefix: str, n_layers: int) -> list[str]:
+    return [kv_name(prefix, i, kind) for i in range(n_layers) for kind in KV_KINDS]
+
+
+def past_names(n_layers: int) -> list[str]:
+    """Cache inputs in graph order: layer 0 key, layer 0 value, layer 1 key, ..."""
+    return _kv_names(PAST_KEY_VALUES, n_layers)
+
+
+def present_names(n_layers: int) -> list[str]:
+    """Cache outputs of the Optimum graph (past + new), in the order of `past_names`."""
+    return _kv_names(PRESENT, n_layers)
+
+
+def new_kv_names(n_layers: int) -> list[str]:
+    """Cache outputs of the serving graph (new tokens only), in the order of `past_names`."""
+    return _kv_names(NEW_KEY_VALUES, n_layers)
+
+
+def input_names(n_layers: int) -> list[str]:
+    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(n_layers)]
+
+
+def output_names(n_layers: int, new_only: bool = False) -> list[str]:
+    """`present.*` (past + new, Optimum) or, for the serving graph, `new_key_values.*` (new only)."""
+    return [LOGITS, *(new_kv_names(n_layers) if new_only else present_names(n_layers))]
+
+
+def left_pad_batch(sequences: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask, position_ids), each (B, longest), padding on the left.
+
+    Positions count real tokens only, so a padded row sees the positions of a lone sequence.
+    """
+    longest = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), longest), pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(sequences), longest), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, longest - len(seq) :] = seq
+            mask[row, longest - len(seq) :] = 1
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    return ids, mask, positions
+
+
+def target_logprobs(logits: np.ndarray, targets: list[int]) -> np.ndarray:
+    """log softmax(logits)[i, targets[i]] for logits (T, vocab), in float64 (fp16 graphs included)."""
+    logits = logits.astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    log_norm = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+    return logits[np.arange(len(targets)), targets] - log_norm

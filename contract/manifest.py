@@ -1,0 +1,150 @@
+"""The manifest that travels with every exported model: names, limits, graph files and hashes.
+
+Export writes it (`export.manifest.build_manifest`); the service reads it through `Manifest`
+and never branches on the scheme. It also carries the tokenizer, so any client tokenizes
+exactly as in training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+GENAI_CONFIG = "genai_config.json"
+DTYPE_BYTES = {"float32": 4, "float16": 2}
+NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+# Variant names of the in-place serving graphs (the plain graphs are named by their dtype).
+SERVING = "serving-float32"
+SERVING_FP16 = "serving-float16"
+_SERVING_PREFIX = "serving-"
+# A manifest without any of these is refused (manifest.json may carry more).
+REQUIRED_KEYS = (
+    "name", "scheme", "n_layers", "n_heads", "head_dim", "d_model", "vocab_size", "max_positions",
+    "train_context", "dtype", "opset", "sha256", "variants", "tokenizer",
+)  # fmt: skip
+
+
+def serving_variant(dtype: str) -> str:
+    """The in-place serving graph's variant name for a storage dtype ("float32" -> SERVING)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return _SERVING_PREFIX + dtype
+
+
+def variant_dtype(variant: str) -> str:
+    """The storage dtype of a variant's cache and activations ("serving-float16" -> "float16")."""
+    dtype = variant.removeprefix(_SERVING_PREFIX)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"{variant!r} is not a graph variant (float32, float16 or serving-<dtype>)")
+    return dtype
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in blocks (graphs can be large)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ManifestError(ValueError):
+    """A model folder whose manifest or ONNX file cannot be trusted."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Typed view of manifest.json."""
+
+    path: Path
+    data: dict[str, object]
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+    @property
+    def name(self) -> str:
+        return str(self.data["name"])
+
+    @property
+    def scheme(self) -> str:
+        return str(self.data["scheme"])
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.data["n_layers"])  # type: ignore[arg-type]
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.data["n_heads"])  # type: ignore[arg-type]
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.data["head_dim"])  # type: ignore[arg-type]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.data["vocab_size"])  # type: ignore[arg-type]
+
+    @property
+    def max_positions(self) -> int | None:
+        value = self.data["max_positions"]
+        return None if value is None else int(value)  # type: ignore[arg-type]
+
+    @property
+    def train_context(self) -> int:
+        return int(self.data["train_context"])  # type: ignore[arg-type]
+
+    @property
+    def tokenizer(self) -> dict[str, object]:
+        return dict(self.data["tokenizer"])  # type: ignore[call-overload]
+
+    def variant(self, dtype: str = "float32") -> dict[str, str]:
+        """{'file', 'sha256'} of the graph in `dtype`."""
+        variants: dict[str, dict[str, str]] = self.data["variants"]  # type: ignore[assignment]
+        if dtype not in variants:
+            raise ManifestError(f"{self.path}: no {dtype} variant (have {', '.join(variants)})")
+        return variants[dtype]
+
+    def onnx_path(self, dtype: str = "float32") -> Path:
+        return self.folder / self.variant(dtype)["file"]
+
+    def kv_bytes_per_token(self, dtype: str = "float32") -> int:
+        """Cache bytes one token occupies: K and V, every layer and head."""
+        return 2 * self.n_layers * self.n_heads * self.head_dim * DTYPE_BYTES[variant_dtype(dtype)]
+
+    def verify(self, dtype: str = "float32") -> Path:
+        """Check the ONNX file against the recorded sha256; raise naming the bad file."""
+        path = self.onnx_path(dtype)
+        if not path.is_file():
+            raise ManifestError(f"{path}: ONNX file named by {self.path} is missing")
+        actual = sha256_file(path)
+        expected = self.variant(dtype)["sha256"]
+        if actual != expected:
+            raise ManifestError(f"{path}: sha256 {actual} does not match {expected} recorded in {self.path}")
+        return path
+
+    def verify_all(self) -> None:
+        """Check every graph the manifest lists (a server refuses to start on any bad file)."""
+        for variant in self.data["variants"]:  # type: ignore[union-attr]
+            self.verify(variant)
+
+    @classmethod
+    def load(cls, folder: Path) -> Manifest:
+        path = folder / MANIFEST
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as error:
+            raise ManifestError(f"{path}: manifest is missing") from error
+        except json.JSONDecodeError as error:
+            raise ManifestError(f"{path}: manifest is not valid JSON ({error})") from error
+        missing = [key for key in REQUIRED_KEYS if key not in data]
+        if missing:
+            raise ManifestError(f"{path}: manifest lacks {', '.join(missing)}")
+        return cls(path, data)

@@ -1,0 +1,72 @@
+"""Output processing: sampled tokens become text, stops and metrics (vLLM v1's output processor).
+
+Given one step's logits for some requests, it samples each request's token, appends it,
+streams the new text, and says which requests are done and why. It never touches the cache:
+the engine core finishes the requests it names.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.engine.request import Request, RequestStatus
+from service.engine.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Finished:
+    request: Request
+    status: RequestStatus
+    error: str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_id: int, ttft: Any, itl: Any, generated: Any) -> None:
+        """`ttft`, `itl`, `generated`: the model's labelled metric children, resolved once (cheap per token)."""
+        self.sampler = Sampler()
+        self.eos_token_id = eos_token_id
+        self._ttft, self._itl, self._generated = ttft, itl, generated
+
+    def process(self, requests: list[Request], logits: np.ndarray) -> list[Finished]:
+        """Sample one token per request (rows of logits), stream the new text; the requests now done."""
+        tokens = self.sampler.sample_batch(requests, logits)
+        now = time.monotonic()
+        finished: list[Finished] = []
+        generated = 0
+        for request, token in zip(requests, tokens, strict=True):
+            if request.status.finished:
+                continue
+            if isinstance(token, Exception):  # one request's sampling failure ends that request only
+                logger.error("sampling failed for %s: %s", request.request_id, token)
+                finished.append(Finished(request, RequestStatus.FINISHED_ERROR, f"sampling failed: {token}"))
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self._ttft.observe(now - request.arrival_time)
+            else:
+                self._itl.observe(now - request.last_token_time)
+            request.last_token_time = now
+            request.output_ids.append(token)
+            generated += 1
+            if token == self.eos_token_id:
+                finished.append(Finished(request, RequestStatus.FINISHED_EOS))
+                continue
+            text = request.detokenizer.push(token)
+            if text:
+                request.emit(text)
+            if request.detokenizer.stopped:
+                finished.append(Finished(request, RequestStatus.FINISHED_STOP))
+            elif len(request.output_ids) >= request.params.max_new_tokens:
+                finished.append(Finished(request, RequestStatus.FINISHED_LENGTH))
+        self._generated.inc(generated)
+        return finished
+
+    def forget(self, request: Request) -> None:
+        self.sampler.forget(request.request_id)

@@ -1,0 +1,162 @@
+"""The KV store's accounting is its memory, and the scheduler admits against it (no ONNX Runtime here)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from service.engine.kv_store import KVBudgetError, KVLayout, KVStore, TorchArrays, capacity_ladder
+from service.engine.request import Request, SamplingParams
+from service.engine.scheduler import QueueFullError, Scheduler
+
+LAYOUT = KVLayout(n_layers=1, n_heads=1, head_dim=2, dtype="float32")  # 16 bytes per token
+
+
+def make_request(request_id: str, prompt_len: int, max_new: int = 10) -> Request:
+    return Request(request_id, "m", [1] * prompt_len, SamplingParams(max_new_tokens=max_new), eos_token_id=257)
+
+
+def allocated(store: KVStore) -> int:
+    """Bytes of the arrays themselves, not the store's own count."""
+    return sum(klass.cache.nbytes for klass in store.classes.values())
+
+
+def write(store: KVStore, sequence: str, length: int, value: float = 1.0) -> None:
+    store.write(sequence, np.full((2, 1, length, 2), value, dtype=np.float32), length)
+
+
+def test_ladder_is_whole_blocks_about_a_quarter_apart_ending_at_the_limit() -> None:
+    ladder = capacity_ladder(4096, 16)
+    assert ladder[0] == 64 and ladder[-1] == 4096
+    assert all(c % 16 == 0 for c in ladder)
+    assert all(1.1 < b / a <= 1.4 for a, b in itertools.pairwise(ladder))
+
+
+def test_a_budget_below_one_longest_sequence_is_refused_naming_the_minimum() -> None:
+    minimum = KVStore.minimum_budget(LAYOUT, 1000, 16)
+    KVStore(LAYOUT, minimum, 16, 1000)
+    with pytest.raises(KVBudgetError, match=f"needs at least {minimum} bytes"):
+        KVStore(LAYOUT, minimum - 16 * 16, 16, 1000)
+
+
+def test_rows_are_the_memory_and_sequences_move_to_wider_classes_with_their_cache() -> None:
+    store = KVStore(LAYOUT, 1 << 20, 16, 1000)
+    assert store.reserve("a", 11) and store.reserve("b", 50)
+    assert store.physical_bytes == allocated(store) == 64 * 16 * (2 + 2 // 8)  # one class of 64, 2 rows
+    write(store, "a", 10, 1.0)
+    write(store, "b", 49, 2.0)
+    assert store.members() == ["a", "b"]
+    assert store.reserve("b", 64)  # still fits its row
+    klass = store.classes[64]
+    klass.lengths[1] = klass.positions[1, 0] = 64  # as if b decoded 15 tokens
+    assert store.reserve("b", 65)  # full: moves to the next class, cache and all
+    wider = store.classes[80]
+    assert wider.members == ["b"] and int(wider.lengths[0]) == 64
+    assert np.all(wider.cache[:, 0, :, :49] == 2.0) and np.all(wider.mask[0, :64] == 1)
+    assert np.all(wider.mask[0, 64:80] == 0) and wider.mask[0, 80] == 1
+    assert store.classes[64].members == ["a"] and np.all(store.classes[64].cache[:, 0, :, :10] == 1.0)
+    assert store.physical_bytes == allocated(store)
+    store.free("a")
+    store.free("b")
+    assert store.classes == {} and store.physical_bytes == 0 and store.stats().used_bytes == 0
+
+
+def test_companions_at_the_same_length_move_in_one_reallocation() -> None:
+    store = KVStore(LAYOUT, 1 << 20, 16, 1000)
+    for i in range(15):
+        assert store.reserve(f"s{i}", 51)
+    for i in range(15):
+        write(store, f"s{i}", 50)
+    klass = store.classes[64]
+    klass.lengths[:15] = 64
+    for i in range(15):
+        assert store.reserve(f"s{i}", 65)
+    assert 64 not in store.classes and store.classes[80].rows == 15 + 15 // 8
+    assert store.stats().used_bytes / store.physical_bytes >= 0.8
+
+
+def test_nothing_is_allocated_beyond_the_budget_even_while_a_class_is_reallocated() -> None:
+    rng = np.random.default_rng(0)
+    budget = 64 * 16 * 40
+    store = KVStore(LAYOUT, budget, 16, 512)
+    lengths: dict[str, int] = {}
+    refused = 0
+    for step in range(3000):
+        name = f"s{step % 60}"
+        if name in lengths and rng.random() < 0.05:
+            store.free(name)
+            del lengths[name]
+        elif name in lengths:
+            wanted = min(lengths[name] + int(rng.integers(1, 40)), 512)
+            if store.reserve(name, wanted):
+                klass = store.classes[store.capacity_of[name]]
+                row = klass.members.index(name)
+                klass.lengths[row] = klass.positions[row, 0] = wanted - 1
+                lengths[name] = wanted - 1
+            else:
+                refused += 1
+        elif store.reserve(name, (length := int(rng.integers(1, 300))) + 1):
+            write(store, name, length)
+            lengths[name] = length
+        else:
+            refused += 1
+        assert store.physical_bytes == allocated(store) <= store.capacity_bytes
+        assert store.peak_physical_bytes <= store.capacity_bytes
+        assert sorted(store.members()) == sorted(lengths)
+    assert refused > 0  # the budget was reached and held
+
+
+def test_torch_arrays_hold_the_same_rows() -> None:
+    store = KVStore(LAYOUT, 1 << 20, 16, 1000, TorchArrays("cpu"))
+    assert store.reserve("a", 11)
+    store.write("a", store.backend.upload(np.full((2, 1, 10, 2), 3.0, dtype=np.float32)), 10)
+    klass = store.classes[64]
+    assert type(klass.cache).__module__.startswith("torch")
+    assert float(klass.cache[:, 0, :, :10].min()) == 3.0 and int(klass.mask[0].sum()) == 11
+
+
+def test_scheduler_admits_in_order_within_batch_queue_and_memory_limits() -> None:
+    store = KVStore(LAYOUT, KVStore.minimum_budget(LAYOUT, 256, 16), 16, 256)  # 496 tokens of rows
+    scheduler = Scheduler(store, max_batch_size=2, max_queue=2)
+    long, second, third = make_request("long", 250), make_request("second", 250), make_request("third", 5)
+    scheduler.add(long)
+    scheduler.add(second)
+    with pytest.raises(QueueFullError, match="max_queue=2"):
+        scheduler.add(make_request("x", 1))
+    out = scheduler.schedule()
+    assert out.admitted == [long] and list(scheduler.waiting) == [second]  # 256 + 256 > 496: waits
+    assert store.physical_bytes == 256 * 16
+    scheduler.add(third)  # would fit, but arrives after `second`
+    assert scheduler.schedule().admitted == []
+    long.num_computed_tokens = 250  # its prompt was written into its row
+    write(store, "long", 250)
+    long.output_ids.append(7)
+    assert scheduler.schedule().decode == [long]  # 251 tokens still fit its row
+    scheduler.remove(long)
+    out = scheduler.schedule()
+    assert out.admitted == [second, third] and out.decode == []
+    assert store.physical_bytes == allocated(store) == (256 + 64) * 16
+    scheduler.add(make_request("fourth", 1))
+    assert scheduler.schedule().admitted == [] and len(scheduler.waiting) == 1  # batch limit
+
+
+def test_scheduler_preempts_newest_when_memory_runs_out() -> None:
+    store = KVStore(LAYOUT, 192 * 16, 16, 96)  # 192 tokens of rows
+    scheduler = Scheduler(store, max_batch_size=8)
+    a, b = make_request("a", 60), make_request("b", 60)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert scheduler.schedule().admitted == [a, b]  # two rows of 64 (and one while growing: 192)
+    for request in (a, b):
+        write(store, request.request_id, 60)
+        request.output_ids.extend([5] * 5)  # as if decoded: 65 tokens, this step needs a wider row
+        request.num_computed_tokens = 64
+    out = scheduler.schedule()  # a needs a row of 80: 128 + 80 > 192, so b gives up its row
+    assert out.preempted == [b] and out.decode == [a]
+    assert list(scheduler.waiting) == [b] and b.num_computed_tokens == 0 and b.attempt == 1
+    assert b.prefill_ids == [1] * 60 + [5] * 4  # recomputed later without its last output token
+    assert store.holders() == ["a"] and store.peak_physical_bytes <= store.capacity_bytes
+    scheduler.remove(a)
+    assert store.stats().used_bytes == 0 and store.physical_bytes == 0
