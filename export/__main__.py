@@ -13,15 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from contract.manifest import SERVING, SERVING_FP16
 from export.repository import ExportOptions, ExportResult, run
 from models.positional import SCHEMES
 
 
 def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
-    """One row per model; sizes in MB per graph: fp32/serving, then fp16/serving when exported."""
     header = ["model", "params", "val bpb@256"] + [f"test bpb@{c}" for c in contexts]
-    header += ["parity fp32", "parity fp16", "parity serving fp32/fp16", "cached=full", "onnx MB", "export s"]
+    header += ["parity fp32", "parity fp16", "cached=full", "onnx MB fp32/serving/fp16/serving", "export s"]
     rows = [header]
 
     def fmt(value: float | None, digits: int = 3) -> str:
@@ -38,9 +36,8 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
                 *[fmt(r.test_bpb.get(c)) if c in r.test_bpb else "-" for c in contexts],
                 f"{parity['float32'].max_abs:.1e}" if "float32" in parity else "-",
                 f"{parity['float16'].max_abs:.1e}" if "float16" in parity else "-",
-                "/".join(f"{parity[v].max_abs:.1e}" for v in (SERVING, SERVING_FP16) if v in parity) or "-",
                 f"{cached:.1e}" if cached is not None else "-",
-                "/".join(f"{size / 1e6:.1f}" for size in r.onnx_bytes.values()),  # fp32/serving[/fp16/serving]
+                "/".join(f"{size / 1e6:.1f}" for size in r.onnx_bytes.values()),
                 f"{r.export_seconds:.1f}",
             ]
         )

@@ -375,7 +375,11 @@ class MixedLengthsFigures:
     @property
     def used_over_physical(self) -> float:
         """Median over scrapes with 8 or more sequences running."""
-        ratios = [s["posenc_kv_cache_used_bytes"] / s["posenc_kv_cache_physical_bytes"] for s in self.busy()]
+        ratios = [
+            s["posenc_kv_cache_used_bytes"] / s["posenc_kv_cache_physical_bytes"]
+            for s in self.busy()
+            if s["posenc_kv_cache_physical_bytes"] > 0  # (before the store: prompts not yet in the batch)
+        ]
         return statistics.median(ratios) if ratios else math.nan
 
     @property

@@ -87,6 +87,9 @@ class NumpyArrays:
     def rows_first(self, array: np.ndarray) -> np.ndarray:
         return np.swapaxes(array, 0, 1)
 
+    def synchronize(self) -> None:
+        """Host arrays: writes are done when the call returns."""
+
     def arange(self, n: int) -> np.ndarray:
         return np.arange(n, dtype=np.int64)
 
@@ -125,6 +128,11 @@ class TorchArrays:
 
     def rows_first(self, array: Array) -> Array:
         return array.transpose(0, 1)
+
+    def synchronize(self) -> None:
+        """Wait for torch's queued writes before ONNX Runtime, on its own CUDA stream, reads them."""
+        if self.device_type == "cuda":
+            self.torch.cuda.current_stream(self.device).synchronize()
 
     def arange(self, n: int) -> Array:
         return self.torch.arange(n, dtype=self.torch.int64, device=self.device)

@@ -122,6 +122,7 @@ class ModelSession:
         return binding
 
     def run(self, binding: ort.IOBinding) -> None:
+        self.backend.synchronize()
         self.session.run_with_iobinding(binding)
 
 
