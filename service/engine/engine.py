@@ -218,6 +218,7 @@ class ModelEngine:
         busy = bool(joined or output.decode)
         now = time.monotonic()
         if not busy or now >= self._gauges_due:  # every step would cost ~3% of a small step
+            self.store.trim()  # classes left mostly spare by leavers give rows back
             self.runner.forget_calls()
             self._update_gauges()
             self._gauges_due = now + GAUGE_INTERVAL_SECONDS

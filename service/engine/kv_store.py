@@ -78,9 +78,6 @@ class NumpyArrays:
         assert array.flags.c_contiguous
         return int(array.ctypes.data)
 
-    def contiguous(self, array: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(array)
-
     def concatenate(self, arrays: list[np.ndarray], axis: int) -> np.ndarray:
         return np.concatenate(arrays, axis=axis)
 
@@ -119,9 +116,6 @@ class TorchArrays:
     def pointer(self, array: Array) -> int:
         assert array.is_contiguous()
         return int(array.data_ptr())
-
-    def contiguous(self, array: Array) -> Array:
-        return array.contiguous()
 
     def concatenate(self, arrays: list[Array], axis: int) -> Array:
         return self.torch.cat(arrays, dim=axis)

@@ -160,3 +160,18 @@ def test_scheduler_preempts_newest_when_memory_runs_out() -> None:
     assert store.holders() == ["a"] and store.peak_physical_bytes <= store.capacity_bytes
     scheduler.remove(a)
     assert store.stats().used_bytes == 0 and store.physical_bytes == 0
+
+
+def test_a_class_left_mostly_spare_gives_rows_back() -> None:
+    store = KVStore(LAYOUT, 1 << 20, 16, 1000)
+    for i in range(8):
+        assert store.reserve(f"s{i}", 20)
+        write(store, f"s{i}", 19, float(i))
+    for i in range(6):
+        store.free(f"s{i}")
+    store.trim()
+    klass = store.classes[64]
+    assert klass.rows == 2 and sorted(klass.members) == ["s6", "s7"]
+    assert store.physical_bytes == allocated(store) == 2 * 64 * 16
+    for row, name in enumerate(klass.members):
+        assert np.all(klass.cache[:, row, :, :19] == float(name[1:]))
