@@ -238,8 +238,7 @@ class CapacityClass:
         for _ in range(steps):
             self.positions[:batch] -= 1
             self.lengths[:batch] -= 1
-            for row in range(batch):
-                self.mask[row, int(self.lengths[row])] = 0
+            self.mask[self.row_index[:batch], self.positions[:batch, 0]] = 0
 
 
 @dataclass(frozen=True)

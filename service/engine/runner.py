@@ -17,19 +17,18 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, left_pad_batch, new_kv_names, past_names
 from contract.graph import target_logprobs as log_probabilities
-from contract.manifest import Manifest, serving_variant
+from contract.manifest import NP_DTYPES, Manifest, serving_variant
 from service.engine.kv_store import Array, Backend, CapacityClass, KVLayout, KVStore, NumpyArrays, TorchArrays
 
 logger = logging.getLogger(__name__)
 
-ORT_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+ORT_DTYPES = {**NP_DTYPES, "int64": np.int64}
 
 
 def choose_providers(device: str) -> list[str]:
@@ -173,6 +172,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prompts (any thread)
 
+    def _bind(
+        self, session: ModelSession, ids: Array, mask: Array, positions: Array, past: Array
+    ) -> tuple[ort.IOBinding, Array, Array]:
+        """A graph call bound to these inputs (`past`: (2L, B, heads, P, hd)) and to new output
+        arrays for logits (B, T, vocab) and the new tokens' K/V (2L, B, heads, T, hd)."""
+        layout, batch, width = self.layout, ids.shape[0], ids.shape[1]
+        new_kv = self.backend.zeros((layout.tensors, batch, layout.n_heads, width, layout.head_dim), self.dtype)
+        logits = self.backend.zeros((batch, width, self.manifest.vocab_size), self.dtype)
+        inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
+        inputs.update(zip(self.past_names, past, strict=True))
+        outputs = {LOGITS: logits, **dict(zip(self.new_names, new_kv, strict=True))}
+        return session.bind(inputs, outputs), logits, new_kv
+
     def _prompt_call(
         self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Array | None, last_only: bool
     ) -> tuple[np.ndarray, Array]:
@@ -180,19 +192,12 @@ class ModelRunner:
         session = self.prefill_session
         assert session is not None, "open_prefill_session() first"
         backend, layout = self.backend, self.layout
-        batch, width = ids.shape
+        batch = ids.shape[0]
         if past is None:
             past = backend.zeros((layout.tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
-        new_kv = backend.zeros((layout.tensors, batch, layout.n_heads, width, layout.head_dim), self.dtype)
-        logits = backend.zeros((batch, width, self.manifest.vocab_size), self.dtype)
-        inputs = {
-            INPUT_IDS: backend.upload(ids),
-            ATTENTION_MASK: backend.upload(mask),
-            POSITION_IDS: backend.upload(positions),
-        }
-        inputs.update(zip(self.past_names, past, strict=True))
-        outputs = {LOGITS: logits, **dict(zip(self.new_names, new_kv, strict=True))}
-        session.run(session.bind(inputs, outputs))
+        inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
+        binding, logits, new_kv = self._bind(session, *inputs, past)
+        session.run(binding)
         host_logits = backend.download(logits[:, -1:] if last_only else logits)
         return host_logits.astype(np.float32), new_kv
 
@@ -287,17 +292,11 @@ class ModelRunner:
         call = self._calls.get(klass.capacity)
         if call is not None and call.version == klass.version:
             return call
-        batch, layout, backend = len(klass.members), self.layout, self.backend
-        new_kv = backend.zeros((layout.tensors, batch, layout.n_heads, 1, layout.head_dim), self.dtype)
-        logits = backend.zeros((batch, 1, self.manifest.vocab_size), self.dtype)
-        inputs: dict[str, Any] = {
-            INPUT_IDS: klass.input_ids[:batch],
-            ATTENTION_MASK: klass.mask[:batch],
-            POSITION_IDS: klass.positions[:batch],
-        }
-        inputs.update((name, klass.cache[i, :batch]) for i, name in enumerate(self.past_names))
-        outputs = {LOGITS: logits, **dict(zip(self.new_names, new_kv, strict=True))}
-        call = _DecodeCall(klass.version, self.session.bind(inputs, outputs), new_kv, logits)
+        batch = len(klass.members)
+        binding, logits, new_kv = self._bind(
+            self.session, klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch], klass.cache[:, :batch]
+        )
+        call = _DecodeCall(klass.version, binding, new_kv, logits)
         self._calls[klass.capacity] = call
         return call
 
