@@ -102,6 +102,11 @@ class Manifest:
         return int(self.data["train_context"])  # type: ignore[arg-type]
 
     @property
+    def is_scaling_variant(self) -> bool:
+        """A rope model exported with a context-scaling recipe (linear/ntk/yarn): served only when named."""
+        return self.data.get("rope_scaling") is not None
+
+    @property
     def tokenizer(self) -> dict[str, object]:
         return dict(self.data["tokenizer"])  # type: ignore[call-overload]
 

@@ -2,7 +2,8 @@
 `python -m loadtest.compare [--quick]`.
 
 For every scheme: latency (time to first token versus prompt length, inter-token latency versus
-context, p50/p95/p99 at 1/8/32 concurrent users, throughput and goodput), cache memory (KV
+context, p50/p95/p99 at 1-32 concurrent users, throughput, and goodput with and without the
+server's time-to-first-token admission control), cache memory (KV
 bytes per token, bytes in use at peak, pool utilisation, extra per-step memory, process peak
 memory), quality through `Score` (bits per byte at 0.5x-8x the training context, rope also with
 linear/ntk/yarn scaling) and retrieval over distance and depth. Writes reports/<run-id>/.
@@ -39,11 +40,19 @@ from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
 from service.process import ROOT, ServerProcess
+from service.servicer import RETRY_AFTER_KEY
 
 ROPE_SCALINGS = ("linear", "ntk", "yarn")
+SERVER_LIMITS = (
+    "--max-new-tokens-limit", "4096", "--max-sequence-tokens", "4096", "--max-batch-size", "64", "--max-queue", "512",
+)  # fmt: skip
 # Goodput targets: a request counts when both hold.
 TTFT_TARGET_S = 0.5
 ITL_TARGET_S = 0.05
+# The server's --ttft-slo-seconds in the admission-control series: below the goodput target, since
+# the server estimates a mean wait and the target holds per request.
+ADMISSION_TTFT_SLO_S = 0.4
+MAX_RETRY_AFTER_S = 2.0  # a load client honours the server's retry hint, up to this
 
 
 @dataclass
@@ -52,8 +61,8 @@ class Budget:
 
     prompt_lengths: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
     itl_contexts: tuple[int, ...] = (128, 256, 512, 1024, 2048)
-    concurrency: tuple[int, ...] = (1, 8, 32)
-    load_seconds: float = 20.0
+    concurrency: tuple[int, ...] = (1, 8, 16, 32)
+    load_seconds: float = 15.0
     load_new_tokens: int = 32
     context_multiples: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
     scaling_multiples: tuple[float, ...] = (2.0, 4.0, 8.0)
@@ -66,9 +75,9 @@ class Budget:
     @classmethod
     def quick(cls) -> Budget:
         return cls(
-            prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), load_seconds=3.0,
-            load_new_tokens=16, score_windows=3, retrieval_contexts=(64, 256, 1024), retrieval_trials=2,
-            retrieval_depths=(0.1, 0.5, 0.9), repeats=1,
+            prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 8, 32),
+            load_seconds=3.0, load_new_tokens=16, score_windows=3, retrieval_contexts=(64, 256, 1024),
+            retrieval_trials=2, retrieval_depths=(0.1, 0.5, 0.9), repeats=1,
         )  # fmt: skip
 
     @classmethod
@@ -91,6 +100,8 @@ class Results:
     ttft: dict[str, dict[str, float | None]] = field(default_factory=dict)  # scheme -> prompt bytes -> s
     itl: dict[str, dict[str, float | None]] = field(default_factory=dict)  # scheme -> context -> s
     load: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # scheme -> users -> figures
+    # The same load against a server with --ttft-slo-seconds (refused requests counted, not hidden).
+    load_admission: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     quality: dict[str, dict[str, float | None]] = field(default_factory=dict)  # model -> multiple -> bpb
     retrieval: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
@@ -182,7 +193,7 @@ def measure_load(
     prompt_length = 200 if limit else 512
     prompts = [held_out.text(prompt_length) for _ in range(64)]
     records: list[tuple[float, float, float, int]] = []  # latency, ttft, mean itl, tokens
-    errors = 0
+    errors = refused = 0
     lock = threading.Lock()
     stop_at = time.monotonic() + budget.load_seconds
     peak = {"kv": 0.0}
@@ -197,7 +208,7 @@ def measure_load(
             time.sleep(0.05)
 
     def client(index: int) -> None:
-        nonlocal errors
+        nonlocal errors, refused
         rng = random.Random(index)
         while time.monotonic() < stop_at:
             request = pb.GenerateRequest(
@@ -208,6 +219,14 @@ def measure_load(
                 seed=index,
             )
             timing = timed_stream(server.stub, request, 120)
+            if timing.error is not None and timing.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                with lock:
+                    refused += 1
+                # A well-behaved client backs off as the server asks (retry-after-ms).
+                hint = dict(timing.error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
+                pause = min(MAX_RETRY_AFTER_S, int(hint) / 1000 if hint else 0.1)
+                time.sleep(min(pause, max(0.0, stop_at - time.monotonic())))
+                continue
             with lock:
                 if timing.error is not None:
                     errors += 1
@@ -229,6 +248,8 @@ def measure_load(
     return {
         "requests": len(records),
         "errors": errors,
+        "refused": refused,
+        "refused_per_s": refused / wall,
         "p50_s": float(np.percentile(latencies, 50)),
         "p95_s": float(np.percentile(latencies, 95)),
         "p99_s": float(np.percentile(latencies, 99)),
@@ -240,6 +261,22 @@ def measure_load(
         "kv_peak_bytes": peak["kv"],
         "pool_utilisation": peak["kv"] / capacity if capacity else 0.0,
     }
+
+
+def measure_load_with_admission(
+    args: argparse.Namespace, scheme: str, limit: int, held_out: HeldOut, budget: Budget
+) -> dict[str, dict[str, float]]:
+    """The load series again against a server started with --ttft-slo-seconds (its own process,
+    the same limits), so refusals and goodput can be set beside the series without it."""
+    server = ServerProcess(
+        args.model_repository, "--models", scheme, *SERVER_LIMITS, "--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S),
+        threads=args.threads,
+    )  # fmt: skip
+    try:
+        server.wait_serving()
+        return {str(u): measure_load(server, scheme, limit, held_out, u, budget) for u in budget.concurrency}
+    finally:
+        server.stop()
 
 
 def per_step_extra_bytes(scheme: str, context: int = 2048) -> dict[str, int]:
@@ -357,7 +394,8 @@ def run(args: argparse.Namespace) -> Path:
     rope_variants = ensure_repository(args.model_repository, schemes, budget)
     results = Results(
         run_id, {"budget": asdict(budget), "threads": args.threads, "schemes": schemes,
-                 "goodput_targets": {"ttft_s": TTFT_TARGET_S, "itl_s": ITL_TARGET_S}},
+                 "goodput_targets": {"ttft_s": TTFT_TARGET_S, "itl_s": ITL_TARGET_S},
+                 "admission_ttft_slo_s": ADMISSION_TTFT_SLO_S},
         environment(), schemes,
     )  # fmt: skip
     held_out = HeldOut()
@@ -367,8 +405,7 @@ def run(args: argparse.Namespace) -> Path:
             # One server per scheme: its peak memory is that scheme's alone.
             server = ServerProcess(
                 args.model_repository, "--models", scheme, *([v for v in rope_variants] if scheme == "rope" else []),
-                "--max-new-tokens-limit", "4096", "--max-sequence-tokens", "4096", "--max-batch-size", "64",
-                "--max-queue", "512", threads=args.threads,
+                *SERVER_LIMITS, threads=args.threads,
             )  # fmt: skip
             try:
                 server.wait_serving()
@@ -402,6 +439,8 @@ def run(args: argparse.Namespace) -> Path:
                     str(users): measure_load(server, scheme, limit, held_out, users, budget)
                     for users in budget.concurrency
                 }
+                progress.set_postfix(scheme=scheme, part="load, admission control")
+                results.load_admission[scheme] = measure_load_with_admission(args, scheme, limit, held_out, budget)
                 progress.update()
                 progress.set_postfix(scheme=scheme, part="retrieval")
                 results.retrieval[scheme] = measure_retrieval(server, scheme, limit, held_out, budget)

@@ -19,6 +19,7 @@ PLOTS = {
     "itl_vs_context.png": "Inter-token latency versus context",
     "ttft_vs_prompt.png": "Time to first token versus prompt length",
     "throughput_vs_concurrency.png": "Throughput versus concurrency",
+    "goodput_vs_users.png": "Goodput versus users, without and with admission control",
     "kv_bytes.png": "KV-cache bytes",
     "retrieval.png": "Retrieval accuracy (distance x depth)",
 }
@@ -82,6 +83,9 @@ def plot(results: dict, out: Path) -> None:  # type: ignore[type-arg]
     fig.savefig(out / "throughput_vs_concurrency.png", dpi=110)
     plt.close(fig)
 
+    if results.get("load_admission"):
+        plot_goodput(results, out)
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     per_token = [results["models"].get(s, {}).get("kv_bytes_per_token", 0) for s in schemes]
     peak = [results["memory"].get(s, {}).get("kv_peak_bytes", 0) / 1e6 for s in schemes]
@@ -113,6 +117,72 @@ def plot(results: dict, out: Path) -> None:  # type: ignore[type-arg]
     fig.suptitle(PLOTS["retrieval.png"])
     fig.savefig(out / "retrieval.png", dpi=110)
     plt.close(fig)
+
+
+def plot_goodput(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+    """Goodput (solid: admit everything; dashed: --ttft-slo-seconds) and refusals per second."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for index, scheme in enumerate(results["schemes"]):
+        color = f"C{index}"
+        for key, style, label in (("load", "-", scheme), ("load_admission", "--", f"{scheme}, admission")):
+            load = results.get(key, {}).get(scheme, {})
+            users = sorted(load, key=int)
+            axes[0].plot([int(u) for u in users], [load[u]["goodput_per_s"] for u in users], style, color=color,
+                         marker="o", label=label)  # fmt: skip
+            if key == "load_admission":
+                axes[1].plot([int(u) for u in users], [load[u].get("refused_per_s", 0.0) for u in users], style,
+                             color=color, marker="o", label=scheme)  # fmt: skip
+    axes[0].set(
+        xlabel="concurrent users", ylabel="goodput (requests/s within targets)", title=PLOTS["goodput_vs_users.png"]
+    )
+    axes[1].set(xlabel="concurrent users", ylabel="refused requests/s (RESOURCE_EXHAUSTED)",
+                title="Requests refused by admission control")  # fmt: skip
+    axes[0].legend(fontsize=6, ncol=2)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "goodput_vs_users.png", dpi=110)
+    plt.close(fig)
+
+
+def goodput_section(results: dict) -> str:  # type: ignore[type-arg]
+    """Goodput with and without admission control, and the ratio the issue set as its goal: goodput
+    at the most users over the best goodput at any fewer users."""
+    admission = results.get("load_admission", {})
+    if not admission:
+        return "No admission-control series in this run.\n"
+    rows = ["| scheme | users | goodput req/s | with admission | refused/s with admission | TTFT p50 ms | "
+            "with admission |", "|" + "---|" * 7]  # fmt: skip
+    ratios = ["| scheme | without admission | with admission |", "|---|---|---|"]
+    for scheme in results["schemes"]:
+        plain, shed = results["load"].get(scheme, {}), admission.get(scheme, {})
+        users = sorted(set(plain) | set(shed), key=int)
+        for u in users:
+            a, b = plain.get(u, {}), shed.get(u, {})
+            rows.append(
+                f"| {scheme} | {u} | {_fmt(a.get('goodput_per_s'), 2, missing='-')} | "
+                f"{_fmt(b.get('goodput_per_s'), 2, missing='-')} | {_fmt(b.get('refused_per_s'), 1, missing='-')} | "
+                f"{_fmt(a.get('ttft_p50_s'), 0, 1000, '-')} | {_fmt(b.get('ttft_p50_s'), 0, 1000, '-')} |"
+            )
+        ratios.append(f"| {scheme} | {_fmt(goodput_ratio(plain), 2, missing='-')} | "
+                      f"{_fmt(goodput_ratio(shed), 2, missing='-')} |")  # fmt: skip
+    slo = results["config"].get("admission_ttft_slo_s")
+    return (
+        f"The same closed-loop load against a server started with `--ttft-slo-seconds {slo}`: a request\n"
+        "estimated to miss it is refused at once (RESOURCE_EXHAUSTED, `retry-after-ms` hint; the load\n"
+        "clients wait as asked, up to 2 s), so the requests it admits stay within the goodput targets.\n\n"
+        "![goodput](goodput_vs_users.png)\n\n" + "\n".join(rows) + "\n\n"
+        "Goodput at the most users over the best goodput at fewer users (1.0: no collapse):\n\n"
+        + "\n".join(ratios)
+        + "\n"
+    )
+
+
+def goodput_ratio(load: dict[str, dict[str, float]]) -> float | None:
+    users = sorted(load, key=int)
+    if len(users) < 2:
+        return None
+    best = max(load[u]["goodput_per_s"] for u in users[:-1])
+    return load[users[-1]]["goodput_per_s"] / best if best else None
 
 
 def headline_table(results: dict) -> str:  # type: ignore[type-arg]
@@ -210,6 +280,9 @@ mean inter-token latency <= {results["config"]["goodput_targets"]["itl_s"] * 100
 
 {chr(10).join(load_rows)}
 
+### Goodput, without and with admission control
+
+{goodput_section(results)}
 ## Memory
 
 ![KV bytes](kv_bytes.png)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from contract.manifest import ManifestError
+from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
-from service.engine.engine import Engine, EngineConfig
+from service.engine.engine import DrainReport, Engine, EngineConfig
 from service.engine.kv_store import KVBudgetError
 from service.metrics import ServiceMetrics
 from service.security import BearerTokenInterceptor, read_token, server_credentials
@@ -64,13 +66,23 @@ ENGINE_FLAGS = {
     "kv_backend": ("--kv-backend", str, "KV store arrays: auto (numpy on CPU, torch on CUDA) | numpy | torch"),
     "prefill_nice": ("--prefill-nice", int, "nice value added to prefill worker threads (decode first; 0: off)"),
     "threads": ("--threads", int, "threads per ONNX Runtime session (0: decode half the cores, prefill all)"),
+    "ttft_slo_seconds": (
+        "--ttft-slo-seconds",
+        float,
+        "time-to-first-token target: a request estimated to miss it (from measured prefill throughput and "
+        "the queue ahead) is refused at once with RESOURCE_EXHAUSTED and a retry-after-ms hint (0: off)",
+    ),
 }
 SERVER_FLAGS = {
     "host": ("--host", str, "address to bind the gRPC port"),
     "port": ("--port", int, "gRPC port"),
     "metrics_host": ("--metrics-host", str, "address to bind /metrics"),
     "metrics_port": ("--metrics-port", int, "Prometheus /metrics port (0 disables)"),
-    "grace_seconds": ("--grace-seconds", float, "drain time on SIGTERM"),
+    "grace_seconds": (
+        "--grace-seconds",
+        float,
+        "on SIGTERM: how long running requests may finish (health NOT_SERVING, new calls UNAVAILABLE)",
+    ),
     "workers": ("--workers", int, "gRPC handler threads"),
 }
 
@@ -82,15 +94,19 @@ def _env(name: str) -> str:
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
     defaults, engine_defaults = ServerConfig(), EngineConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m service", description="posenc-serve gRPC generation service (flags also read POSENC_* env vars)"
+        prog="python -m service",
+        description="posenc-serve gRPC generation service (flags also read POSENC_* env vars)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--model-repository", type=Path,
         default=Path(os.environ.get(_env("model_repository"), defaults.model_repository)),
+        help=f"folder of model folders written by `python -m export` (env {_env('model_repository')})",
     )  # fmt: skip
     parser.add_argument(
         "--models", nargs="*", default=[m for m in os.environ.get(_env("models"), "").split(",") if m],
-        help="serve only these model names",
+        help=f"serve only these model names; by default every model except rope scaling variants, which are "
+        f"served only when named here (env {_env('models')}, comma-separated)",
     )  # fmt: skip
     for attr, text in (
         ("tls_cert", "server certificate (PEM); with --tls-key enables TLS"),
@@ -133,9 +149,14 @@ class RunningServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.metrics = ServiceMetrics()
-        self.health = health.HealthServicer()
-        self.servicer = GenerationServicer(self.metrics)
-        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        self.health = ServiceHealth()
+        self.servicer = GenerationServicer()
+        # Accounting first (outermost): it also counts the calls the token check refuses.
+        interceptors: list[grpc.ServerInterceptor] = [
+            RequestAccounting(SERVICE_NAME, self.metrics, self.servicer.labels)
+        ]
+        if config.auth_token:
+            interceptors.append(BearerTokenInterceptor(config.auth_token))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers),
             interceptors=interceptors,
@@ -184,20 +205,47 @@ class RunningServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
-    def stop(self, grace: float | None = None) -> None:
-        """Refuse new work (UNAVAILABLE), drain running work within the grace period, then stop."""
+    def stop(self, grace: float | None = None) -> DrainReport:
+        """Drain visibly, then stop. While running requests finish (up to `grace` seconds) the port
+        stays open: health says NOT_SERVING and new calls get UNAVAILABLE with the reason, so a
+        client or proxy retries them elsewhere. Then the port closes and what is left is cut."""
         if self.stopped.is_set():
-            return
+            return DrainReport()
         grace = self.config.grace_seconds if grace is None else grace
+        started = time.monotonic()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer.shutting_down = True
-        done = self.server.stop(grace)
-        if self.engine is not None:
-            self.engine.stop(grace)
-        done.wait(grace + 1)
+        self.servicer.draining = True
+        report = self.engine.stop(grace) if self.engine is not None else DrainReport()
+        # Finished requests' handlers still send their last message: give them what is left of the grace.
+        left = max(0.5, grace - (time.monotonic() - started))
+        self.server.stop(left).wait(left + 1)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         self.stopped.set()
+        return report
+
+
+class ServiceHealth(health.HealthServicer):
+    """grpcio's health service plus `List` (every service's status), which reflection advertises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._statuses: dict[str, int] = {}
+        self._statuses_lock = threading.Lock()
+
+    def set(self, service: str, status: int) -> None:
+        with self._statuses_lock:
+            self._statuses[service] = status
+        super().set(service, status)
+
+    def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        with self._statuses_lock:
+            statuses = dict(self._statuses)
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()}
+        )
 
 
 def serve(config: ServerConfig) -> RunningServer:
@@ -234,6 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop_requested.set())
     stop_requested.wait()
-    logger.info("stopping: draining for up to %.0f s", config.grace_seconds)
-    running.stop()
+    logger.info(
+        "stopping: health NOT_SERVING, new calls UNAVAILABLE, running requests have up to %g s to finish",
+        config.grace_seconds,
+    )
+    started = time.monotonic()
+    report = running.stop()
+    logger.info(
+        "stopped after %.1f s: %d in-flight request(s) finished, %d cut at the end of the grace period",
+        time.monotonic() - started, report.finished, report.cut,
+    )  # fmt: skip
     return 0

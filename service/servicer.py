@@ -1,4 +1,5 @@
-"""posenc.v1.Generation: proto <-> engine types, status codes, request metrics. Nothing else."""
+"""posenc.v1.Generation: proto <-> engine types and status codes. Nothing else (every RPC is
+counted by service.accounting, around this)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from service.engine.engine import Engine
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput
 from service.engine.request import Request, RequestStatus, StreamEvent
-from service.metrics import ServiceMetrics
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
@@ -35,22 +35,38 @@ ABORT_CODES = {
 }
 
 
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on load-shedding refusals
+
+
 class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.retry_after = code, message, retry_after
+
+    def abort(self, context: grpc.ServicerContext) -> None:
+        if self.retry_after is not None:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, round(self.retry_after * 1000)))),))
+        context.abort(self.code, self.message)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, metrics: ServiceMetrics) -> None:
+    def __init__(self) -> None:
         self.engine: Engine | None = None  # set once models are loaded
-        self.metrics = metrics
-        self.shutting_down = False
+        self.draining = False  # SIGTERM: new calls get UNAVAILABLE while running ones finish
+
+    def labels(self, model: str) -> dict[str, str]:
+        """Metric labels of a model name; unknown names (and none) share one empty label set."""
+        if self.engine is not None and model in self.engine.models:
+            return {"model": model, "scheme": self.engine.models[model].manifest.scheme}
+        return {"model": "", "scheme": ""}
 
     # ------------------------------------------------------------------ RPCs
 
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
-        engine = self._engine(context)
+        try:
+            engine = self._engine(context)
+        except _Aborted as aborted:
+            aborted.abort(context)
         models = []
         for name, model in sorted(engine.models.items()):
             manifest = model.manifest
@@ -73,7 +89,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.ListModelsResponse(models=models)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
-        started = time.monotonic()
         try:
             handle = self._submit(request, context)
             while not handle.done.wait(0.5):  # no per-token wake-ups: only the end matters here
@@ -81,9 +96,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.engine.cancel(handle)  # type: ignore[union-attr]
             self._raise_if_aborted(handle)
         except _Aborted as aborted:
-            self._count(request.model, "Generate", aborted.code, started)
-            context.abort(aborted.code, aborted.message)
-        self._count(request.model, "Generate", grpc.StatusCode.OK, started)
+            aborted.abort(context)
         return pb.GenerateResponse(
             text=handle.text,
             finish_reason=FINISH_REASONS[handle.status],
@@ -94,7 +107,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateStreamResponse]:
-        started = time.monotonic()
         try:
             handle = self._submit(request, context)
             for event in self._events(handle, context):
@@ -109,20 +121,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 elif event.text:
                     yield pb.GenerateStreamResponse(text=event.text)
         except _Aborted as aborted:
-            self._count(request.model, "GenerateStream", aborted.code, started)
-            context.abort(aborted.code, aborted.message)
-        self._count(request.model, "GenerateStream", grpc.StatusCode.OK, started)
+            aborted.abort(context)
 
     def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
-        started = time.monotonic()
         try:
             engine = self._engine(context)
             logprobs = self._call(lambda: engine.score(request.model, request.text))
         except _Aborted as aborted:
-            self._count(request.model, "Score", aborted.code, started)
-            context.abort(aborted.code, aborted.message)
+            aborted.abort(context)
         total = float(logprobs.sum())
-        self._count(request.model, "Score", grpc.StatusCode.OK, started)
         return pb.ScoreResponse(
             token_logprobs=logprobs.astype(float).tolist(),
             total_logprob=total,
@@ -133,15 +140,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # ------------------------------------------------------------------ helpers
 
     def _engine(self, context: grpc.ServicerContext) -> Engine:
-        if self.engine is None or self.shutting_down:
-            raise _Aborted(grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or shutting down)")
+        if self.draining:
+            raise _Aborted(
+                grpc.StatusCode.UNAVAILABLE,
+                "server is draining (stopping): running requests finish, new ones go elsewhere; retry",
+            )
+        if self.engine is None:
+            raise _Aborted(grpc.StatusCode.UNAVAILABLE, "server is starting: models are loading; retry")
         return self.engine
 
     def _call(self, fn):  # type: ignore[no-untyped-def]
         try:
             return fn()
         except RequestError as error:
-            raise _Aborted(ERROR_CODES[error.kind], error.message) from None
+            raise _Aborted(ERROR_CODES[error.kind], error.message, error.retry_after) from None
 
     def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Request:
         engine = self._engine(context)
@@ -176,16 +188,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _raise_if_aborted(self, handle: Request) -> None:
         if handle.status in ABORT_CODES:
             raise _Aborted(ABORT_CODES[handle.status], handle.error or handle.status.name.lower())
-
-    def _count(self, model: str, method: str, code: grpc.StatusCode, started: float) -> None:
-        known = self.engine is not None and model in self.engine.models
-        labels = (
-            {"model": model, "scheme": self.engine.models[model].manifest.scheme}
-            if known
-            else {"model": "", "scheme": ""}
-        )  # type: ignore[union-attr]
-        self.metrics.requests.labels(**labels, method=method, code=code.name).inc()
-        self.metrics.request_duration.labels(**labels, method=method).observe(time.monotonic() - started)
 
 
 def _usage(handle: Request) -> pb.Usage:

@@ -27,6 +27,14 @@ if _version_not_supported:
 
 class GenerationStub:
     """Text generation and scoring over the models of one model repository.
+
+    Status codes: INVALID_ARGUMENT names the field and the limit (also a string field that is not
+    valid UTF-8); NOT_FOUND for an unknown model; RESOURCE_EXHAUSTED when the model's queue is full
+    or, if the server has a time-to-first-token target, the request would miss it: answered at once,
+    with trailing metadata `retry-after-ms` (milliseconds after which a retry would likely be
+    admitted); UNAVAILABLE while the server starts or drains (no work was done: safe to retry, e.g.
+    with gRPC's retry policy); DEADLINE_EXCEEDED and CANCELLED free the request's cache at the next
+    engine step; INTERNAL only for an inference failure, which fails only that request's batch call.
     """
 
     def __init__(self, channel):
@@ -59,6 +67,14 @@ class GenerationStub:
 
 class GenerationServicer:
     """Text generation and scoring over the models of one model repository.
+
+    Status codes: INVALID_ARGUMENT names the field and the limit (also a string field that is not
+    valid UTF-8); NOT_FOUND for an unknown model; RESOURCE_EXHAUSTED when the model's queue is full
+    or, if the server has a time-to-first-token target, the request would miss it: answered at once,
+    with trailing metadata `retry-after-ms` (milliseconds after which a retry would likely be
+    admitted); UNAVAILABLE while the server starts or drains (no work was done: safe to retry, e.g.
+    with gRPC's retry policy); DEADLINE_EXCEEDED and CANCELLED free the request's cache at the next
+    engine step; INTERNAL only for an inference failure, which fails only that request's batch call.
     """
 
     def ListModels(self, request, context):
@@ -123,6 +139,14 @@ def add_GenerationServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Generation:
     """Text generation and scoring over the models of one model repository.
+
+    Status codes: INVALID_ARGUMENT names the field and the limit (also a string field that is not
+    valid UTF-8); NOT_FOUND for an unknown model; RESOURCE_EXHAUSTED when the model's queue is full
+    or, if the server has a time-to-first-token target, the request would miss it: answered at once,
+    with trailing metadata `retry-after-ms` (milliseconds after which a retry would likely be
+    admitted); UNAVAILABLE while the server starts or drains (no work was done: safe to retry, e.g.
+    with gRPC's retry policy); DEADLINE_EXCEEDED and CANCELLED free the request's cache at the next
+    engine step; INTERNAL only for an inference failure, which fails only that request's batch call.
     """
 
     @staticmethod

@@ -15,12 +15,14 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from contract.manifest import Manifest, ManifestError
+from service.engine.admission import AdmissionControl, Backlog
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput, InputLimits, InputProcessor
 from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
@@ -53,6 +55,7 @@ class EngineConfig:
     kv_backend: str = "auto"  # numpy (CPU) | torch (CUDA; on the CPU too, to run that path)
     threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
+    ttft_slo_seconds: float = 0.0  # refuse requests estimated to miss this time to first token (0: off)
 
 
 def sequence_limit(manifest: Manifest, config: EngineConfig) -> int:
@@ -74,6 +77,14 @@ def check_kv_budget(manifest: Manifest, config: EngineConfig, dtype: str = "floa
         )
 
 
+@dataclass(frozen=True)
+class DrainReport:
+    """Requests in flight when a stop began: how many finished within the grace period, how many were cut."""
+
+    finished: int = 0
+    cut: int = 0
+
+
 class ModelEngine:
     """Everything that serves one model."""
 
@@ -86,6 +97,8 @@ class ModelEngine:
         )
         self.store = self.runner.store
         self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)
+        self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size)
+        self._backlog = Backlog()  # what is ahead of a new request, as of the last step
         self.inputs = InputProcessor(
             manifest, InputLimits(config.max_new_tokens_limit, config.default_max_new_tokens, self.store.max_tokens)
         )
@@ -111,6 +124,7 @@ class ModelEngine:
         }
         self._prompt_tokens = metrics.prompt_tokens.labels(**labels)
         self._preemptions = metrics.preemptions.labels(**labels)
+        self._shed = {reason: metrics.requests_shed.labels(**labels, reason=reason) for reason in ("ttft_slo", "queue")}
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
         self._gauges_due = 0.0
@@ -137,11 +151,18 @@ class ModelEngine:
                 raise RequestError(ErrorKind.UNAVAILABLE, "server is shutting down")
             waiting = len(self.scheduler.waiting) + len(self._inbox)
             if waiting >= self.config.max_queue:
+                self._shed["queue"].inc()
                 raise RequestError(
                     ErrorKind.RESOURCE_EXHAUSTED,
                     f"queue: {waiting} requests waiting for model {self.manifest.name!r} "
                     f"(max_queue={self.config.max_queue})",
                 )
+            inbox_tokens = sum(len(r.prefill_ids) for r in self._inbox)
+            try:
+                self.admission.check(request, self._backlog, inbox_tokens, len(self._inbox), self.manifest.name)
+            except RequestError:
+                self._shed["ttft_slo"].inc()
+                raise
             self._inbox.append(request)
             self._wake.notify()
 
@@ -155,10 +176,11 @@ class ModelEngine:
         self.prefill_worker.start()
         self._thread.start()
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float) -> DrainReport:
         """Refuse new work, let running work finish within `timeout`, then cancel the rest."""
         with self._wake:
             self._stopping = True
+            in_flight = [*self.scheduler.requests(), *self._inbox]
             self._wake.notify()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and (self.scheduler.has_work or self._inbox):
@@ -172,6 +194,8 @@ class ModelEngine:
             self._wake.notify()
         self._thread.join(timeout=5)
         self.prefill_worker.stop()
+        cut = sum(1 for r in in_flight if r.status is RequestStatus.FINISHED_SHUTDOWN)
+        return DrainReport(len(in_flight) - cut, cut)
 
     def _deliver_prefilled(self, results: list[PrefillResult]) -> None:
         with self._wake:
@@ -210,6 +234,9 @@ class ModelEngine:
             prefilled, self._prefilled = self._prefilled, []
         joined = self._join(prefilled)
         output = self.scheduler.schedule()
+        if self.admission.enabled:
+            with self._wake:
+                self._backlog = Backlog.of(self.scheduler.waiting, self.scheduler.running)
         self._preemptions.inc(len(output.preempted))
         if output.admitted:
             self._start_prefill(output.admitted)
@@ -277,7 +304,9 @@ class ModelEngine:
         except Exception as error:  # fail only the sequences of this call
             self._fail(requests, error)
             return
-        self._steps["decode"].observe(time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self._steps["decode"].observe(seconds)
+        self.admission.observe_decode(seconds)
         self._batches["decode"].observe(len(requests))
         for request in requests:
             request.num_computed_tokens = request.num_tokens
@@ -299,9 +328,10 @@ class ModelEngine:
             self._cancel_latency.observe(time.monotonic() - request.cancel_time)
         request.finish(status, error)
 
-    def _observe_prefill(self, seconds: float, batch: int) -> None:
+    def _observe_prefill(self, seconds: float, batch: int, tokens: int) -> None:
         self._steps["prefill"].observe(seconds)
         self._batches["prefill"].observe(batch)
+        self.admission.observe_prefill(seconds, tokens)
 
     def _update_gauges(self) -> None:
         stats = self.store.stats()
@@ -337,6 +367,13 @@ class Engine:
         if not folders:
             raise ManifestError(f"{repository}: no model folders with a manifest.json")
         manifests = [Manifest.load(p) for p in folders]
+        if not names:  # the default set: the schemes themselves; scaling variants only when named
+            variants = [m.folder.name for m in manifests if m.is_scaling_variant]
+            if variants:
+                logger.info("not serving rope scaling variants %s (name them in --models)", ", ".join(variants))
+            manifests = [m for m in manifests if not m.is_scaling_variant]
+            if not manifests:
+                raise ManifestError(f"{repository}: only rope scaling variants; name the ones to serve in --models")
         for manifest in manifests:
             check_kv_budget(manifest, config)
         return cls({m.folder.name: ModelEngine(m, config, metrics) for m in manifests})
@@ -372,9 +409,8 @@ class Engine:
         for engine in self.models.values():
             engine.start()
 
-    def stop(self, timeout: float) -> None:
-        threads = [threading.Thread(target=e.stop, args=(timeout,)) for e in self.models.values()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    def stop(self, timeout: float) -> DrainReport:
+        """Every model drains in parallel; the report adds them up."""
+        with ThreadPoolExecutor(max_workers=max(1, len(self.models))) as pool:
+            reports = list(pool.map(lambda e: e.stop(timeout), self.models.values()))
+        return DrainReport(sum(r.finished for r in reports), sum(r.cut for r in reports))

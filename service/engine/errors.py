@@ -13,6 +13,8 @@ class ErrorKind(enum.Enum):
 
 
 class RequestError(Exception):
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    """`retry_after`: seconds after which the same request would likely be accepted (load shedding)."""
+
+    def __init__(self, kind: ErrorKind, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.kind, self.message = kind, message
+        self.kind, self.message, self.retry_after = kind, message, retry_after

@@ -54,17 +54,18 @@ class PrefillWorker:
         runner: ModelRunner,
         chunk_tokens: int,
         deliver: Callable[[list[PrefillResult]], None],
-        observe: Callable[[float, int], None],
+        observe: Callable[[float, int, int], None],
         name: str,
         nice: int = 0,
     ) -> None:
-        """`deliver` gets finished results (on this thread); `observe(seconds, batch)` each call."""
+        """`deliver` gets finished results (on this thread); `observe(seconds, batch, tokens)` each call."""
         self.runner = runner
         self.chunk_tokens = chunk_tokens
         self._deliver = deliver
         self._observe = observe
         self._jobs: deque[PrefillJob] = deque()
         self._long: deque[tuple[PrefillJob, Iterator[PrefilledPrompt | None]]] = deque()
+        self._long_done = 0  # prompt tokens of the oldest long prompt computed so far
         self._wake = threading.Condition()
         self._stopped = False
         self._ready = threading.Event()
@@ -161,7 +162,7 @@ class PrefillWorker:
             for job in batch:
                 self._run_batch([job], results)
             return
-        self._observe(time.monotonic() - started, len(batch))
+        self._observe(time.monotonic() - started, len(batch), sum(len(j.token_ids) for j in batch))
         results.extend(PrefillResult(job, prompt) for job, prompt in zip(batch, prompts, strict=True))
 
     def _advance_long(self, results: list[PrefillResult]) -> None:
@@ -171,6 +172,7 @@ class PrefillWorker:
         job, chunks = self._long[0]
         if job.aborted:
             self._long.popleft()
+            self._long_done = 0
             results.append(PrefillResult(job))
             return
         started = time.monotonic()
@@ -178,9 +180,13 @@ class PrefillWorker:
             prompt = next(chunks)
         except Exception as error:
             self._long.popleft()
+            self._long_done = 0
             results.append(PrefillResult(job, error=error))
             return
-        self._observe(time.monotonic() - started, 1)
+        tokens = min(self.chunk_tokens, len(job.token_ids) - self._long_done)
+        self._observe(time.monotonic() - started, 1, tokens)
+        self._long_done += tokens
         if prompt is not None:
             self._long.popleft()
+            self._long_done = 0
             results.append(PrefillResult(job, prompt))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 
 from loadtest.compare import main as compare_main
 from models.positional import SCHEMES
-from service.process import ROOT, ServerProcess
+from service.process import ROOT, ServerProcess, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -22,20 +24,67 @@ def server(repository: Path):  # type: ignore[no-untyped-def]
     process.stop()
 
 
-def test_locust_headless_makes_requests_without_failures(server: ServerProcess, tmp_path: Path) -> None:
+def request_counts(summary: str) -> dict[str, int]:
+    """Requests per name (and "Aggregated") from the request table Locust prints when it quits."""
+    row = r"^\S*[ ]+(?P<name>\S.*?)[ ]+(?P<count>\d+)[ ]+\d+\(\d+\.\d+%\)[ ]+\|"
+    rows = re.finditer(row, summary, re.MULTILINE)
+    return {row["name"]: int(row["count"]) for row in rows}
+
+
+def served_rpcs(server: ServerProcess) -> float:
+    """posenc_requests_total over every method, model and code (no sample yet: 0)."""
+    try:
+        return server.metric("posenc_requests_total")
+    except KeyError:
+        return 0.0
+
+
+def test_locust_aggregate_counts_rpcs_and_token_latency_is_reported_apart(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    before = served_rpcs(server)
     command = [
         sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "-u", "4",
         "-r", "4", "-t", "6s", "--host", server.target, "--csv", str(tmp_path / "run"), "--models", "alibi:2,learned:1",
-        "--prompt-bytes", "64,300", "--max-new-tokens", "8", "--only-summary",
+        "--prompt-bytes", "64,300", "--only-summary",
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "LOCUST_MAX_NEW_TOKENS": "8"}  # options read their LOCUST_* variables too
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = {row["Name"]: row for row in csv.DictReader((tmp_path / "run_stats.csv").open())}
-    for name in ("GenerateStream alibi", "GenerateStream learned", "TTFT alibi", "ITL alibi"):
-        assert int(rows[name]["Request Count"]) > 0, name
-        assert int(rows[name]["Failure Count"]) == 0, name
-    assert int(rows["Aggregated"]["Failure Count"]) == 0
-    assert float(rows["TTFT alibi"]["Median Response Time"]) <= float(rows["GenerateStream alibi"]["Max Response Time"])
+    summary = result.stderr  # Locust logs its summary to stderr, and the token latency table below it
+    counts = request_counts(summary)
+    # Every RPC once, nothing else: the Aggregated line is what the server counted. A stream cut
+    # when the run ends is recorded as "Stopped <model>" and counted CANCELLED by the server.
+    assert counts["ListModels"] == 4
+    assert counts["GenerateStream alibi"] > 0 and counts["GenerateStream learned"] > 0
+    assert {name.split()[0] for name in counts} <= {"ListModels", "GenerateStream", "Stopped", "Aggregated"}
+    assert counts["Aggregated"] == sum(count for name, count in counts.items() if name != "Aggregated")
+    assert wait_for(lambda: served_rpcs(server) - before == counts["Aggregated"], timeout=5), (
+        served_rpcs(server) - before, counts, summary,
+    )  # fmt: skip
+    # Time to first token and inter-token latency: printed after Locust's summary, and in a CSV of their own.
+    assert "Token latency, ms" in summary
+    rows = {(row["Type"], row["Name"]): row for row in csv.DictReader((tmp_path / "run_token_latency.csv").open())}
+    for model in ("alibi", "learned"):
+        assert int(rows[("TTFT", model)]["Count"]) == counts[f"GenerateStream {model}"]  # one per stream
+        assert 0 < int(rows[("ITL", model)]["Count"]) <= counts[f"GenerateStream {model}"]
+        ttft, itl = float(rows[("TTFT", model)]["50% (ms)"]), float(rows[("ITL", model)]["95% (ms)"])
+        assert 0 < ttft < 10_000 and 0 < itl < 1_000
+    assert (
+        int(rows[("TTFT", "All models")]["Count"]) == counts["GenerateStream alibi"] + counts["GenerateStream learned"]
+    )
+    locust_rows = {row["Name"] for row in csv.DictReader((tmp_path / "run_stats.csv").open())}
+    assert not any(name.startswith(("TTFT", "ITL")) for name in locust_rows)
+
+
+def test_locust_help_lists_the_scenario_options() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtest", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    for flag, env in [("--models", "LOCUST_MODELS"), ("--max-new-tokens", "LOCUST_MAX_NEW_TOKENS"),
+                      ("--prompt-bytes", "LOCUST_PROMPT_BYTES"), ("--load-shape", "LOCUST_LOAD_SHAPE")]:  # fmt: skip
+        assert flag in result.stdout and env in result.stdout, flag
 
 
 def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path: Path) -> None:
@@ -47,13 +96,16 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     out = tmp_path / "report"
     assert compare_main(["--tiny", "--model-repository", str(own), "--out", str(out), "--threads", "1"]) == 0
     for name in ("report.md", "results.json", "bpb_vs_context.png", "itl_vs_context.png", "ttft_vs_prompt.png",
-                 "throughput_vs_concurrency.png", "kv_bytes.png", "retrieval.png"):  # fmt: skip
+                 "throughput_vs_concurrency.png", "goodput_vs_users.png", "kv_bytes.png", "retrieval.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())
     assert results["schemes"] == list(SCHEMES)
     for scheme in SCHEMES:
         assert 0.5 < results["quality"][scheme]["0.5"] < 9.0
         assert all(v["requests"] > 0 and v["errors"] == 0 for v in results["load"][scheme].values())
+        admission = results["load_admission"][scheme]
+        assert set(admission) == set(results["load"][scheme])
+        assert all(v["requests"] + v["refused"] > 0 and v["errors"] == 0 for v in admission.values())
         assert results["memory"][scheme]["process_peak_bytes"] > 0
         assert results["models"][scheme]["kv_bytes_per_token"] > 0
         assert set(results["retrieval"][scheme]) == {"64", "512"}

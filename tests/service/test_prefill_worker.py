@@ -31,7 +31,7 @@ class Collector:
             self.results.extend(results)
             self.changed.notify_all()
 
-    def observe(self, seconds: float, batch: int) -> None:
+    def observe(self, seconds: float, batch: int, tokens: int) -> None:
         self.calls.append(batch)
 
     def wait_for(self, count: int) -> list[str]:

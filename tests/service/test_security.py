@@ -65,6 +65,9 @@ def test_tls_with_bearer_token(repository: Path, pki: Path) -> None:
                 with pytest.raises(grpc.RpcError) as error:
                     call(metadata)
                 assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Each refused call is counted once, as what its client saw.
+        for method in calls:
+            assert server.metric("posenc_requests_total", method=method, code="UNAUTHENTICATED") == 3
         # With the token every call is served in full.
         listed = calls["ListModels"](bearer(TOKEN))
         assert [m.name for m in listed.models] == ["none"]
