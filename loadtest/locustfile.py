@@ -1,15 +1,20 @@
 """Locust users for the generation service (gRPC).
 
     locust -f loadtest/locustfile.py --headless -u 32 -r 8 -t 60s --host localhost:50051 --csv out/run
+    python -m loadtest --headless ...     # the same; its --help also lists the scenario options
 
-Every call fires Locust's request event (name, response time, length, exception), so the web UI,
-CSV output and distributed mode work unchanged. Streams also report time to first token
-(`TTFT <model>`) and their mean inter-token latency (`ITL <model>`) as entries of their own.
+Every RPC fires Locust's request event once (name, response time, length, exception), so the
+web UI, CSV output and distributed mode work unchanged and the Aggregated line counts RPCs, the
+figure the server's posenc_requests_total counts: `ListModels` (once per user), `GenerateStream
+<model>`, `Cancelled <model>` (streams the client cancels on purpose, --cancel-fraction) and
+`Stopped <model>` (streams cut because Locust stopped the user; `--stop-timeout` lets them
+finish). Time to first token and inter-token latency are not requests: they go to
+`loadtest.token_latency`, which prints them at the end, writes them beside the CSV and shows
+them in a web UI tab.
 
-Scenario options (also as LOCUST_* environment variables): --models (mix, e.g. `alibi:2,rope:1`),
---prompt-bytes (e.g. `64,256,1024` or `uniform:64:2048`), --max-new-tokens, --temperature,
---top-p, --load-shape steady|step|poisson, --target-rps (poisson), --step-users and
---step-seconds (step). Prompts are drawn from the held-out (test) split of the corpus.
+Scenario options (`loadtest/scenario.py`, also as LOCUST_* environment variables): --models,
+--prompt-bytes, --max-new-tokens, --temperature, --top-p, --load-shape steady|step|poisson,
+--target-rps, --step-users, --step-seconds, --request-timeout, --cancel-fraction.
 """
 
 from __future__ import annotations
@@ -20,60 +25,17 @@ from functools import cache
 
 import grpc
 import grpc.experimental.gevent as grpc_gevent
+from gevent import GreenletExit
 from locust import LoadTestShape, User, events, task
 
+from loadtest.scenario import parse_mix, prompt_length_sampler
 from loadtest.streaming import timed_stream
+from loadtest.token_latency import LATENCY
 from models.corpus import load_corpus
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 
 grpc_gevent.init_gevent()  # grpcio's blocking calls must yield to gevent
-
-
-@events.init_command_line_parser.add_listener
-def _options(parser) -> None:  # type: ignore[no-untyped-def]
-    group = parser.add_argument_group("posenc-serve scenario")
-    group.add_argument(
-        "--models", default="", env_var="LOCUST_MODELS", help="model mix, e.g. alibi:2,rope:1 (default: all)"
-    )
-    group.add_argument("--prompt-bytes", default="64,256,1024", env_var="LOCUST_PROMPT_BYTES")
-    group.add_argument("--max-new-tokens", type=int, default=64, env_var="LOCUST_MAX_NEW_TOKENS")
-    group.add_argument("--temperature", type=float, default=0.0, env_var="LOCUST_TEMPERATURE")
-    group.add_argument("--top-p", type=float, default=1.0, env_var="LOCUST_TOP_P")
-    group.add_argument(
-        "--load-shape", default="steady", choices=["steady", "step", "poisson"], env_var="LOCUST_LOAD_SHAPE"
-    )
-    group.add_argument("--target-rps", type=float, default=4.0, env_var="LOCUST_TARGET_RPS", help="poisson arrivals/s")
-    group.add_argument("--step-users", type=int, default=8, env_var="LOCUST_STEP_USERS")
-    group.add_argument("--step-seconds", type=float, default=30.0, env_var="LOCUST_STEP_SECONDS")
-    group.add_argument("--request-timeout", type=float, default=120.0, env_var="LOCUST_REQUEST_TIMEOUT")
-    group.add_argument(
-        "--cancel-fraction", type=float, default=0.0, env_var="LOCUST_CANCEL_FRACTION",
-        help="share of streams the client cancels after a few chunks (reported as 'Cancelled <model>')",
-    )  # fmt: skip
-
-
-def parse_mix(text: str, available: list[str]) -> tuple[list[str], list[float]]:
-    """`alibi:2,rope:1` -> (names, weights); empty means every available model equally."""
-    if not text:
-        return available, [1.0] * len(available)
-    names, weights = [], []
-    for part in text.split(","):
-        name, _, weight = part.partition(":")
-        if name not in available:
-            raise ValueError(f"--models: unknown model {name!r} (serving: {', '.join(available)})")
-        names.append(name)
-        weights.append(float(weight or 1))
-    return names, weights
-
-
-def prompt_length_sampler(text: str):  # type: ignore[no-untyped-def]
-    """`64,256,1024` picks one of the values; `uniform:LOW:HIGH` draws between them."""
-    if text.startswith("uniform:"):
-        _, low, high = text.split(":")
-        return lambda rng: rng.randint(int(low), int(high))
-    choices = [int(v) for v in text.split(",")]
-    return lambda rng: rng.choice(choices)
 
 
 @cache
@@ -110,7 +72,7 @@ class GenerationUser(User):
         self._rng = random.Random(id(self))
         self.channel = grpc.insecure_channel(self.host)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        models = self.stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+        models = self._list_models()
         self.limits = {m.name: m.max_positions for m in models}
         self.mix = parse_mix(options.models if options else "", sorted(self.limits))
         self.lengths = prompt_length_sampler(options.prompt_bytes if options else "64,256")
@@ -124,10 +86,22 @@ class GenerationUser(User):
         self.channel.close()
 
     def _fire(self, request_type: str, name: str, seconds: float, length: int, exception: Exception | None) -> None:
+        """Record one RPC: the only kind of entry in Locust's request statistics here."""
         self.environment.events.request.fire(
             request_type=request_type, name=name, response_time=seconds * 1000.0,
             response_length=length, exception=exception, context={},
         )  # fmt: skip
+
+    def _list_models(self) -> list[pb.ModelInfo]:
+        """The served models, recorded as the RPC it is (the server counts it too)."""
+        started = time.perf_counter()
+        try:
+            response = self.stub.ListModels(pb.ListModelsRequest(), timeout=30)
+        except grpc.RpcError as error:
+            self._fire("grpc", "ListModels", time.perf_counter() - started, 0, error)
+            raise
+        self._fire("grpc", "ListModels", time.perf_counter() - started, response.ByteSize(), None)
+        return list(response.models)
 
     @task
     def generate_stream(self) -> None:
@@ -139,19 +113,25 @@ class GenerationUser(User):
             model=model, prompt=held_out_prompt(self._rng, length), max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self._rng.randrange(1 << 31),
         )  # fmt: skip
-        if self._rng.random() < self.cancel_fraction:
-            self._cancelled_stream(model, request)
-            return
-        timing = timed_stream(self.stub, request, self.timeout)
+        started = time.perf_counter()
+        try:
+            if self._rng.random() < self.cancel_fraction:
+                self._cancelled_stream(model, request, started)
+                return
+            timing = timed_stream(self.stub, request, self.timeout)
+        except GreenletExit:
+            # Locust stopped this user mid-stream (the run ended, or fewer users): the RPC happened
+            # all the same, and on_stop's channel close cancels it on the server, which counts it.
+            self._fire("cancel", f"Stopped {model}", time.perf_counter() - started, 0, None)
+            raise
         self._fire("grpc", f"GenerateStream {model}", timing.seconds, timing.received_bytes, timing.error)
         if timing.time_to_first_token is not None and timing.error is None:
-            self._fire("ttft", f"TTFT {model}", timing.time_to_first_token, 0, None)
+            LATENCY.record("TTFT", model, timing.time_to_first_token)
             if timing.mean_inter_token is not None:
-                self._fire("itl", f"ITL {model}", timing.mean_inter_token, 0, None)
+                LATENCY.record("ITL", model, timing.mean_inter_token)
 
-    def _cancelled_stream(self, model: str, request: pb.GenerateRequest) -> None:
+    def _cancelled_stream(self, model: str, request: pb.GenerateRequest, started: float) -> None:
         """Read a few chunks (maybe none), then cancel, as an impatient client does."""
-        started = time.perf_counter()
         stream = self.stub.GenerateStream(request, timeout=self.timeout)
         error: Exception | None = None
         try:
