@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from export.repository import ExportOptions, ExportResult, run
+from models.cli import HelpFormatter
 from models.positional import SCHEMES
 
 
@@ -49,19 +50,29 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> ExportOptions:
     defaults = ExportOptions()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--weights", type=Path, default=defaults.weights, help="folder of trained weights per scheme")
     parser.add_argument("--out", type=Path, default=defaults.out, help="model repository to write")
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(defaults.schemes))
+    parser.add_argument(
+        "--schemes", nargs="+", choices=SCHEMES, default=list(defaults.schemes), metavar="SCHEME",
+        help=f"schemes to export, from {', '.join(SCHEMES)}",
+    )  # fmt: skip
     parser.add_argument("--no-fp16", dest="fp16", action="store_false", help="skip the float16 graphs")
     parser.add_argument(
         "--rope-scaling", nargs="*", default=[], metavar="KIND:FACTOR",
         help="extra rope models with inference-time scaling, e.g. ntk:4 yarn:8 linear:2",
     )  # fmt: skip
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip parity and evaluation")
-    parser.add_argument("--eval-windows", type=int, default=defaults.eval_windows)
-    parser.add_argument("--eval-contexts", type=int, nargs="+", default=list(defaults.eval_contexts))
-    parser.add_argument("--corpus", type=Path, default=None, help="evaluation text (default: stdlib test split)")
+    parser.add_argument(
+        "--eval-windows", type=int, default=defaults.eval_windows, help="test-split windows per evaluated context"
+    )
+    parser.add_argument(
+        "--eval-contexts", type=int, nargs="+", default=list(defaults.eval_contexts), metavar="BYTES",
+        help="contexts (bytes) the evaluation table measures bits per byte at",
+    )  # fmt: skip
+    parser.add_argument(
+        "--corpus", type=Path, default=None, help="evaluation text file or folder (default: the stdlib's test split)"
+    )
     args = parser.parse_args(argv)
     return ExportOptions(
         weights=args.weights,

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from models.cli import HelpFormatter
 from service.process import ROOT, ServerProcess, wait_for
 
 
@@ -38,14 +39,21 @@ def settle(server: ServerProcess, timeout: float = 30.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--users", type=int, default=64)
-    parser.add_argument("--cancel-fraction", type=float, default=0.2)
-    parser.add_argument("--models", default="alibi:1,rope:1,relative:1,none:1,sinusoidal:1,learned:1")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--warmup-seconds", type=int, default=60)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--model-repository", type=Path, default=ROOT / "model_repository",
+        help="model repository to serve (written by python -m export)",
+    )  # fmt: skip
+    parser.add_argument("--minutes", type=float, default=10.0, help="length of the measured run")
+    parser.add_argument("--users", type=int, default=64, help="concurrent Locust users")
+    parser.add_argument("--cancel-fraction", type=float, default=0.2, help="share of streams the client cancels")
+    parser.add_argument(
+        "--models", default="alibi:1,rope:1,relative:1,none:1,sinusoidal:1,learned:1", help="Locust model mix"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per request")
+    parser.add_argument(
+        "--warmup-seconds", type=int, default=60, help="load before the start figure (arenas at their peak shapes)"
+    )
     args = parser.parse_args(argv)
     server = ServerProcess(args.model_repository, "--max-queue", "1024", threads=0).wait_serving()
     out = Path(tempfile.mkdtemp(prefix="posenc-soak-"))
@@ -98,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{row['Name']:<28}{row['Request Count']:>10}{row['Failure Count']:>10}{row['50%']:>10}{row['99%']:>10}"
             )
+        for row in csv.DictReader((out / "soak_token_latency.csv").open()):  # TTFT and ITL, apart from the RPCs
+            name, p50, p99 = f"{row['Type']} {row['Name']}", row["50% (ms)"], row["99% (ms)"]
+            print(f"{name:<28}{row['Count']:>10}{'':>10}{p50:>10}{p99:>10}")
         print(f"errors by code: {dict(codes) or 'none'}")
         growth = (end_rss - start_rss) / start_rss * 100 if start_rss else float("nan")
         print(f"server resident memory: start {start_rss / 1e6:.0f} MB, end {end_rss / 1e6:.0f} MB ({growth:+.1f}%)")

@@ -22,6 +22,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
+from models.cli import HelpFormatter
 from models.corpus import Corpus, load_corpus
 from models.positional import SCHEMES, matched_config
 from models.tokenizer import TOKENIZER
@@ -146,15 +147,39 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str) ->
     return summary
 
 
+# What each TrainConfig field means, as --help says it.
+FIELD_HELP = {
+    "steps": "optimizer steps per scheme",
+    "batch_size": "training windows per step",
+    "context": "training window, bytes (the models' training context)",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "final learning rate as a share of the peak, after cosine decay",
+    "warmup_steps": "steps of linear warm-up",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "gradient norm clip",
+    "eval_interval": "steps between validation runs",
+    "eval_windows": "validation windows per run",
+    "seed": "seed of initialisation and batches",
+    "threads": "torch threads (0: all cores)",
+    "d_model": "model width",
+    "n_layers": "transformer layers",
+    "n_heads": "attention heads",
+    "corpus": "text file or folder to train on (default: the installed standard library's .py files)",
+    "out": "folder that gets one <scheme>/ folder of weights each (env POSENC_WEIGHTS_DIR)",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--scheme", default=defaults.scheme, choices=(*SCHEMES, "all"))
+    parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--scheme", default=defaults.scheme, choices=(*SCHEMES, "all"), help="scheme to train, or all of them in turn"
+    )
     for name, value in asdict(defaults).items():
         if name == "scheme":
             continue
         kind = type(value) if value is not None else str
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value, help=FIELD_HELP[name])
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 

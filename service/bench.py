@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from contract.manifest import NP_DTYPES, Manifest
 from export.runtime import OnnxCausalLM
+from models.cli import HelpFormatter
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
@@ -439,17 +440,25 @@ def mixed_lengths_workload(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository")
+    parser = argparse.ArgumentParser(prog="python -m service.bench", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository",
+        help="model repository to serve (written by python -m export)",
+    )  # fmt: skip
     parser.add_argument("--model", default="alibi", help="model for the single-stream and concurrency figures")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads per session (0: half the cores)")
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument(
+        "--new-tokens", type=int, default=256, help="tokens per single-stream request (the concurrency runs use half)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], metavar="STREAMS",
+        help="concurrent streams the aggregate throughput is measured at",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="fewer steps and contexts")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the service and runners run")
     parser.add_argument(
-        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-        help="which parts to run (default: all)",
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+        help=f"which parts to run, from {' '.join(SECTIONS)}",
     )  # fmt: skip
     args = parser.parse_args(argv)
     repository: Path = args.model_repository

@@ -12,13 +12,20 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from models.cli import HelpFormatter
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m service.healthcheck", description=__doc__, formatter_class=HelpFormatter
+    )
     default = f"127.0.0.1:{os.environ.get('POSENC_PORT', '50051')}"
-    parser.add_argument("--target", default=default)
-    parser.add_argument("--service", default="", help="service name ('' = the whole server)")
-    parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--target", default=default, help="HOST:PORT to probe (the port defaults to env POSENC_PORT)")
+    parser.add_argument(
+        "--service", default="", help="service to ask about: '' is the whole server, posenc.v1.Generation the API "
+        "(default: %(default)r)",
+    )  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     args = parser.parse_args(argv)
     with grpc.insecure_channel(args.target) as channel:
         try:
