@@ -19,11 +19,14 @@ LOAD_SHAPES = ("steady", "step", "poisson")
 
 
 def _option(group: Any, flag: str, default: Any, text: str, **kwargs: Any) -> None:
-    """One scenario option: its environment variable is LOCUST_ and the flag in capitals."""
+    """One scenario option: its environment variable is LOCUST_ and the flag in capitals. The help
+    names its default literally, because the web UI shows the help text unformatted."""
     env_var = "LOCUST_" + flag.removeprefix("--").replace("-", "_").upper()
-    group.add_argument(
-        flag, default=default, env_var=env_var, help=f"{text} [env {env_var}] (default: %(default)r)", **kwargs
-    )
+    help_text = f"{text} [env {env_var}] (default: {default!r})"
+    action = group.add_argument(flag, default=default, env_var=env_var, help=help_text, **kwargs)
+    # A group's add_argument is argparse's, not LocustArgumentParser's, which marks the options it
+    # adds for the web UI's custom parameters; mark ours the same way so the UI offers them too.
+    action.include_in_web_ui = True
 
 
 @events.init_command_line_parser.add_listener
