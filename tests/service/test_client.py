@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from service.process import ROOT, free_port
+from service.process import ROOT, ServerProcess, free_port
 
 
 def run_client(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -34,3 +35,14 @@ def test_client_help_shows_how_it_is_run_and_its_defaults() -> None:
     assert result.returncode == 0
     assert result.stdout.startswith("usage: python -m service.client")
     assert "(default: localhost:50051)" in " ".join(result.stdout.split())
+
+
+def test_client_streams_the_prompt_then_the_generated_text(repository: Path) -> None:
+    server = ServerProcess(repository, "--models", "alibi").wait_serving()
+    try:
+        result = run_client("--model", "alibi", "--target", server.target, "--max-new-tokens", "16", "def fib(n):")
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def fib(n):") and len(result.stdout) > len("def fib(n):")
+    assert "[length: 16 tokens" in result.stderr
