@@ -6,7 +6,9 @@ context, p50/p95/p99 at 1-32 concurrent users, throughput, and goodput with and 
 server's time-to-first-token admission control), cache memory (KV
 bytes per token, bytes in use at peak, pool utilisation, extra per-step memory, process peak
 memory), quality through `Score` (bits per byte at 0.5x-8x the training context, rope also with
-linear/ntk/yarn scaling) and retrieval over distance and depth. Writes reports/<run-id>/.
+linear/ntk/yarn scaling) and graded retrieval probes with 95% intervals (copy over distance and
+depth, passkey, bits per byte on bytes that complete a repeated n-gram; loadtest/probes.py).
+Writes reports/<run-id>/.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from tqdm import tqdm
 from contract.manifest import MANIFEST
 from export.repository import ExportOptions, rope_scaled_name
 from export.repository import run as export_run
+from loadtest.probes import Scorer, copy_text, depth_text, passkey_text
 from loadtest.streaming import timed_stream
+from models.cli import HelpFormatter
 from models.config import RopeScaling
 from models.corpus import load_corpus
 from models.positional import SCHEMES
@@ -67,17 +71,21 @@ class Budget:
     context_multiples: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
     scaling_multiples: tuple[float, ...] = (2.0, 4.0, 8.0)
     score_windows: int = 24
-    retrieval_contexts: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+    # Retrieval probes; lengths are multiples of the model's training context.
+    retrieval_trials: int = 64  # per cell: copy and passkey trials; natural windows are a quarter
+    copy_distances: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+    depth_contexts: tuple[float, ...] = (1.0, 4.0, 8.0)
     retrieval_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    retrieval_trials: int = 8
+    passkey_contexts: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
+    natural_context: float = 8.0
     repeats: int = 3
 
     @classmethod
     def quick(cls) -> Budget:
         return cls(
             prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 8, 32),
-            load_seconds=3.0, load_new_tokens=16, score_windows=3, retrieval_contexts=(64, 256, 1024),
-            retrieval_trials=2, retrieval_depths=(0.1, 0.5, 0.9), repeats=1,
+            load_seconds=3.0, load_new_tokens=16, score_windows=3, retrieval_trials=8,
+            copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 8.0), passkey_contexts=(1.0, 8.0), repeats=1,
         )  # fmt: skip
 
     @classmethod
@@ -86,7 +94,8 @@ class Budget:
         return cls(
             prompt_lengths=(64, 512), itl_contexts=(128, 512), concurrency=(1, 2), load_seconds=0.5,
             load_new_tokens=4, context_multiples=(0.5, 2.0), scaling_multiples=(2.0,), score_windows=1,
-            retrieval_contexts=(64, 512), retrieval_depths=(0.5,), retrieval_trials=1, repeats=1,
+            retrieval_trials=2, copy_distances=(0.125, 2.0), depth_contexts=(1.0,), retrieval_depths=(0.5,),
+            passkey_contexts=(1.0, 2.0), natural_context=2.0, repeats=1,
         )  # fmt: skip
 
 
@@ -104,7 +113,8 @@ class Results:
     load_admission: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     quality: dict[str, dict[str, float | None]] = field(default_factory=dict)  # model -> multiple -> bpb
-    retrieval: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
+    # scheme -> probe -> cells (see loadtest/probes.py); each cell {value, low, high, n} or None (not servable)
+    retrieval: dict[str, dict[str, object]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -125,17 +135,6 @@ class HeldOut:
     def windows(self, length: int, count: int) -> list[str]:
         starts = np.linspace(0, len(self.data) - length - 1, count).astype(np.int64)
         return [self.data[s : s + length].decode("utf-8", errors="ignore") for s in starts]
-
-
-def retrieval_prompt(held_out: HeldOut, rng: random.Random, context: int, depth: float) -> tuple[str, str]:
-    """A random span planted at `depth` of `context` bytes of held-out text, its first half
-    repeated at the end: the model must continue with the second half (an induction / copy
-    probe across the distance between the two)."""
-    span = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(16))
-    cue, answer = f"\n# key: {span[:8]}", span[8:]
-    filler = held_out.text(max(0, context - 2 * len(cue) - 8)).replace("# key:", "#")
-    cut = int(len(filler) * depth)
-    return filler[:cut] + cue + answer + "\n" + filler[cut:] + cue, answer
 
 
 # ---------------------------------------------------------------------------------- measurements
@@ -313,25 +312,34 @@ def score_bpb(server: ServerProcess, model: str, texts: list[str]) -> float | No
 
 
 def measure_retrieval(
-    server: ServerProcess, model: str, limit: int, held_out: HeldOut, budget: Budget
-) -> dict[str, dict[str, float | None]]:
+    server: ServerProcess, model: str, limit: int, train_context: int, held_out: HeldOut, budget: Budget
+) -> dict[str, object]:
+    """Every graded probe at every length the budget names (None where the model cannot take it)."""
     rng = random.Random(7)
-    out: dict[str, dict[str, float | None]] = {}
-    for context in budget.retrieval_contexts:
-        row: dict[str, float | None] = {}
-        for depth in budget.retrieval_depths:
-            correct, total, servable_cell = 0, 0, True
-            for _ in range(budget.retrieval_trials):
-                prompt, answer = retrieval_prompt(held_out, rng, context, depth)
-                if not servable(limit, prompt, len(answer)):
-                    servable_cell = False
-                    break
-                text = generate(server, model, prompt, len(answer)).text
-                correct += sum(a == b for a, b in zip(text, answer, strict=False))
-                total += len(answer)
-            row[f"{depth:g}"] = correct / total if servable_cell and total else None
-        out[str(context)] = row
-    return out
+    scorer = Scorer(server.stub, model, limit)
+    trials, lead = budget.retrieval_trials, 64
+
+    def length(multiple: float) -> int:
+        return int(multiple * train_context)
+
+    copy = {
+        str(length(m)): scorer.accuracy([copy_text(held_out.text, rng, lead, length(m)) for _ in range(trials)])
+        for m in budget.copy_distances
+    }
+    depth = {
+        str(length(c)): {
+            f"{d:g}": scorer.accuracy([depth_text(held_out.text, rng, length(c), d) for _ in range(trials)])
+            for d in budget.retrieval_depths
+        }
+        for c in budget.depth_contexts
+    }
+    passkey = {
+        str(length(c)): scorer.accuracy([passkey_text(held_out.text, rng, length(c)) for _ in range(trials)])
+        for c in budget.passkey_contexts
+    }
+    window = length(budget.natural_context)
+    natural = scorer.natural(held_out.windows(window, max(4, trials // 4)), window)
+    return {"copy": copy, "copy_depth": depth, "passkey": passkey, "natural": natural}
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -387,6 +395,8 @@ def process_peak_bytes(pid: int) -> int:
 
 def run(args: argparse.Namespace) -> Path:
     budget = Budget.tiny() if args.tiny else Budget.quick() if args.quick else Budget()
+    if args.retrieval_trials:
+        budget.retrieval_trials = args.retrieval_trials
     schemes = list(args.schemes)
     run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
     out = args.out or ROOT / "reports" / run_id
@@ -443,7 +453,9 @@ def run(args: argparse.Namespace) -> Path:
                 results.load_admission[scheme] = measure_load_with_admission(args, scheme, limit, held_out, budget)
                 progress.update()
                 progress.set_postfix(scheme=scheme, part="retrieval")
-                results.retrieval[scheme] = measure_retrieval(server, scheme, limit, held_out, budget)
+                results.retrieval[scheme] = measure_retrieval(
+                    server, scheme, limit, info.train_context, held_out, budget
+                )
                 progress.update()
                 results.memory[scheme] = {
                     "process_peak_bytes": process_peak_bytes(server.process.pid),
@@ -461,13 +473,22 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
-    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.compare", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--model-repository", type=Path, default=ROOT / "model_repository",
+        help="model repository to serve from; missing schemes and rope scaling variants are exported into it",
+    )  # fmt: skip
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES), help="schemes to compare")
+    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores (smaller every count)")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help="threads per ONNX Runtime session (0: half the cores)")
-    parser.add_argument("--run-id", default=None)
+    parser.add_argument(
+        "--retrieval-trials", type=int, default=0,
+        help="trials per retrieval cell (0: the budget's, 64 in a full run and 8 with --quick)",
+    )  # fmt: skip
+    parser.add_argument("--run-id", default=None, help="names the report folder (default: the start time)")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default reports/<run-id>)")
     args = parser.parse_args(argv)
     out = run(args)

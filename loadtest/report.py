@@ -14,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from loadtest.probes import wilson
+
 PLOTS = {
     "bpb_vs_context.png": "Bits per byte versus context length",
     "itl_vs_context.png": "Inter-token latency versus context",
@@ -21,7 +23,8 @@ PLOTS = {
     "throughput_vs_concurrency.png": "Throughput versus concurrency",
     "goodput_vs_users.png": "Goodput versus users, without and with admission control",
     "kv_bytes.png": "KV-cache bytes",
-    "retrieval.png": "Retrieval accuracy (distance x depth)",
+    "retrieval.png": "Retrieval probes with 95% intervals",
+    "retrieval_depth.png": "Copy accuracy by context length and depth of the first copy",
 }
 
 
@@ -99,23 +102,74 @@ def plot(results: dict, out: Path) -> None:  # type: ignore[type-arg]
     fig.savefig(out / "kv_bytes.png", dpi=110)
     plt.close(fig)
 
+    plot_retrieval(results, out)
+    plot_retrieval_depth(results, out)
+
+
+def _cells(cells: dict[str, dict[str, float] | None]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """x, value, and the distances to the interval's ends (for error bars), servable cells only."""
+    points = sorted((float(k), c) for k, c in cells.items() if c is not None and k != "all")
+    xs = [x for x, _ in points]
+    values = [c["value"] for _, c in points]
+    below = [max(0.0, c["value"] - c["low"]) if c["low"] == c["low"] else 0.0 for _, c in points]
+    above = [max(0.0, c["high"] - c["value"]) if c["high"] == c["high"] else 0.0 for _, c in points]
+    return xs, values, below, above
+
+
+def plot_retrieval(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+    train = next(iter(results["models"].values()))["train_context"] if results["models"] else 256
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    panels = (
+        ("copy", "filler between the two copies (bytes)", "share of the copy predicted"),
+        ("passkey", "context length (bytes)", "share of the key's digits predicted"),
+        ("natural", "distance back to the n-gram's previous occurrence (bytes, bucket edge)", "bits per byte"),
+    )
+    for ax, (probe, xlabel, ylabel) in zip(axes, panels, strict=True):
+        for index, scheme in enumerate(results["schemes"]):
+            cells = results["retrieval"].get(scheme, {}).get(probe, {})
+            xs, values, below, above = _cells(cells)
+            shift = 1 + (index - len(results["schemes"]) / 2) * 0.03  # side by side on a log axis
+            ax.errorbar([x * shift for x in xs], values, yerr=[below, above], marker="o", capsize=2, label=scheme)
+        ax.axvline(train, color="grey", linestyle=":", label="training context")
+        ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel, title=probe)
+        ticks = sorted({float(k) for c in results["retrieval"].values() for k in c.get(probe, {}) if k != "all"})
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=7)
+        ax.minorticks_off()
+        if probe != "natural":
+            ax.set_ylim(-0.02, 1.02)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(PLOTS["retrieval.png"])
+    fig.tight_layout()
+    fig.savefig(out / "retrieval.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_retrieval_depth(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+    schemes = results["schemes"]
     columns = min(3, max(1, len(schemes)))
     rows = -(-len(schemes) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.4 * rows), squeeze=False, layout="constrained")
+    image = None
     for ax, scheme in zip(axes.flat, schemes, strict=False):
-        grid = results["retrieval"].get(scheme, {})
+        grid = results["retrieval"].get(scheme, {}).get("copy_depth", {})
         contexts = sorted(grid, key=int)
         depths = sorted(next(iter(grid.values()), {}), key=float)
-        values = [[grid[c][d] if grid[c][d] is not None else float("nan") for c in contexts] for d in depths]
+        values = [[(grid[c][d] or {}).get("value", float("nan")) for c in contexts] for d in depths]
         image = ax.imshow(values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        for row, d in enumerate(depths):
+            for column, c in enumerate(contexts):
+                cell = grid[c][d]
+                ax.text(column, row, "n/a" if cell is None else f"{cell['value']:.2f}", ha="center", va="center",
+                        fontsize=8, color="white" if cell is None or cell["value"] < 0.6 else "black")  # fmt: skip
         ax.set_xticks(range(len(contexts)), contexts, fontsize=7)
         ax.set_yticks(range(len(depths)), depths, fontsize=7)
-        ax.set(title=scheme, xlabel="distance (bytes of context)", ylabel="depth")
+        ax.set(title=scheme, xlabel="context (bytes)", ylabel="depth of the first copy")
     for ax in list(axes.flat)[len(schemes) :]:
         ax.axis("off")
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="characters recalled")
-    fig.suptitle(PLOTS["retrieval.png"])
-    fig.savefig(out / "retrieval.png", dpi=110)
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="share of the copy predicted")
+    fig.suptitle(PLOTS["retrieval_depth.png"])
+    fig.savefig(out / "retrieval_depth.png", dpi=110)
     plt.close(fig)
 
 
@@ -193,7 +247,7 @@ def headline_table(results: dict) -> str:  # type: ignore[type-arg]
     header = ["scheme", *[f"bpb@{m}x" for m in multiples], f"ITL ms @{itl_ctx}"]
     if top:
         header += [f"p99 s @{top} users", f"tokens/s @{top}", f"goodput req/s @{top}"]
-    header += ["KV B/token", "retrieval"]
+    header += ["KV B/token", "copy @<=128 B", "copy @8x", "passkey @8x"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for scheme in results["schemes"]:
         quality = results["quality"].get(scheme, {})
@@ -205,12 +259,101 @@ def headline_table(results: dict) -> str:  # type: ignore[type-arg]
         ]
         if top:
             cells += [_fmt(load.get("p99_s"), 2), _fmt(load.get("tokens_per_s"), 0), _fmt(load.get("goodput_per_s"), 2)]
-        grid = results["retrieval"].get(scheme, {})
-        accuracies = [v for row in grid.values() for v in row.values() if v is not None]
-        cells += [str(results["models"].get(scheme, {}).get("kv_bytes_per_token", "")),
-                  _fmt(sum(accuracies) / len(accuracies) if accuracies else None, 2)]  # fmt: skip
+        probes = results["retrieval"].get(scheme, {})
+        cells += [
+            str(results["models"].get(scheme, {}).get("kv_bytes_per_token", "")),
+            _cell(pooled(probes.get("copy", {}), 128)),
+            _cell(_largest(probes.get("copy", {}))),
+            _cell(_largest(probes.get("passkey", {}))),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(cell: dict[str, float] | None, digits: int = 2) -> str:
+    """'0.95 [0.90, 0.98]': a figure and its 95% interval."""
+    if cell is None:
+        return "not servable"
+    return f"{cell['value']:.{digits}f} [{cell['low']:.{digits}f}, {cell['high']:.{digits}f}]"
+
+
+def pooled(cells: dict[str, dict[str, float] | None], up_to: int) -> dict[str, float] | None:
+    """The copy cells at distances <= `up_to` bytes taken together (their trials pooled)."""
+    chosen = [c for k, c in cells.items() if k != "all" and int(k) <= up_to and c is not None]
+    n = sum(int(c["n"]) for c in chosen)
+    if not n:
+        return None
+    return wilson(sum(c["value"] * c["n"] for c in chosen) / n, n).as_dict()
+
+
+def _largest(cells: dict[str, dict[str, float] | None]) -> dict[str, float] | None:
+    """The cell at the longest length (None if the model cannot take it)."""
+    keys = sorted((k for k in cells if k != "all"), key=int)
+    return cells[keys[-1]] if keys else None
+
+
+def probe_table(title: str, results: dict, probe: str, column: str) -> str:  # type: ignore[type-arg]
+    data = {s: results["retrieval"].get(s, {}).get(probe, {}) for s in results["schemes"]}
+    keys = sorted({k for v in data.values() for k in v if k != "all"}, key=int)
+    extra = ["all"] if any("all" in v for v in data.values()) else []
+    lines = [f"### {title}", "", f"| scheme \\ {column} | " + " | ".join(keys + extra) + " |",
+             "|---|" + "---|" * (len(keys) + len(extra))]  # fmt: skip
+    digits = 3 if probe == "natural" else 2
+    for scheme, row in data.items():
+        lines.append(f"| {scheme} | " + " | ".join(_cell(row.get(k), digits) for k in keys + extra) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def depth_table(results: dict) -> str:  # type: ignore[type-arg]
+    grids = {s: results["retrieval"].get(s, {}).get("copy_depth", {}) for s in results["schemes"]}
+    depths = sorted({d for grid in grids.values() for row in grid.values() for d in row}, key=float)
+    lines = ["### Copy accuracy by context length and depth of the first copy", "",
+             "| scheme | context bytes | " + " | ".join(f"depth {d}" for d in depths) + " |",
+             "|---|---|" + "---|" * len(depths)]  # fmt: skip
+    for scheme, grid in grids.items():
+        for context in sorted(grid, key=int):
+            cells = " | ".join(_cell(grid[context].get(d)) for d in depths)
+            lines.append(f"| {scheme} | {context} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def what_each_scheme_buys(results: dict) -> str:  # type: ignore[type-arg]
+    """Extrapolation (bits per byte past the training context) beside retrieval, per scheme, and
+    where the two disagree. The verdicts are rules over the measured figures, stated below."""
+    lines = ["| scheme | bpb @1x | bpb @longest servable | copy @<=128 B | copy @longest | passkey @longest "
+             "| repeated-n-gram bpb, farthest bucket | verdict |", "|" + "---|" * 8]  # fmt: skip
+    for scheme in results["schemes"]:
+        quality = {float(k): v for k, v in results["quality"].get(scheme, {}).items() if v is not None}
+        probes = results["retrieval"].get(scheme, {})
+        near, far = pooled(probes.get("copy", {}), 128), _largest(probes.get("copy", {}))
+        natural = probes.get("natural", {})
+        far_natural = _largest({k: v for k, v in natural.items() if v is not None})
+        longest = max(quality, default=None)
+        base = quality.get(1.0)
+        extrapolates = base is not None and longest is not None and longest > 1 and quality[longest] <= 1.15 * base
+        retrieves = far is not None and far["value"] >= 0.5
+        copies = near is not None and near["value"] >= 0.5
+        if far is None or longest is None or longest <= 1:
+            verdict = "bounded: cannot take contexts past its positions"
+        elif extrapolates and not retrieves:
+            verdict = "disagree: bits per byte extrapolate, far retrieval does not"
+        elif retrieves and not extrapolates:
+            verdict = "disagree: retrieves far, but bits per byte degrade past the training context"
+        elif retrieves:
+            verdict = "agree: extrapolates and retrieves far"
+        else:
+            verdict = "agree: neither extrapolates nor retrieves far" + ("" if copies else " (does not copy at all)")
+        lines.append(
+            f"| {scheme} | {_fmt(base)} | {_fmt(quality.get(longest) if longest else None)} "
+            f"({longest:g}x) | {_cell(near)} | {_cell(far)} | {_cell(_largest(probes.get('passkey', {})))} | "
+            f"{_cell(far_natural, 3)} | {verdict} |"
+            if longest
+            else f"| {scheme} | - | - | {_cell(near)} | {_cell(far)} | - | - | {verdict} |"
+        )
+    return "\n".join(lines) + (
+        "\n\nRules: *extrapolates* when bits per byte at the longest servable multiple stay within 15% of "
+        "1x; *retrieves far* when copy accuracy at the longest distance is at least 0.5.\n"
+    )
 
 
 def _grid_table(title: str, data: dict, scale: float, digits: int) -> str:  # type: ignore[type-arg]
@@ -245,10 +388,20 @@ def write_report(out: Path) -> Path:
             f"{m['process_peak_bytes'] / 1e6:.0f} | {m['input_embedding_bytes']} | {m['attention_bias_bytes']} | "
             f"{m['rotary_bytes']} |"
         )
-    retrieval = []
-    for scheme, grid in results["retrieval"].items():
-        retrieval.append(_grid_table(f"Retrieval accuracy, {scheme} (rows: context bytes; columns: depth)",
-                                     dict(grid), 1.0, 2))  # fmt: skip
+    retrieval = [
+        probe_table(
+            "Copy: share of the repeat predicted, by filler bytes between the copies", results, "copy", "bytes"
+        ),
+        probe_table("Passkey: share of the key's digits predicted, by context bytes", results, "passkey", "bytes"),
+        probe_table(
+            "Bits per byte on bytes completing a repeated 8-byte n-gram, by distance to its previous "
+            "occurrence (bucket upper edge; `all`: every byte)",
+            results,
+            "natural",
+            "bytes",
+        ),
+        depth_table(results),
+    ]
     text = f"""# Positional-encoding comparison — run {results["run_id"]}
 
 Measured through the gRPC service (`python -m loadtest.compare`); every raw figure is in
@@ -295,12 +448,23 @@ positional module (a bias tensor of heads x keys for `relative` and `alibi`, rot
 
 ## Retrieval over distance
 
-A random 16-character span is planted at a depth of the context and its first half repeated at
-the end; the figure is the share of the second half's characters the model continues correctly.
+Graded probes through the `Score` RPC, teacher-forced, counting the bytes the model's greedy
+prediction gets right ({budget["retrieval_trials"]} trials per cell; 95% Wilson intervals with one
+observation per trial, since a trial's bytes are not independent). **Copy**: a random 16-character
+span in held-out text, repeated after a filler of D bytes; the share of the repeat's last 8
+characters predicted. **Passkey**: a 5-digit key in a line of code at a random depth, asked for at
+the end (`# what was it? pass_key = "`). **Natural**: bits per byte on held-out bytes that complete a
+repeated 8-byte n-gram, by how far back its previous occurrence is (interval: cluster-robust
+standard error over windows). Chance for a digit is 0.1, for a span character 1/36.
 
 ![retrieval](retrieval.png)
 
+![copy by depth](retrieval_depth.png)
+
 {chr(10).join(retrieval)}
+## What each scheme buys
+
+{what_each_scheme_buys(results)}
 ## Config
 
 ```json

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from contract.manifest import ManifestError
+from models.cli import HelpFormatter
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.engine import DrainReport, Engine, EngineConfig
@@ -96,7 +97,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     parser = argparse.ArgumentParser(
         prog="python -m service",
         description="posenc-serve gRPC generation service (flags also read POSENC_* env vars)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--model-repository", type=Path,

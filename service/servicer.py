@@ -126,15 +126,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
         try:
             engine = self._engine(context)
-            logprobs = self._call(lambda: engine.score(request.model, request.text))
+            scored = self._call(lambda: engine.score(request.model, request.text))
         except _Aborted as aborted:
             aborted.abort(context)
+        logprobs = scored.logprobs
         total = float(logprobs.sum())
         return pb.ScoreResponse(
             token_logprobs=logprobs.astype(float).tolist(),
             total_logprob=total,
             tokens=len(logprobs),
             bits_per_byte=-total / math.log(2) / max(1, len(logprobs)),
+            greedy_tokens=scored.greedy.tolist(),
         )
 
     # ------------------------------------------------------------------ helpers

@@ -129,13 +129,15 @@ class ScoreRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("token_logprobs", "total_logprob", "tokens", "bits_per_byte")
+    __slots__ = ("token_logprobs", "total_logprob", "tokens", "bits_per_byte", "greedy_tokens")
     TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BITS_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_logprobs: _containers.RepeatedScalarFieldContainer[float]
     total_logprob: float
     tokens: int
     bits_per_byte: float
-    def __init__(self, token_logprobs: _Optional[_Iterable[float]] = ..., total_logprob: _Optional[float] = ..., tokens: _Optional[int] = ..., bits_per_byte: _Optional[float] = ...) -> None: ...
+    greedy_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_logprobs: _Optional[_Iterable[float]] = ..., total_logprob: _Optional[float] = ..., tokens: _Optional[int] = ..., bits_per_byte: _Optional[float] = ..., greedy_tokens: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -29,7 +29,7 @@ from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
 from service.engine.output_processor import Finished, OutputProcessor
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
 from service.engine.request import Request, RequestStatus
-from service.engine.runner import ModelRunner, StoreConfig
+from service.engine.runner import ModelRunner, Scored, StoreConfig
 from service.engine.scheduler import QueueFullError, Scheduler
 from service.metrics import ServiceMetrics
 
@@ -394,8 +394,8 @@ class Engine:
         engine.submit(request)
         return request
 
-    def score(self, model: str, text: str) -> np.ndarray:
-        """Teacher-forced log-probabilities of the text's tokens after the first."""
+    def score(self, model: str, text: str) -> Scored:
+        """Teacher-forced log-probabilities (and greedy predictions) of the text's tokens after the first."""
         engine = self.model(model)
         return engine.runner.score(engine.inputs.score(text))
 

@@ -74,6 +74,15 @@ class RunnerTimings:
 
 
 @dataclass
+class Scored:
+    """A text scored teacher-forced: per token after the first, its log-probability and the token
+    the model found most likely there (its greedy prediction)."""
+
+    logprobs: np.ndarray  # (T-1,) float64
+    greedy: np.ndarray  # (T-1,) int64
+
+
+@dataclass
 class PrefilledPrompt:
     """A computed prompt, ready to be written into its reserved row."""
 
@@ -245,12 +254,13 @@ class ModelRunner:
                 return None
         raise ValueError("prefill_chunked: empty prompt")
 
-    def score(self, token_ids: list[int]) -> np.ndarray:
-        """Teacher-forced log-probabilities of token_ids[1:] (one call, outside the store)."""
+    def score(self, token_ids: list[int]) -> Scored:
+        """Teacher-forced log-probabilities of token_ids[1:] and the greedy prediction at each
+        position (one call, outside the store)."""
         ids = np.asarray([token_ids[:-1]], dtype=np.int64)
         positions = np.arange(ids.shape[1], dtype=np.int64)[None]
         logits, _ = self._prompt_call(ids, np.ones_like(ids), positions, None, last_only=False)
-        return log_probabilities(logits[0], token_ids[1:])
+        return Scored(log_probabilities(logits[0], token_ids[1:]), np.asarray(logits[0]).argmax(-1))
 
     # ------------------------------------------------------------------ the store (engine thread)
 

@@ -96,7 +96,8 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     out = tmp_path / "report"
     assert compare_main(["--tiny", "--model-repository", str(own), "--out", str(out), "--threads", "1"]) == 0
     for name in ("report.md", "results.json", "bpb_vs_context.png", "itl_vs_context.png", "ttft_vs_prompt.png",
-                 "throughput_vs_concurrency.png", "goodput_vs_users.png", "kv_bytes.png", "retrieval.png"):  # fmt: skip
+                 "throughput_vs_concurrency.png", "goodput_vs_users.png", "kv_bytes.png", "retrieval.png",
+                 "retrieval_depth.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())
     assert results["schemes"] == list(SCHEMES)
@@ -108,8 +109,15 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
         assert all(v["requests"] + v["refused"] > 0 and v["errors"] == 0 for v in admission.values())
         assert results["memory"][scheme]["process_peak_bytes"] > 0
         assert results["models"][scheme]["kv_bytes_per_token"] > 0
-        assert set(results["retrieval"][scheme]) == {"64", "512"}
+        probes = results["retrieval"][scheme]
+        assert set(probes) == {"copy", "copy_depth", "passkey", "natural"}
+        assert set(probes["copy"]) == {"32", "512"} and set(probes["passkey"]) == {"256", "512"}
+        for cell in [*probes["copy"].values(), *probes["passkey"].values(), probes["copy_depth"]["256"]["0.5"]]:
+            assert cell is None or 0 <= cell["low"] <= cell["value"] <= cell["high"] <= 1
+        assert probes["natural"]["all"] is not None
     assert results["quality"]["learned"]["2"] is None  # beyond its table: not servable
+    assert results["retrieval"]["learned"]["copy"]["512"] is None
+    assert results["retrieval"]["alibi"]["copy"]["512"] is not None
     assert results["quality"]["alibi"]["2"] is not None
     assert results["quality"]["rope-ntk-x2"]["2"] is not None
     assert (
