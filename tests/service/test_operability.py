@@ -15,7 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess, wait_for
@@ -134,6 +136,27 @@ def test_health_list_answers_every_service(server: ServerProcess) -> None:
         "": health_pb2.HealthCheckResponse.SERVING,
         "posenc.v1.Generation": health_pb2.HealthCheckResponse.SERVING,
     }
+
+
+def test_every_method_that_reflection_advertises_answers(server: ServerProcess) -> None:
+    """As a client that knows the API only through reflection: no advertised method is UNIMPLEMENTED."""
+    database = ProtoReflectionDescriptorDatabase(server.channel)
+    pool = DescriptorPool(database)
+    called = []
+    for name in database.get_services():
+        if name.startswith("grpc.reflection."):
+            continue  # bidirectional: this very conversation
+        for method in pool.FindServiceByName(name).methods:
+            path = f"/{name}/{method.full_name.rpartition('.')[2]}"
+            if method.server_streaming:
+                stream = server.channel.unary_stream(path)
+                code = code_of(lambda stream=stream: next(iter(stream(b"", timeout=5))))
+            else:
+                unary = server.channel.unary_unary(path)
+                code = code_of(lambda unary=unary: unary(b"", timeout=5))
+            assert code != grpc.StatusCode.UNIMPLEMENTED, path
+            called.append(path)
+    assert "/grpc.health.v1.Health/List" in called and "/posenc.v1.Generation/Score" in called
 
 
 def test_metrics_resolve_sub_millisecond_inter_token_latency_without_created_series(server: ServerProcess) -> None:
