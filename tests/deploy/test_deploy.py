@@ -4,13 +4,12 @@ data from a real Prometheus scraping the real service on loopback."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,8 @@ from service.api import generation_pb2 as pb
 from service.process import ROOT, ServerProcess, free_port
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "posenc-serve.json"
-
-
-def tool(name: str) -> str:
-    """A Debian tool the tests need; CI installs it (.ci/run), elsewhere its absence skips."""
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not installed (.ci/run installs it)")
-        pytest.skip(f"{name} not installed (apt-get install prometheus docker-compose)")
-    return path
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+Tool = Callable[[str], str]
 
 
 def dashboard_queries() -> list[str]:
@@ -37,7 +28,7 @@ def dashboard_queries() -> list[str]:
     return [target["expr"] for panel in panels for target in panel["targets"]]
 
 
-def test_compose_file_validates_and_every_path_exists() -> None:
+def test_compose_file_validates_and_every_path_exists(tool: Tool) -> None:
     subprocess.run([tool("docker-compose"), "config", "-q"], cwd=ROOT, check=True)
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     for name, service in compose["services"].items():
@@ -54,8 +45,25 @@ def test_compose_file_validates_and_every_path_exists() -> None:
     assert compose["services"]["server"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
 
-def test_prometheus_config_passes_promtool() -> None:
-    subprocess.run([tool("promtool"), "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")], check=True)
+def test_compose_puts_every_replica_behind_the_proxy() -> None:
+    """`--scale server=N` works: replicas publish no host port (N containers cannot share one),
+    answer as `server`, and the proxy, the only published gRPC port, runs the shipped nginx.conf."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("server", "server-cpu"):
+        assert "ports" not in services[name], name
+        assert services[name]["networks"]["default"]["aliases"] == ["server"], name
+    proxy = services["proxy"]
+    assert proxy["image"].startswith("nginx:") and "profiles" not in proxy
+    assert proxy["ports"] == ["${POSENC_GRPC_PORT:-50051}:50051"]
+    assert "./deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro" in proxy["volumes"]
+    assert "./deploy/nginx/upstream.compose.conf:/etc/nginx/upstream.conf:ro" in proxy["volumes"]
+    assert "--host proxy:50051" in services["locust-master"]["command"]
+
+
+def test_prometheus_config_passes_promtool_and_discovers_every_replica(tool: Tool) -> None:
+    subprocess.run([tool("promtool"), "check", "config", str(PROMETHEUS_CONFIG)], check=True)
+    (job,) = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
+    assert job["dns_sd_configs"] == [{"names": ["server"], "type": "A", "port": 9464, "refresh_interval": "5s"}]
 
 
 def test_dashboard_only_queries_metrics_the_service_defines() -> None:
@@ -73,7 +81,7 @@ def server(repository: Path):  # type: ignore[no-untyped-def]
     process.stop()
 
 
-def test_promtool_check_metrics_finds_no_problems(server: ServerProcess) -> None:
+def test_promtool_check_metrics_finds_no_problems(server: ServerProcess, tool: Tool) -> None:
     server.stub.Generate(pb.GenerateRequest(model="alibi", prompt="x = ", max_new_tokens=4), timeout=30)
     command = [tool("promtool"), "check", "metrics"]
     result = subprocess.run(command, input=server.metrics(), capture_output=True, text=True)
@@ -81,11 +89,15 @@ def test_promtool_check_metrics_finds_no_problems(server: ServerProcess) -> None
     assert result.returncode == 0 and not problems, problems
 
 
-def test_every_dashboard_query_returns_data_from_real_prometheus(server: ServerProcess, tmp_path: Path) -> None:
+def test_every_dashboard_query_returns_data_from_real_prometheus(
+    server: ServerProcess, tmp_path: Path, tool: Tool
+) -> None:
     prometheus = tool("prometheus")
-    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     config["global"]["scrape_interval"] = "1s"
-    config["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{server.metrics_port}"]
+    (job,) = config["scrape_configs"]  # the shipped job, its DNS discovery swapped for the loopback replica
+    del job["dns_sd_configs"]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{server.metrics_port}"]}]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     process = subprocess.Popen(

@@ -1,0 +1,308 @@
+"""Scale-out, proven on loopback: two real replicas behind Debian's nginx running the shipped
+deploy/nginx/nginx.conf. Balance, streaming, cancellation, deadlines, metadata and draining go
+through the proxy, and each is read back from the replicas' own /metrics.
+
+Only two things differ from what ships: the listen address (a free loopback port instead of
+50051) and the included upstream.conf, which is deploy/nginx/upstream.compose.conf with Docker's
+DNS name swapped for the replicas' loopback addresses (same zone, max_fails, keepalive), plus
+temporary-file paths in the test's directory. Clients use service/channel.py's retry channel,
+as the README tells users to.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from service.api import generation_pb2 as pb
+from service.api import generation_pb2_grpc
+from service.channel import RETRY_SERVICE_CONFIG, open_channel
+from service.process import ROOT, ServerProcess, free_port, wait_for
+
+NGINX_DIR = ROOT / "deploy" / "nginx"
+LISTEN = "listen 50051 http2;"
+TOKEN = "scale-out-test-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+REPLICA_FLAGS = (
+    "--models", "alibi", "rope", "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", "2048",
+    "--auth-token", TOKEN, "--grace-seconds", "30",
+)  # fmt: skip
+LONG = pb.GenerateRequest(model="alibi", prompt="def main():\n", max_new_tokens=2000)  # seconds of decoding
+
+
+def static_upstream(shipped: str, targets: list[str]) -> str:
+    """A shipped upstream file with its DNS discovery (`resolver`, `server NAME resolve ...`)
+    replaced by one `server` line per fixed address, every other parameter kept."""
+    lines, servers = [], 0
+    for line in shipped.splitlines():
+        if line.strip().startswith("#") or line.strip().startswith(("resolver ", "resolver_timeout ")):
+            continue
+        match = re.fullmatch(r"(\s*)server \S+ resolve(.*);", line)
+        if match:
+            servers += 1
+            lines += [f"{match[1]}server {target}{match[2]};" for target in targets]
+        else:
+            lines.append(line)
+    assert servers == 1, shipped
+    return "\n".join(lines) + "\n"
+
+
+class Proxy:
+    """Debian's nginx, in the foreground, with the shipped nginx.conf and an upstream of our own."""
+
+    def __init__(self, nginx: str, directory: Path, targets: list[str]) -> None:
+        directory.mkdir(parents=True)
+        self.port = free_port()
+        shipped = (NGINX_DIR / "nginx.conf").read_text()
+        assert shipped.count(LISTEN) == 1
+        (directory / "nginx.conf").write_text(shipped.replace(LISTEN, f"listen 127.0.0.1:{self.port} http2;"))
+        # Temporary files under the test's directory, so nginx also runs without root.
+        kinds = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        temp = "".join(f"{kind}_temp_path {directory / kind};\n" for kind in kinds)
+        upstream = static_upstream((NGINX_DIR / "upstream.compose.conf").read_text(), targets)
+        (directory / "upstream.conf").write_text(temp + upstream)
+        self.log = directory / "nginx.log"
+        command = [
+            nginx, "-p", str(directory), "-c", str(directory / "nginx.conf"), "-e", "stderr",
+            "-g", f"daemon off; pid {directory / 'nginx.pid'};",
+        ]  # fmt: skip
+        with self.log.open("a") as log:  # append: nginx's access log (O_APPEND) and stderr share it
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        if not wait_for(self._listening, timeout=10):
+            self.stop()
+            raise RuntimeError(f"nginx did not start: {self.log.read_text()}")
+        self.channel = open_channel(f"127.0.0.1:{self.port}")
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def _listening(self) -> bool:
+        if self.process.poll() is not None:
+            return False
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def stop(self) -> None:
+        if hasattr(self, "channel"):
+            self.channel.close()
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def nginx(tool: Callable[[str], str]) -> str:
+    return tool("nginx")
+
+
+@pytest.fixture(scope="module")
+def replicas(repository: Path, nginx: str) -> Iterator[list[ServerProcess]]:
+    started = [ServerProcess(repository, *REPLICA_FLAGS) for _ in range(2)]  # both load at once
+    try:
+        yield [replica.wait_serving() for replica in started]
+    finally:
+        for replica in started:
+            replica.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(nginx: str, replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    running = Proxy(nginx, tmp_path_factory.mktemp("nginx") / "proxy", [r.target for r in replicas])
+    yield running
+    running.stop()
+
+
+def finished(replica: ServerProcess, **labels: str) -> float:
+    """Calls the replica finished (its own posenc_requests_total) with these labels; 0 before the first."""
+    try:
+        return replica.metric("posenc_requests_total", **labels)
+    except KeyError:
+        return 0.0
+
+
+def requests_by(replicas: list[ServerProcess], code: str = "OK") -> list[float]:
+    """Finished calls per replica with that status code."""
+    return [finished(replica, code=code) for replica in replicas]
+
+
+def unary(stub: generation_pb2_grpc.GenerationStub, i: int, max_new_tokens: int = 4) -> pb.GenerateResponse:
+    request = pb.GenerateRequest(model=("alibi", "rope")[i % 2], prompt=f"x{i} = ", max_new_tokens=max_new_tokens)
+    return stub.Generate(request, metadata=AUTH, timeout=30)
+
+
+def stream(stub: generation_pb2_grpc.GenerationStub, i: int) -> list[pb.GenerateStreamResponse]:
+    request = pb.GenerateRequest(model=("rope", "alibi")[i % 2], prompt=f"def f{i}():\n", max_new_tokens=8)
+    return list(stub.GenerateStream(request, metadata=AUTH, timeout=30))
+
+
+def test_every_call_is_balanced_and_both_replicas_serve_a_fair_share(
+    proxy: Proxy, replicas: list[ServerProcess]
+) -> None:
+    before = requests_by(replicas)
+    with futures.ThreadPoolExecutor(8) as pool:  # one client connection, eight calls in flight
+        answers = list(pool.map(lambda i: unary(proxy.stub, i), range(200)))
+        streams = list(pool.map(lambda i: stream(proxy.stub, i), range(50)))
+    assert all(answer.finish_reason != pb.FINISH_REASON_UNSPECIFIED for answer in answers)
+    assert all(chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED for chunks in streams)
+    served = [after - first for after, first in zip(requests_by(replicas), before, strict=True)]
+    assert sum(served) == 250
+    assert all(0.35 <= count / 250 <= 0.65 for count in served), served
+
+
+def test_metadata_reaches_the_replica(proxy: Proxy) -> None:
+    """The bearer token passes through (every other test depends on it); without it the replica,
+    not nginx, refuses the call, and the client does not retry that."""
+    assert unary(proxy.stub, 0).finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    request = pb.GenerateRequest(model="alibi", prompt="x = ", max_new_tokens=4)
+    with pytest.raises(grpc.RpcError) as error:
+        proxy.stub.Generate(request, timeout=30)
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "bearer token" in error.value.details()
+
+
+def test_a_stream_cancelled_through_the_proxy_frees_its_cache_on_the_replica(
+    proxy: Proxy, replicas: list[ServerProcess]
+) -> None:
+    def total(name: str) -> float:
+        return sum(replica.metric(name, model="alibi") for replica in replicas)
+
+    cancellations = total("posenc_cancellation_latency_seconds_count")
+    call = proxy.stub.GenerateStream(LONG, metadata=AUTH, timeout=60)
+    for _ in range(5):
+        next(call)
+    assert total("posenc_kv_cache_used_bytes") > 0
+    call.cancel()
+    assert wait_for(lambda: total("posenc_kv_cache_used_bytes") == 0)
+    assert wait_for(lambda: total("posenc_running_sequences") == 0)
+    assert total("posenc_cancellation_latency_seconds_count") == cancellations + 1  # the engine saw the cancel
+
+
+def test_the_client_deadline_reaches_the_replica(proxy: Proxy, replicas: list[ServerProcess]) -> None:
+    """grpc-timeout passes through: the replica's engine ends the call at the deadline itself and
+    counts DEADLINE_EXCEEDED. Had only the client known the deadline, the replica could only ever
+    see (and count) a cancellation. The client's own cancellation at its deadline races the
+    replica's deadline, which lies later by the one-way latency through the proxy (both within a
+    millisecond), so some calls count as CANCELLED: one DEADLINE_EXCEEDED in up to ten calls is
+    the proof (measured: three calls in four)."""
+
+    def ended() -> tuple[float, float]:
+        return sum(requests_by(replicas, "DEADLINE_EXCEEDED")), sum(requests_by(replicas, "CANCELLED"))
+
+    for _ in range(10):
+        expired, total = ended()[0], sum(ended())
+        with pytest.raises(grpc.RpcError) as error:
+            proxy.stub.Generate(LONG, metadata=AUTH, timeout=0.3)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_for(lambda total=total: sum(ended()) == total + 1)  # the replica ended it, one way
+        if ended()[0] == expired + 1:
+            return
+    pytest.fail("no replica ever ended a call at its deadline: grpc-timeout does not pass the proxy")
+
+
+def test_no_reachable_replica_is_a_retryable_unavailable(nginx: str, tmp_path: Path) -> None:
+    """nginx's own 502 reaches gRPC clients as a gRPC UNAVAILABLE with the proxy's message (not
+    an HTML page), and the channel's policy retries it."""
+    proxy = Proxy(nginx, tmp_path / "proxy", [f"127.0.0.1:{free_port()}"])
+    try:
+        with pytest.raises(grpc.RpcError) as error:
+            unary(proxy.stub, 0)
+    finally:
+        proxy.stop()
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.value.details() == "posenc proxy: no replica reachable"
+    attempts = RETRY_SERVICE_CONFIG["methodConfig"][0]["retryPolicy"]["maxAttempts"]
+    answered = proxy.log.read_text().count('"POST /posenc.v1.Generation/Generate HTTP/2.0" 204 ')  # access log
+    assert answered == attempts  # the channel retried it as often as its policy allows
+
+
+class Draining(generation_pb2_grpc.GenerationServicer):
+    """A replica as the README documents it during its drain: every new call refused with
+    UNAVAILABLE before any work."""
+
+    def __init__(self) -> None:
+        self.refused = 0
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
+        self.refused += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+
+    GenerateStream = Generate
+
+
+def test_a_draining_replica_s_refusals_are_retried_on_the_other(
+    nginx: str, replicas: list[ServerProcess], tmp_path: Path
+) -> None:
+    """nginx cannot see a gRPC status; the client's retry policy takes the refused call to the
+    next replica. Independent of how the real server drains (next test)."""
+    draining = Draining()
+    fake = grpc.server(futures.ThreadPoolExecutor(4))
+    generation_pb2_grpc.add_GenerationServicer_to_server(draining, fake)
+    port = fake.add_insecure_port("127.0.0.1:0")
+    fake.start()
+    live = replicas[1]
+    proxy = Proxy(nginx, tmp_path / "proxy", [f"127.0.0.1:{port}", live.target])
+    try:
+        before = finished(live, code="OK")
+        for i in range(10):
+            assert unary(proxy.stub, i).finish_reason != pb.FINISH_REASON_UNSPECIFIED
+            assert stream(proxy.stub, i)[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert finished(live, code="OK") == before + 20
+        assert draining.refused >= 5  # it kept its share of first attempts
+    finally:
+        proxy.stop()
+        fake.stop(0)
+
+
+def test_sigterm_on_one_replica_loses_no_call_and_its_streams_finish(
+    proxy: Proxy, replicas: list[ServerProcess]
+) -> None:
+    """Runs last: it stops a replica. Calls keep coming from one client while `leaving` gets
+    SIGTERM. Whether it refuses new calls with UNAVAILABLE while draining, or stops accepting
+    connections, no call is lost and every stream already running on it finishes."""
+    leaving, staying = replicas
+    request = pb.GenerateRequest(model="alibi", prompt="def main():\n", max_new_tokens=1500)
+    streams = [proxy.stub.GenerateStream(request, metadata=AUTH, timeout=60) for _ in range(4)]
+    for call in streams:
+        next(call)  # started, on one replica or the other
+    assert leaving.metric("posenc_running_sequences") > 0 and staying.metric("posenc_running_sequences") > 0
+
+    calls: list[tuple[float, grpc.StatusCode]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        i = 0
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                unary(proxy.stub, i)
+                calls.append((started, grpc.StatusCode.OK))
+            except grpc.RpcError as error:
+                calls.append((started, error.code()))
+            i += 1
+
+    thread = threading.Thread(target=client)
+    served_before = finished(staying, code="OK", method="Generate")
+    thread.start()
+    time.sleep(0.3)
+    signalled = time.monotonic()
+    leaving.process.send_signal(signal.SIGTERM)
+    time.sleep(1.5)
+    stop.set()
+    thread.join(timeout=30)
+
+    last_chunks = [list(call)[-1] for call in streams]  # the drain: each ends normally
+    assert all(chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED for chunk in last_chunks)
+    lost = [code for _, code in calls if code != grpc.StatusCode.OK]
+    assert not lost, lost
+    after_signal = sum(1 for started, _ in calls if started > signalled)
+    assert after_signal >= 5
+    served = finished(staying, code="OK", method="Generate") - served_before
+    assert served >= after_signal  # every call that started after SIGTERM went to `staying`
+    assert leaving.process.wait(timeout=40) == 0
