@@ -9,6 +9,7 @@ that pass while the handler waits (the engine sees a cancel; the client sees DEA
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -116,8 +117,14 @@ class RequestAccounting(grpc.ServerInterceptor):
 
     @contextmanager
     def _counting(self, request: Any, method: str, context: grpc.ServicerContext) -> Iterator[None]:
-        """Around one handler: refuse undecodable bytes, then record the code the call ended with."""
+        """Around one handler: refuse undecodable bytes, then record the code the call ended with.
+
+        A stream the client cancels while its handler is suspended at a yield ends without the
+        handler ever resuming (its generator is closed only when collected), so the call's
+        termination callback records it then; whichever comes first counts, once."""
+        once = _Once(lambda code: self._record(request, method, _client_saw(code, context), started))
         started, code = time.monotonic(), grpc.StatusCode.UNKNOWN
+        context.add_callback(lambda: once(grpc.StatusCode.CANCELLED) if not context.is_active() else None)
         try:
             if isinstance(request, UndecodableRequest):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -130,13 +137,29 @@ class RequestAccounting(grpc.ServerInterceptor):
             code = context.code() or grpc.StatusCode.UNKNOWN
             raise
         finally:
-            self._record(request, method, _client_saw(code, context), started)
+            once(code)
 
     def _record(self, request: Any, method: str, code: grpc.StatusCode, started: float) -> None:
         model = "" if isinstance(request, UndecodableRequest) else str(getattr(request, "model", ""))
         labels = self._labels(model)
         self._metrics.requests.labels(**labels, method=method, code=code.name).inc()
         self._metrics.request_duration.labels(**labels, method=method).observe(time.monotonic() - started)
+
+
+class _Once:
+    """Calls `record` with the first code it is given; later calls do nothing (thread-safe)."""
+
+    def __init__(self, record: Callable[[grpc.StatusCode], None]) -> None:
+        self._record = record
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self, code: grpc.StatusCode) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._record(code)
 
 
 def _client_saw(code: grpc.StatusCode, context: grpc.ServicerContext) -> grpc.StatusCode:
