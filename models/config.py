@@ -17,7 +17,7 @@ from models.tokenizer import TOKENIZER
 class RopeScaling:
     """Inference-time rotary scaling; `factor` = target context / training context."""
 
-    kind: str  # "linear" | "ntk" | "yarn"
+    kind: str  # "linear" | "ntk" (static NTK-aware: a fixed base, not HF's "dynamic") | "yarn"
     factor: float
     original_max_positions: int = 256
 

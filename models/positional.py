@@ -115,7 +115,10 @@ def _rope_linear(head_dim: int, base: float, scaling: RopeScaling | None) -> tup
 
 
 def _rope_ntk(head_dim: int, base: float, scaling: RopeScaling | None) -> tuple[Tensor, float]:
-    """NTK-aware scaling: stretch the base so low frequencies interpolate, high ones don't."""
+    """Static NTK-aware scaling: one fixed, larger base, base * factor^(d / (d - 2)), so low
+    frequencies interpolate by about the factor and high ones barely move. Static: it applies at
+    every length, short prompts included. Not Hugging Face's `dynamic` rope type, which leaves the
+    base alone up to the training context and recomputes it from each sequence's length beyond."""
     assert scaling is not None
     new_base = base * scaling.factor ** (head_dim / (head_dim - 2))
     return _rope_default(head_dim, new_base, None)[0], 1.0

@@ -1,25 +1,47 @@
-"""Train the model family on CPU: `python -m models.train --scheme NAME|all`.
+"""Train the model family: `python -m models.train --scheme NAME|all`.
 
 Every scheme gets the same budget (parameter count within 1%, steps, batch, tokens, seed)
 and writes `model.safetensors`, `config.json`, `train_log.jsonl` and `training.json`.
+
+The same code scales past one CPU: `--device cuda` trains in mixed precision (bf16 autocast
+where the GPU has it, else fp16 with a gradient scaler), `--preset` picks a larger model
+(the training context stays 256), and `torchrun --nproc-per-node N -m models.train ...` runs
+N processes under DistributedDataParallel (gloo on CPU, NCCL on CUDA). Each process draws
+`--batch-size` windows per micro-step from its own seed (`--seed` + rank) and gradients are
+averaged over the N processes and `--grad-accum` micro-steps, so one optimizer step sees
+batch-size x grad-accum x N windows. `--steps`, the warm-up and the cosine decay count
+optimizer steps whatever N is, and the learning rate is not rescaled: to keep a one-process
+recipe on N processes, divide `--batch-size` or `--grad-accum` by N. Rank 0 alone evaluates,
+logs and saves.
+
+Continuing from trained weights (`--init-from models/weights`) with planted repeats in part of
+the windows (`--copy-share`) is the recipe that teaches the shipped models to copy; the new
+`training.json` lists every run behind the weights in `runs` and the log keeps the earlier
+runs' lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
 import platform
 import shlex
+import string
 import sys
 import time
-from dataclasses import asdict, dataclass
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from models.cli import HelpFormatter
@@ -30,6 +52,24 @@ from models.transformer import Transformer
 
 # The shipped weights; POSENC_WEIGHTS_DIR points elsewhere (e.g. a fresh training run).
 WEIGHTS_DIR = Path(os.environ.get("POSENC_WEIGHTS_DIR", Path(__file__).resolve().parent / "weights"))
+
+# Model sizes by name; all keep the 256-byte training context. `tiny` is the shipped family.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"d_model": 128, "n_layers": 4, "n_heads": 4},  # 0.83 M parameters
+    "small": {"d_model": 256, "n_layers": 6, "n_heads": 8},  # 4.8 M
+    "base": {"d_model": 384, "n_layers": 8, "n_heads": 6},  # 14.3 M
+    "large": {"d_model": 512, "n_layers": 12, "n_heads": 8},  # 38 M
+}
+
+# Test-only: a folder where every rank writes the sha256 of its final weights, so a test can
+# check that DistributedDataParallel kept the ranks identical.
+RANK_STATE_ENV = "POSENC_RANK_STATE_DIR"
+
+# Planted repeats: random alphanumeric spans of 6-16 bytes, each written twice in a window,
+# at least 4 bytes apart.
+ALPHANUMERIC = np.frombuffer((string.ascii_letters + string.digits).encode(), dtype=np.uint8)
+SPAN_LENGTHS = (6, 16)
+SPAN_GAP = 4
 
 
 @dataclass
@@ -47,22 +87,125 @@ class TrainConfig:
     eval_windows: int = 64
     seed: int = 1234
     threads: int = 0  # 0 = all cores
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
+    preset: str = "tiny"
+    d_model: int | None = None  # None = the preset's
+    n_layers: int | None = None
+    n_heads: int | None = None
+    grad_accum: int = 1
+    device: str = "auto"
+    init_from: str | None = None
+    copy_share: float = 0.0
+    copy_share_start: float | None = None  # None = copy_share throughout
+    copy_spans: int = 3
     corpus: str | None = None
     out: str = str(WEIGHTS_DIR)
 
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be at least 1, got {self.grad_accum}")
+        for share in (self.copy_share, self.copy_share_start):
+            if share is not None and not 0.0 <= share <= 1.0:
+                raise ValueError(f"copy shares are fractions of the batch, got {share}")
+
+    def with_preset(self) -> TrainConfig:
+        """The config with every model dimension left unset taken from the preset."""
+        shape = {name: value for name, value in PRESETS[self.preset].items() if getattr(self, name) is None}
+        return replace(self, **shape)
+
+    def copy_share_at(self, step: int) -> float:
+        """Share of windows with planted repeats: linear from `copy_share_start` to `copy_share`."""
+        if self.copy_share_start is None:
+            return self.copy_share
+        return self.copy_share_start + (self.copy_share - self.copy_share_start) * step / max(1, self.steps - 1)
+
+
+@dataclass
+class Runtime:
+    """Where this process trains: its device, its rank among `world` processes, its precision."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    autocast_dtype: torch.dtype | None = None  # mixed precision on CUDA, None = float32
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def precision(self) -> str:
+        if self.autocast_dtype is None:
+            return "float32"
+        return str(self.autocast_dtype).removeprefix("torch.") + " autocast"
+
+
+def start_runtime(requested: str) -> Runtime:
+    """Pick the device and, under torchrun (WORLD_SIZE > 1), join the process group."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {requested!r}")
+    use_cuda = torch.cuda.is_available() if requested == "auto" else requested == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        dtype: torch.dtype | None = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        device, dtype = torch.device("cpu"), None
+    if world > 1:
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return Runtime(device, rank, world, dtype)
+
+
+def plant_repeats(window: np.ndarray, spans: int, generator: np.random.Generator) -> np.ndarray:
+    """Write up to `spans` random alphanumeric spans into `window` (in place), each twice.
+
+    Returns a mask over the window of the bytes that only copying predicts: every repeat
+    but its first byte. A span whose places overlap an earlier one is left out.
+    """
+    size = len(window)
+    taken = np.zeros(size, dtype=bool)
+    copied = np.zeros(size, dtype=bool)
+    for _ in range(spans):
+        length = int(generator.integers(SPAN_LENGTHS[0], SPAN_LENGTHS[1] + 1))
+        if 2 * length + SPAN_GAP > size:
+            continue
+        first = int(generator.integers(0, size - 2 * length - SPAN_GAP + 1))
+        second = int(generator.integers(first + length + SPAN_GAP, size - length + 1))
+        if taken[first : first + length].any() or taken[second : second + length].any():
+            continue
+        span = generator.choice(ALPHANUMERIC, size=length)
+        window[first : first + length] = span
+        window[second : second + length] = span
+        taken[first : first + length] = taken[second : second + length] = True
+        copied[second + 1 : second + length] = True
+    return copied
+
 
 def sample_batch(
-    stream: np.ndarray, batch: int, context: int, generator: np.random.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows, each starting with BOS: inputs (B, context), next-token targets (B, context)."""
+    stream: np.ndarray,
+    batch: int,
+    context: int,
+    generator: np.random.Generator,
+    planted: int = 0,
+    spans: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random windows, each starting with BOS: inputs (B, context), next-token targets (B, context)
+    and the mask of targets only copying predicts (B, context); the first `planted` windows get
+    planted repeats. With none planted the draws are exactly those of a plain text batch."""
     starts = generator.integers(0, len(stream) - context, size=batch)
     windows = np.stack([stream[s : s + context] for s in starts]).astype(np.int64)  # (B, context)
+    copied = np.zeros(windows.shape, dtype=bool)
+    for row in range(planted):
+        copied[row] = plant_repeats(windows[row], spans, generator)
     bos = np.full((batch, 1), TOKENIZER.bos_token_id, dtype=np.int64)
     tokens = torch.from_numpy(np.concatenate([bos, windows], axis=1))  # (B, context + 1)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1], tokens[:, 1:], torch.from_numpy(copied)
 
 
 def evaluation_windows(stream: np.ndarray, count: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,10 +221,13 @@ def evaluation_windows(stream: np.ndarray, count: int, context: int) -> tuple[to
 def bits_per_byte(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor, batch: int = 16) -> float:
     """Mean next-token cross entropy in bits (one token = one byte)."""
     model.eval()
+    device = next(model.parameters()).device
     total, count = 0.0, 0
     for i in range(0, len(inputs), batch):
-        logits, _ = model(inputs[i : i + batch])
-        loss = F.cross_entropy(logits.flatten(0, 1), targets[i : i + batch].flatten(), reduction="sum")
+        logits, _ = model(inputs[i : i + batch].to(device))
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), targets[i : i + batch].flatten().to(device), reduction="sum"
+        )
         total += float(loss)
         count += targets[i : i + batch].numel()
     model.train()
@@ -96,34 +242,105 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str) -> dict[str, object]:
-    torch.manual_seed(cfg.seed)
-    generator = np.random.default_rng(cfg.seed)
-    config = matched_config(
-        scheme, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, train_context=cfg.context
-    )
-    model = Transformer(config)
-    model.train()
+def state_sha256(model: torch.nn.Module) -> str:
+    """One digest of every tensor in the state dict, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def earlier_runs(folder: Path) -> tuple[list[dict[str, object]], str]:
+    """The runs behind the weights in `folder` (from its training.json) and its log's lines.
+
+    Weights trained before `runs` existed count as one run made of their top-level fields.
+    """
+    summary_path, log_path = folder / "training.json", folder / "train_log.jsonl"
+    log = log_path.read_text() if log_path.exists() else ""
+    if not summary_path.exists():
+        return [{"init": str(folder)}], log
+    summary = json.loads(summary_path.read_text())
+    fields = ("command", "val_bpb", "tokens_seen", "train_seconds", "train_config")
+    return summary.get("runs") or [{key: summary.get(key) for key in fields}], log
+
+
+def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, runtime: Runtime) -> dict[str, object]:
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    generator = np.random.default_rng(cfg.seed + runtime.rank)  # but each rank its own batches
+    runs: list[dict[str, object]] = []
+    log_text = ""
+    if cfg.init_from:
+        source = Path(cfg.init_from) / scheme
+        runs, log_text = earlier_runs(source)
+        model = Transformer.load(source)
+        if model.config.train_context != cfg.context:
+            raise ValueError(f"{source} was trained at context {model.config.train_context}, not {cfg.context}")
+    else:
+        assert cfg.d_model is not None and cfg.n_layers is not None and cfg.n_heads is not None
+        config = matched_config(
+            scheme, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, train_context=cfg.context
+        )
+        model = Transformer(config)
+    model.to(runtime.device).train()
+    trained: torch.nn.Module = model
+    if runtime.world > 1:
+        cuda = runtime.device.type == "cuda"
+        trained = DistributedDataParallel(model, device_ids=[runtime.device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.autocast_dtype == torch.float16)
+    autocast = torch.autocast(
+        runtime.device.type, dtype=runtime.autocast_dtype, enabled=runtime.autocast_dtype is not None
+    )
     val_inputs, val_targets = evaluation_windows(corpus.splits["validation"], cfg.eval_windows, cfg.context)
     out = Path(cfg.out) / scheme
-    out.mkdir(parents=True, exist_ok=True)
     log_path = out / "train_log.jsonl"
-    log_path.write_text("")
+    if runtime.main:
+        out.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(log_text)
+    run_index = len(runs)
     started = time.time()
-    progress = tqdm(range(cfg.steps), desc=f"train {scheme}", unit="step", dynamic_ncols=True)
+    progress = tqdm(range(cfg.steps), desc=f"train {scheme}", unit="step", dynamic_ncols=True, disable=not runtime.main)
     val_bpb = float("nan")
     for step in progress:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
-        inputs, targets = sample_batch(corpus.splits["train"], cfg.batch_size, cfg.context, generator)
-        logits, _ = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        planted = round(cfg.copy_share_at(step) * cfg.batch_size)
+        # bits and bytes over all targets, then over the targets only copying predicts
+        totals = torch.zeros(4, dtype=torch.float64, device=runtime.device)
+        for micro in range(cfg.grad_accum):
+            inputs, targets, copied = sample_batch(
+                corpus.splits["train"], cfg.batch_size, cfg.context, generator, planted, cfg.copy_spans
+            )
+            inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
+            copied = copied.to(runtime.device)
+            last = micro == cfg.grad_accum - 1
+            # Gradients are averaged across ranks only on the last micro-step.
+            with nullcontext() if last or runtime.world == 1 else trained.no_sync():  # type: ignore[operator]
+                with autocast:
+                    logits, _ = trained(inputs)
+                losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+                scaler.scale(losses.mean() / cfg.grad_accum).backward()
+            losses = losses.detach().double()
+            counts = losses.new_tensor([losses.numel(), int(copied.sum())])
+            totals += torch.stack([losses.sum(), counts[0], losses[copied.flatten()].sum(), counts[1]])
+        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        record: dict[str, object] = {"step": step + 1, "train_bpb": loss.item() / math.log(2), "lr": group["lr"]}
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if runtime.world > 1:
+            dist.all_reduce(totals)
+        if not runtime.main:
+            continue
+        record: dict[str, object] = {"step": step + 1, "train_bpb": float(totals[0] / totals[1]) / math.log(2)}
+        record["lr"] = group["lr"]
+        if cfg.copy_share or cfg.copy_share_start:
+            record["copy_share"] = planted / cfg.batch_size
+            if totals[3] > 0:
+                record["copy_bpb"] = float(totals[2] / totals[3]) / math.log(2)
+        if run_index:
+            record["run"] = run_index
         if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
             val_bpb = bits_per_byte(model, val_inputs, val_targets)
             record["val_bpb"] = val_bpb
@@ -131,26 +348,49 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str) ->
             progress.set_postfix(val_bpb=f"{val_bpb:.3f}")
         with log_path.open("a") as log:
             log.write(json.dumps(record) + "\n")
-    model.save(out)
+    train_seconds = round(time.time() - started, 1)
+    if os.environ.get(RANK_STATE_ENV):
+        state_dir = Path(os.environ[RANK_STATE_ENV])
+        state_dir.mkdir(parents=True, exist_ok=True)
+        (state_dir / f"{scheme}.rank{runtime.rank}.sha256").write_text(state_sha256(model) + "\n")
+    tokens = cfg.steps * cfg.batch_size * cfg.grad_accum * runtime.world * cfg.context
+    shape = {key: getattr(model.config, key) for key in ("d_model", "n_layers", "n_heads")}
+    run = {
+        "command": command,
+        "init_from": str(Path(cfg.init_from) / scheme) if cfg.init_from else None,
+        "val_bpb": val_bpb,
+        "tokens_seen": tokens,
+        "train_seconds": train_seconds,
+        "train_config": asdict(cfg) | {"scheme": scheme} | shape,
+        "processes": runtime.world,
+        "effective_batch": cfg.batch_size * cfg.grad_accum * runtime.world,
+        "device": runtime.device.type,
+        "precision": runtime.precision,
+    }
     summary = {
         "scheme": scheme,
         "command": command,
         "parameters": model.num_parameters(),
         "val_bpb": val_bpb,
-        "tokens_seen": cfg.steps * cfg.batch_size * cfg.context,
-        "train_seconds": round(time.time() - started, 1),
-        "train_config": asdict(cfg) | {"scheme": scheme},
+        "tokens_seen": tokens + sum(int(r.get("tokens_seen") or 0) for r in runs),  # type: ignore[call-overload]
+        "train_seconds": train_seconds,
+        "train_config": run["train_config"],
         "corpus": corpus.describe(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
+        "runs": [*runs, run],
     }
-    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if runtime.main:
+        model.cpu().save(out)
+        (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if runtime.world > 1:
+        dist.barrier()
     return summary
 
 
 # What each TrainConfig field means, as --help says it.
 FIELD_HELP = {
     "steps": "optimizer steps per scheme",
-    "batch_size": "training windows per step",
+    "batch_size": "training windows per step (per process and micro-step: see --grad-accum)",
     "context": "training window, bytes (the models' training context)",
     "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "final learning rate as a share of the peak, after cosine decay",
@@ -159,14 +399,29 @@ FIELD_HELP = {
     "grad_clip": "gradient norm clip",
     "eval_interval": "steps between validation runs",
     "eval_windows": "validation windows per run",
-    "seed": "seed of initialisation and batches",
+    "seed": "seed of initialisation and batches (rank r of a torchrun draws its batches with seed + r)",
     "threads": "torch threads (0: all cores)",
-    "d_model": "model width",
-    "n_layers": "transformer layers",
-    "n_heads": "attention heads",
+    "preset": "model size: "
+    + ", ".join(f"{name} ({v['n_layers']} x {v['d_model']}, {v['n_heads']} heads)" for name, v in PRESETS.items()),
+    "d_model": "model width (default: the preset's)",
+    "n_layers": "transformer layers (default: the preset's)",
+    "n_heads": "attention heads (default: the preset's)",
+    "grad_accum": "micro-steps whose gradients make one optimizer step",
+    "device": "auto (CUDA when torch sees a GPU), cpu or cuda; CUDA trains in bf16 or fp16 mixed precision",
+    "init_from": "continue from the weights in DIR/<scheme>/ instead of a fresh model (its size wins over --preset)",
+    "copy_share": "share of each batch's windows that get planted repeats (random alphanumeric spans, each twice)",
+    "copy_share_start": "copy share at the first step, moving linearly to --copy-share by the last (default: constant)",
+    "copy_spans": "spans of 6-16 bytes planted per window with repeats",
     "corpus": "text file or folder to train on (default: the installed standard library's .py files)",
     "out": "folder that gets one <scheme>/ folder of weights each (env POSENC_WEIGHTS_DIR)",
 }
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {"preset": tuple(PRESETS), "device": ("auto", "cpu", "cuda")}
+
+
+def _option_type(name: str) -> type:
+    """What an option parses to: its field's type, without `| None`."""
+    hint = get_type_hints(TrainConfig)[name]
+    return next((kind for kind in get_args(hint) if kind is not type(None)), hint)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -178,19 +433,32 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for name, value in asdict(defaults).items():
         if name == "scheme":
             continue
-        kind = type(value) if value is not None else str
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value, help=FIELD_HELP[name])
-    return TrainConfig(**vars(parser.parse_args(argv)))
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=_option_type(name),
+            default=value,
+            choices=FIELD_CHOICES.get(name),
+            help=FIELD_HELP[name],
+        )
+    return TrainConfig(**vars(parser.parse_args(argv))).with_preset()
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    runtime = start_runtime(cfg.device)
     corpus = load_corpus(Path(cfg.corpus) if cfg.corpus else None)
-    command = "python -m models.train " + shlex.join(sys.argv[1:] if argv is None else argv)
+    launcher = f"torchrun --nproc-per-node {runtime.world} -m models.train " if runtime.world > 1 else None
+    command = (launcher or "python -m models.train ") + shlex.join(sys.argv[1:] if argv is None else argv)
     schemes = SCHEMES if cfg.scheme == "all" else (cfg.scheme,)
-    results = [train_scheme(scheme, cfg, corpus, command) for scheme in schemes]
+    try:
+        results = [train_scheme(scheme, cfg, corpus, command, runtime) for scheme in schemes]
+    finally:
+        if runtime.world > 1:
+            dist.destroy_process_group()
+    if not runtime.main:
+        return
     print(f"{'scheme':<12}{'parameters':>12}{'val bpb':>10}{'seconds':>10}")
     for result in results:
         print(

@@ -1,11 +1,16 @@
-"""Training command on a tiny config: files written, budget recorded, loss goes down."""
+"""Training command on a tiny config: files written, budget recorded, loss goes down; planted
+repeats, presets and continued runs."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
-from models.train import main
+import numpy as np
+import torch
+
+from models.train import TrainConfig, main, parse_args, sample_batch
 from models.transformer import Transformer
 
 
@@ -35,3 +40,55 @@ def test_tiny_training_run_writes_weights_config_and_log(tmp_path: Path) -> None
     assert len(summary["corpus"]["sha256"]["train"]) == 64
     model = Transformer.load(folder)
     assert model.config.train_context == 32 and model.config.scheme == "alibi"
+
+
+def test_planted_repeats_are_marked_where_only_copying_predicts() -> None:
+    generator = np.random.default_rng(0)
+    stream = np.full(5000, ord(" "), dtype=np.int16)
+    inputs, targets, copied = sample_batch(stream, 8, 64, generator, planted=4, spans=3)
+    assert inputs.shape == targets.shape == copied.shape == (8, 64)
+    assert not copied[4:].any() and copied[:4].any(axis=1).all()
+    for row in range(4):
+        window = targets[row].tolist()  # target t is window byte t
+        for t in np.flatnonzero(copied[row].numpy()):
+            assert chr(window[t]).isalnum()
+            # the byte before a copied one also appears earlier, followed by the same byte
+            earlier = [j for j in range(t - 1) if window[j] == window[t - 1] and window[j + 1] == window[t]]
+            assert earlier, (row, t)
+    plain, _, none_copied = sample_batch(stream, 8, 64, np.random.default_rng(0))
+    assert not none_copied.any() and not (plain[:, 1:] != ord(" ")).any()
+
+
+def test_presets_and_copy_share_schedule() -> None:
+    assert asdict(parse_args([])) == asdict(parse_args(["--preset", "tiny"]))
+    base = parse_args(["--preset", "base"])
+    assert (base.d_model, base.n_layers, base.n_heads) == (384, 8, 6)
+    assert parse_args(["--preset", "base", "--n-layers", "2"]).n_layers == 2
+    assert parse_args([]).d_model == 128
+    constant = TrainConfig(steps=11, copy_share=0.5)
+    assert constant.copy_share_at(0) == constant.copy_share_at(10) == 0.5
+    curriculum = TrainConfig(steps=11, copy_share=0.25, copy_share_start=1.0)
+    assert [curriculum.copy_share_at(s) for s in (0, 10)] == [1.0, 0.25]
+
+
+def test_continuing_records_every_run_and_keeps_the_log(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 400)
+    common = ["--scheme", "relative", "--batch-size", "4", "--context", "48", "--d-model", "32",
+              "--n-layers", "1", "--eval-interval", "10", "--eval-windows", "4", "--warmup-steps", "2",
+              "--corpus", str(corpus)]  # fmt: skip
+    main([*common, "--steps", "20", "--out", str(tmp_path / "first")])
+    main([*common, "--steps", "10", "--grad-accum", "2", "--copy-share", "0.5", "--init-from", str(tmp_path / "first"),
+          "--out", str(tmp_path / "second")])  # fmt: skip
+    summary = json.loads((tmp_path / "second" / "relative" / "training.json").read_text())
+    assert [run["train_config"]["steps"] for run in summary["runs"]] == [20, 10]
+    assert summary["runs"][1]["init_from"] == str(tmp_path / "first" / "relative")
+    assert summary["runs"][1]["effective_batch"] == 8
+    assert summary["tokens_seen"] == 20 * 4 * 48 + 10 * 8 * 48
+    assert "--init-from" in summary["command"]
+    log = [json.loads(line) for line in (tmp_path / "second" / "relative" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 30 and "run" not in log[0]
+    assert all(entry["run"] == 1 and "copy_bpb" in entry for entry in log[20:])
+    first = Transformer.load(tmp_path / "first" / "relative").state_dict()
+    second = Transformer.load(tmp_path / "second" / "relative").state_dict()
+    assert not torch.equal(first["positional.bias.weight"], second["positional.bias.weight"])
