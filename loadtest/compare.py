@@ -72,7 +72,7 @@ class Budget:
     scaling_multiples: tuple[float, ...] = (2.0, 4.0, 8.0)
     score_windows: int = 24
     # Retrieval probes; lengths are multiples of the model's training context.
-    retrieval_trials: int = 64  # per cell: copy and passkey trials; natural windows are a quarter
+    retrieval_trials: int = 48  # per cell: copy and passkey trials; natural windows are a quarter
     copy_distances: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
     depth_contexts: tuple[float, ...] = (1.0, 4.0, 8.0)
     retrieval_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="threads per ONNX Runtime session (0: half the cores)")
     parser.add_argument(
         "--retrieval-trials", type=int, default=0,
-        help="trials per retrieval cell (0: the budget's, 64 in a full run and 8 with --quick)",
+        help="trials per retrieval cell (0: the budget's, 48 in a full run and 8 with --quick)",
     )  # fmt: skip
     parser.add_argument("--run-id", default=None, help="names the report folder (default: the start time)")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default reports/<run-id>)")
