@@ -122,7 +122,7 @@ def plot_retrieval(results: dict, out: Path) -> None:  # type: ignore[type-arg]
     panels = (
         ("copy", "filler between the two copies (bytes)", "share of the copy predicted"),
         ("passkey", "context length (bytes)", "share of the key's digits predicted"),
-        ("natural", "distance back to the n-gram's previous occurrence (bytes, bucket edge)", "bits per byte"),
+        ("natural", "distance to the n-gram's previous occurrence (bytes, bucket edge)", "bits per byte"),
     )
     for ax, (probe, xlabel, ylabel) in zip(axes, panels, strict=True):
         for index, scheme in enumerate(results["schemes"]):
@@ -191,10 +191,10 @@ def plot_goodput(results: dict, out: Path) -> None:  # type: ignore[type-arg]
     )
     axes[1].set(xlabel="concurrent users", ylabel="refused requests/s (RESOURCE_EXHAUSTED)",
                 title="Requests refused by admission control")  # fmt: skip
-    axes[0].legend(fontsize=6, ncol=2)
+    axes[0].legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "goodput_vs_users.png", dpi=110)
+    fig.savefig(out / "goodput_vs_users.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -270,6 +270,9 @@ def headline_table(results: dict) -> str:  # type: ignore[type-arg]
     return "\n".join(lines)
 
 
+CHANCE_SPAN_CHARACTER = 1 / 36  # a random span character: a lowercase letter or a digit
+
+
 def _cell(cell: dict[str, float] | None, digits: int = 2) -> str:
     """'0.95 [0.90, 0.98]': a figure and its 95% interval."""
     if cell is None:
@@ -331,8 +334,10 @@ def what_each_scheme_buys(results: dict) -> str:  # type: ignore[type-arg]
         longest = max(quality, default=None)
         base = quality.get(1.0)
         extrapolates = base is not None and longest is not None and longest > 1 and quality[longest] <= 1.15 * base
-        retrieves = far is not None and far["value"] >= 0.5
-        copies = near is not None and near["value"] >= 0.5
+        copies = near is not None and near["low"] > CHANCE_SPAN_CHARACTER
+        retrieves = (
+            copies and far is not None and far["value"] >= 0.5 * near["value"] and far["low"] > CHANCE_SPAN_CHARACTER
+        )
         if far is None or longest is None or longest <= 1:
             verdict = "bounded: cannot take contexts past its positions"
         elif extrapolates and not retrieves:
@@ -352,7 +357,9 @@ def what_each_scheme_buys(results: dict) -> str:  # type: ignore[type-arg]
         )
     return "\n".join(lines) + (
         "\n\nRules: *extrapolates* when bits per byte at the longest servable multiple stay within 15% of "
-        "1x; *retrieves far* when copy accuracy at the longest distance is at least 0.5.\n"
+        "1x; *copies* when the lower end of copy accuracy at <= 128 bytes is above chance (1/36 per "
+        "character); *retrieves far* when it copies and copy accuracy at the longest distance keeps at "
+        "least half of that and its lower end stays above chance.\n"
     )
 
 
