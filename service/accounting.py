@@ -162,11 +162,16 @@ class _Once:
         self._record(code)
 
 
+# The client's deadline timer fires before the server's copy of it (the server's runs from when the
+# call arrived): a call the client ends this close to its deadline ended by the deadline.
+DEADLINE_SLACK_SECONDS = 0.1
+
+
 def _client_saw(code: grpc.StatusCode, context: grpc.ServicerContext) -> grpc.StatusCode:
     """When the call already ended on the client's side, the client saw its own ending, not ours."""
     if context.is_active():
         return code
     remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    if remaining is not None and remaining <= DEADLINE_SLACK_SECONDS:
         return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.CANCELLED

@@ -68,24 +68,28 @@ def cancel_after(server: ServerProcess, chunks: int) -> grpc.StatusCode:
 
 
 def test_each_rpc_is_counted_once_with_the_code_its_client_saw(server: ServerProcess) -> None:
+    # The deadline cases last over a second (a ~3000-byte prompt, then 1000 tokens) against a
+    # 300 ms deadline: long enough that the handler has started when the deadline passes, even on
+    # a loaded machine (a call whose deadline passes before its handler starts is dropped by gRPC
+    # itself and never reaches the service).
     raw = server.channel.unary_unary(GENERATE)  # bytes in, bytes out: nothing validates on our side
     cases: dict[str, tuple[str, Callable[[], grpc.StatusCode]]] = {
         "stream cancelled after 1 chunk": ("GenerateStream", lambda: cancel_after(server, 1)),
         "stream cancelled after 3 chunks": ("GenerateStream", lambda: cancel_after(server, 3)),
-        "unary past a 50 ms deadline": (
+        "unary past a 300 ms deadline": (
             "Generate",
             lambda: code_of(
                 lambda: server.stub.Generate(
-                    pb.GenerateRequest(model="alibi", prompt=LONG_PROMPT, max_new_tokens=64), timeout=0.05
+                    pb.GenerateRequest(model="alibi", prompt=LONG_PROMPT, max_new_tokens=1000), timeout=0.3
                 )
             ),
         ),
-        "stream past a 50 ms deadline": (
+        "stream past a 300 ms deadline": (
             "GenerateStream",
             lambda: code_of(
                 lambda: list(
                     server.stub.GenerateStream(
-                        pb.GenerateRequest(model="alibi", prompt=LONG_PROMPT, max_new_tokens=64), timeout=0.05
+                        pb.GenerateRequest(model="alibi", prompt=LONG_PROMPT, max_new_tokens=1000), timeout=0.3
                     )
                 )
             ),
