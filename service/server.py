@@ -274,14 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return_freed_memory_to_the_os()
     config = parse_config(argv)
+    # Handlers first: health says SERVING inside serve(), and a SIGTERM that follows at once must
+    # drain, not kill the process with the default action.
+    stop_requested = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_requested.set())
     try:
         running = serve(config)
     except (ManifestError, KVBudgetError, RuntimeError) as error:
         logger.error("refusing to start: %s", error)
         return 2
-    stop_requested = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_requested.set())
     stop_requested.wait()
     logger.info(
         "stopping: health NOT_SERVING, new calls UNAVAILABLE, running requests have up to %g s to finish",

@@ -195,7 +195,7 @@ def test_draining_is_visible_and_running_streams_finish(repository: Path) -> Non
                 return False
             return response.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
-        assert wait_for(not_serving, timeout=10)
+        assert wait_for(not_serving, timeout=10), server.output()[-3000:]
         with pytest.raises(grpc.RpcError) as refused:
             server.stub.Generate(pb.GenerateRequest(model="alibi", prompt="x", max_new_tokens=2), timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
