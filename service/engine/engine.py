@@ -157,12 +157,13 @@ class ModelEngine:
                     f"queue: {waiting} requests waiting for model {self.manifest.name!r} "
                     f"(max_queue={self.config.max_queue})",
                 )
-            inbox_tokens = sum(len(r.prefill_ids) for r in self._inbox)
-            try:
-                self.admission.check(request, self._backlog, inbox_tokens, len(self._inbox), self.manifest.name)
-            except RequestError:
-                self._shed["ttft_slo"].inc()
-                raise
+            if self.admission.enabled:  # the inbox's prompt tokens are summed only when they are used
+                inbox_tokens = sum(len(r.prefill_ids) for r in self._inbox)
+                try:
+                    self.admission.check(request, self._backlog, inbox_tokens, len(self._inbox), self.manifest.name)
+                except RequestError:
+                    self._shed["ttft_slo"].inc()
+                    raise
             self._inbox.append(request)
             self._wake.notify()
 
