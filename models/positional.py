@@ -177,6 +177,14 @@ def rope_angles(
     return _like(cos, positions), _like(sin, positions)  # type: ignore[return-value]
 
 
+def rope_rotation_frequencies(config: ModelConfig) -> Tensor:
+    """The inverse frequencies [head_dim/2] (float32) of the config's rotary variant, without the
+    attention factor: what moving a cached key needs (`RotaryPositions.move_keys`). The export
+    writes them into the manifest so the service can move sink keys the same way in numpy."""
+    inv_freq, _ = rope_inverse_frequencies(config.head_dim, config.rope_base, config.rope_scaling)
+    return inv_freq
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -217,6 +225,13 @@ class PositionalScheme(nn.Module):
     name: ClassVar[str]
     #: Positions at or beyond this cannot be represented (None = unbounded).
     max_positions: int | None = None
+    #: Positions once a bounded cache policy has evicted tokens (contract/cache_policy.py):
+    #: "cache" = distances within the cache (StreamingLLM re-indexing: bias schemes and none via
+    #: position ids, rope via `move_keys`); "original" = absolute schemes, whose positions are
+    #: baked into cached keys and cannot be taken out.
+    eviction_positions: ClassVar[str] = "cache"
+    #: True when cached keys carry their position (rope), so re-indexing them means `move_keys`.
+    rotates_keys: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -233,6 +248,12 @@ class PositionalScheme(nn.Module):
     def rotation(self, position_ids: Tensor) -> QueryKeyRotation:
         """Applied to q and k of the new tokens before they enter the cache."""
         return QueryKeyRotation()
+
+    def move_keys(self, keys: Tensor, offset: int) -> Tensor:
+        """Keys already cached, (..., T, head_dim), as if they had been computed `offset`
+        positions later. Only rotated keys carry a position; every other scheme keeps none in
+        its keys (or, for absolute schemes, one that cannot be taken out), so: the identity."""
+        return keys
 
 
 # The one list of schemes: name -> module. Registration order is the order every list shows.
@@ -256,6 +277,7 @@ class SinusoidalPositions(PositionalScheme):
     """Fixed sinusoids added to the input; computed from positions, so no length limit."""
 
     name = "sinusoidal"
+    eviction_positions = "original"
 
     def input_embedding(self, position_ids: Tensor) -> Tensor:
         # Vaswani et al. multiply token embeddings by sqrt(d_model) before adding the code;
@@ -269,6 +291,7 @@ class LearnedPositions(PositionalScheme):
     """A trained absolute table (GPT-2 style) with a hard `max_positions`."""
 
     name = "learned"
+    eviction_positions = "original"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -308,10 +331,19 @@ class RotaryPositions(PositionalScheme):
     """RoPE on q and k; `config.rope_scaling` selects linear / ntk / yarn at inference."""
 
     name = "rope"
+    rotates_keys = True
 
     def rotation(self, position_ids: Tensor) -> QueryKeyRotation:
         cos, sin = rope_angles(position_ids, self.config.head_dim, self.config.rope_base, self.config.rope_scaling)
         return RotaryRotation(cos.unsqueeze(1), sin.unsqueeze(1))  # (B, 1, T, hs)
+
+    def move_keys(self, keys: Tensor, offset: int) -> Tensor:
+        """A pure rotation by offset * inv_freq. Scores depend only on q and k position
+        differences, so a key moved from i to i + offset equals one rotated at i + offset in the
+        first place. No attention factor (YaRN): the cached keys already carry it once."""
+        freqs = offset * rope_rotation_frequencies(self.config).to(keys.device)  # (head_dim/2,)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (head_dim,)
+        return apply_rope(keys, torch.cos(emb).to(keys.dtype), torch.sin(emb).to(keys.dtype))
 
 
 @register

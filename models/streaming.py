@@ -1,0 +1,90 @@
+"""The PyTorch reference of the cache policies (contract/cache_policy.py): decoding one token at
+a time with a bounded K/V cache, the way the service runs it, so its numbers can be checked.
+
+Per step, with n tokens cached before it and t its index in the sequence:
+- the query position is `t` for schemes whose positions cannot be re-indexed (`original`) and for
+  rope (whose cached keys already carry their positions, see below), else `n`, its rank in the
+  cache. Key positions come from the attention mask, ranks 0..n, so bias schemes (ALiBi, T5)
+  see the distances within the cache, consistent with the query (../shared/notes/positions-trap.md);
+- once the cache holds the budget B = S + W tokens, each step evicts the oldest non-sink token
+  (cache index S) from every layer's K and V;
+- rope keys cannot be re-indexed by position ids: the window keeps its original rotations, which
+  are already right relative to the query at `t`, and the sink keys are moved by the number of
+  evicted tokens (`move_keys`, from the keys as they were before the first eviction, so no
+  rounding accumulates). The sinks then sit right before the window, as StreamingLLM re-indexes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from contract.cache_policy import CachePolicy
+from models.transformer import KeyValue, Transformer
+
+
+def _query_position(model: Transformer, t: int, n: int) -> int:
+    """Where the new token sits: its sequence index, or its rank in the cache."""
+    scheme = model.positional
+    return t if scheme.eviction_positions == "original" or scheme.rotates_keys else n
+
+
+def _with_new(past: list[KeyValue], presents: list[KeyValue], n: int) -> list[KeyValue]:
+    """Past plus the step's K/V; accepts both layouts (present = past + new, or new only)."""
+    if presents[0][0].shape[2] == n + 1:
+        return presents
+    return [
+        (torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2)) for (pk, pv), (k, v) in zip(past, presents, strict=True)
+    ]
+
+
+def _evict(cache: list[KeyValue], sinks: int) -> list[KeyValue]:
+    """Drop cache index `sinks` (the oldest token that is not a sink) from every layer."""
+
+    def drop(x: Tensor) -> Tensor:
+        return torch.cat((x[:, :, :sinks], x[:, :, sinks + 1 :]), dim=2)
+
+    return [(drop(k), drop(v)) for k, v in cache]
+
+
+@torch.no_grad()
+def stream_logits(model: Transformer, ids: list[int], policy: CachePolicy) -> Tensor:
+    """Logits (len(ids), vocab), float32, of `ids` decoded one token at a time under `policy`."""
+    device = model.token_embedding.weight.device
+    scheme = model.positional
+    budget, sinks = policy.budget, policy.sinks
+    cache: list[KeyValue] | None = None
+    anchor: list[Tensor] | None = None  # sink keys per layer before the first eviction (rope)
+    evicted = 0
+    rows: list[Tensor] = []
+    for t, token in enumerate(ids):
+        n = 0 if cache is None else cache[0][0].shape[2]
+        input_ids = torch.tensor([[token]], dtype=torch.long, device=device)
+        mask = torch.ones((1, n + 1), dtype=torch.long, device=device)
+        position_ids = torch.tensor([[_query_position(model, t, n)]], dtype=torch.long, device=device)
+        logits, presents = model(input_ids, mask, position_ids, past_key_values=cache)
+        rows.append(logits[0, -1].to(torch.float32))
+        cache = presents if cache is None else _with_new(cache, presents, n)
+        if budget is None or n < budget:
+            continue
+        if scheme.rotates_keys and sinks and anchor is None:
+            anchor = [k[:, :, :sinks].clone() for k, _ in cache]
+        cache = _evict(cache, sinks)
+        evicted += 1
+        if anchor is not None:
+            cache = [
+                (torch.cat((scheme.move_keys(a, evicted), k[:, :, sinks:]), dim=2), v)
+                for a, (k, v) in zip(anchor, cache, strict=True)
+            ]
+    return torch.stack(rows) if rows else torch.empty((0, model.config.vocab_size))
+
+
+def stream_logprobs(model: Transformer, ids: list[int], policy: CachePolicy) -> np.ndarray:
+    """log p(ids[i + 1] | what the cache kept) for i < len(ids) - 1, float32 (len(ids) - 1,)."""
+    logits = stream_logits(model, ids, policy)
+    if len(ids) < 2:
+        return np.zeros(0, dtype=np.float32)
+    logprobs = torch.log_softmax(logits[:-1].to(torch.float32), dim=-1)
+    targets = torch.tensor(ids[1:], dtype=torch.long, device=logprobs.device)
+    return logprobs.gather(1, targets[:, None])[:, 0].cpu().numpy()
