@@ -58,6 +58,25 @@ class ManifestError(ValueError):
 
 
 @dataclass(frozen=True)
+class CacheEviction:
+    """A scheme's positions once a cache policy evicts tokens (see contract.cache_policy).
+
+    `positions`: "cache" (distances within the cache) or "original" (absolute, kept).
+    `rotary_inv_freq`: for RoPE, whose cached keys carry their rotation: the inverse frequencies
+    with which sink keys are moved to sit right before the window (None for other schemes).
+    """
+
+    positions: str
+    rotary_inv_freq: np.ndarray | None = None
+
+    @property
+    def feeds_original_positions(self) -> bool:
+        """Query positions count from the sequence start: absolute schemes, and RoPE, whose window
+        keys keep their rotation (only differences matter) while its sinks are moved."""
+        return self.positions == "original" or self.rotary_inv_freq is not None
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Typed view of manifest.json."""
 
@@ -105,6 +124,19 @@ class Manifest:
     def is_scaling_variant(self) -> bool:
         """A rope model exported with a context-scaling recipe (linear/ntk/yarn): served only when named."""
         return self.data.get("rope_scaling") is not None
+
+    @property
+    def cache_eviction(self) -> CacheEviction | None:
+        """How the scheme's positions behave when a cache policy evicts tokens (None: an export from
+        before cache policies, which serves `full` only)."""
+        raw = self.data.get("cache_eviction")
+        if not isinstance(raw, dict):
+            return None
+        inv_freq = raw.get("rotary_inv_freq")
+        return CacheEviction(
+            positions=str(raw["positions"]),
+            rotary_inv_freq=None if inv_freq is None else np.asarray(inv_freq, dtype=np.float64),
+        )
 
     @property
     def tokenizer(self) -> dict[str, object]:

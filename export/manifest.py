@@ -24,6 +24,7 @@ from contract.graph import (
 )
 from contract.manifest import DTYPE_BYTES, sha256_file
 from models.config import ModelConfig
+from models.positional import build_positional, rope_rotation_frequencies
 from models.tokenizer import TOKENIZER
 
 
@@ -65,10 +66,20 @@ def build_manifest(
         "serving_outputs": [LOGITS, *_kv_patterns(NEW_KEY_VALUES, "{i}")],
         "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *_kv_patterns(PAST_KEY_VALUES, "{i}")],
         "outputs": [LOGITS, *_kv_patterns(PRESENT, "{i}")],
+        "cache_eviction": cache_eviction(config),
         "tokenizer": TOKENIZER.manifest(),
         "versions": versions,
         **extra,
     }
+
+
+def cache_eviction(config: ModelConfig) -> dict[str, object]:
+    """What the service needs to run cache policies for this scheme (contract.manifest.CacheEviction)."""
+    scheme = build_positional(config)
+    inv_freq = None
+    if scheme.rotates_keys:
+        inv_freq = [float(f) for f in rope_rotation_frequencies(config)]
+    return {"positions": scheme.eviction_positions, "rotary_inv_freq": inv_freq}
 
 
 def _kv_patterns(prefix: str, placeholder: str) -> list[str]:

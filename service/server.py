@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from contract.cache_policy import CachePolicyError
 from contract.manifest import ManifestError
 from models.cli import HelpFormatter
 from service.accounting import RequestAccounting
@@ -119,6 +120,13 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         parser.add_argument(f"--{attr.replace('_', '-')}", type=Path, default=Path(value) if value else None,
                             help=f"{text} (env {_env(attr)})")  # fmt: skip
     parser.add_argument(
+        "--default-cache-policy", dest="default_cache_policies", action="append",
+        default=[p for p in os.environ.get(_env("default_cache_policy"), "").split(",") if p],
+        metavar="[MODEL=]POLICY",
+        help="cache policy of requests that name none: full, window:W or sinks:S+window:W; MODEL=POLICY "
+        f"sets one model's (repeatable; default full; env {_env('default_cache_policy')}, comma-separated)",
+    )  # fmt: skip
+    parser.add_argument(
         "--auth-token", default=os.environ.get(_env("auth_token")),
         help=f"bearer token clients must send (env {_env('auth_token')}; prefer --auth-token-file)",
     )  # fmt: skip
@@ -127,7 +135,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             default = kind(os.environ.get(_env(attr), getattr(source, attr)))
             parser.add_argument(flag, type=kind, default=default, help=f"{text} (env {_env(attr)})")
     args = vars(parser.parse_args(argv))
-    engine = EngineConfig(**{attr: args[attr] for attr in ENGINE_FLAGS})
+    engine = EngineConfig(
+        **{attr: args[attr] for attr in ENGINE_FLAGS}, default_cache_policies=tuple(args["default_cache_policies"])
+    )
     if (args["tls_cert"] is None) != (args["tls_key"] is None):
         parser.error("--tls-cert and --tls-key go together")
     if args["tls_client_ca"] is not None and args["tls_cert"] is None:
@@ -281,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop_requested.set())
     try:
         running = serve(config)
-    except (ManifestError, KVBudgetError, RuntimeError) as error:
+    except (ManifestError, KVBudgetError, CachePolicyError, RuntimeError) as error:
         logger.error("refusing to start: %s", error)
         return 2
     stop_requested.wait()

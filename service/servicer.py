@@ -84,6 +84,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     max_new_tokens_limit=model.config.max_new_tokens_limit,
                     max_sequence_tokens=model.max_sequence_tokens,
                     kv_cache_capacity_bytes=model.store.capacity_bytes,
+                    cache_policies=model.cache_policy_forms,
+                    default_cache_policy=str(model.inputs.default_policy),
+                    eviction_positions=model.eviction_positions,
                 )
             )
         return pb.ListModelsResponse(models=models)
@@ -126,7 +129,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
         try:
             engine = self._engine(context)
-            scored = self._call(lambda: engine.score(request.model, request.text))
+            scored = self._call(lambda: engine.score(request.model, request.text, request.cache_policy))
         except _Aborted as aborted:
             aborted.abort(context)
         logprobs = scored.logprobs
@@ -170,6 +173,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             seed=request.seed,
             stop=tuple(request.stop),
             deadline=time.monotonic() + remaining if remaining is not None else None,
+            cache_policy=request.cache_policy,
         )
         handle: Request = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))

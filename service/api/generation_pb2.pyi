@@ -23,7 +23,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "scheme", "max_positions", "train_context", "kv_cache_bytes_per_token", "n_layers", "n_heads", "head_dim", "dtype", "max_new_tokens_limit", "max_sequence_tokens", "kv_cache_capacity_bytes")
+    __slots__ = ("name", "scheme", "max_positions", "train_context", "kv_cache_bytes_per_token", "n_layers", "n_heads", "head_dim", "dtype", "max_new_tokens_limit", "max_sequence_tokens", "kv_cache_capacity_bytes", "cache_policies", "default_cache_policy", "eviction_positions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,9 @@ class ModelInfo(_message.Message):
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_POLICIES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     scheme: str
     max_positions: int
@@ -48,7 +51,10 @@ class ModelInfo(_message.Message):
     max_new_tokens_limit: int
     max_sequence_tokens: int
     kv_cache_capacity_bytes: int
-    def __init__(self, name: _Optional[str] = ..., scheme: _Optional[str] = ..., max_positions: _Optional[int] = ..., train_context: _Optional[int] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., kv_cache_capacity_bytes: _Optional[int] = ...) -> None: ...
+    cache_policies: _containers.RepeatedScalarFieldContainer[str]
+    default_cache_policy: str
+    eviction_positions: str
+    def __init__(self, name: _Optional[str] = ..., scheme: _Optional[str] = ..., max_positions: _Optional[int] = ..., train_context: _Optional[int] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., cache_policies: _Optional[_Iterable[str]] = ..., default_cache_policy: _Optional[str] = ..., eviction_positions: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -57,7 +63,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+    __slots__ = ("model", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cache_policy")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +72,7 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     max_new_tokens: int
@@ -74,7 +81,8 @@ class GenerateRequest(_message.Message):
     top_p: float
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    cache_policy: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -121,12 +129,14 @@ class GenerateStreamResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("model", "text")
+    __slots__ = ("model", "text", "cache_policy")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    cache_policy: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., cache_policy: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("token_logprobs", "total_logprob", "tokens", "bits_per_byte", "greedy_tokens")

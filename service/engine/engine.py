@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.cache_policy import CachePolicyError
 from contract.manifest import Manifest, ManifestError
 from service.engine.admission import AdmissionControl, Backlog
 from service.engine.errors import ErrorKind, RequestError
@@ -56,6 +57,22 @@ class EngineConfig:
     threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
     ttft_slo_seconds: float = 0.0  # refuse requests estimated to miss this time to first token (0: off)
+    # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
+    default_cache_policies: tuple[str, ...] = ()
+
+
+def default_cache_policy(manifest: Manifest, config: EngineConfig) -> str:
+    """The model's default policy string: its own MODEL=POLICY entry, else a bare POLICY, else full."""
+    chosen = "full"
+    for entry in config.default_cache_policies:
+        name, sep, policy = entry.rpartition("=")
+        if not sep:
+            chosen = policy
+    for entry in config.default_cache_policies:
+        name, sep, policy = entry.rpartition("=")
+        if sep and name == manifest.folder.name:
+            chosen = policy
+    return chosen
 
 
 def sequence_limit(manifest: Manifest, config: EngineConfig) -> int:
@@ -99,9 +116,12 @@ class ModelEngine:
         self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)
         self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size)
         self._backlog = Backlog()  # what is ahead of a new request, as of the last step
-        self.inputs = InputProcessor(
-            manifest, InputLimits(config.max_new_tokens_limit, config.default_max_new_tokens, self.store.max_tokens)
-        )
+        limits = InputLimits(config.max_new_tokens_limit, config.default_max_new_tokens, self.store.max_tokens)
+        self.inputs = InputProcessor(manifest, limits)
+        try:
+            self.inputs.default_policy = self.inputs.cache_policy(default_cache_policy(manifest, config))
+        except RequestError as error:
+            raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.metrics = metrics
         labels = self.labels
@@ -142,6 +162,16 @@ class ModelEngine:
     @property
     def max_sequence_tokens(self) -> int:
         return self.store.max_tokens
+
+    @property
+    def cache_policy_forms(self) -> list[str]:
+        """The policies this model accepts, as ListModels shows them."""
+        return ["full"] if self.manifest.cache_eviction is None else ["full", "window:W", "sinks:S+window:W"]
+
+    @property
+    def eviction_positions(self) -> str:
+        eviction = self.manifest.cache_eviction
+        return "" if eviction is None else eviction.positions
 
     # ------------------------------------------------------------------ requests in
 
@@ -282,6 +312,10 @@ class ModelEngine:
                 ready.append(result)
         if not ready:
             return 0
+        for result in ready:
+            assert result.prompt is not None
+            if result.prompt.policy is None:
+                result.prompt.policy = self.runner.row_policy(result.job.request.cache_policy)
         try:
             self.runner.join([r.prompt for r in ready])  # type: ignore[misc]
         except Exception as error:
@@ -388,17 +422,19 @@ class Engine:
 
     def submit(self, raw: GenerateInput) -> Request:
         engine = self.model(raw.model)
-        ids, params = engine.inputs.generate(raw)
+        ids, params, policy = engine.inputs.generate(raw)
         request = Request(
-            f"{raw.model}-{next(self._ids)}", raw.model, ids, params, engine.inputs.eos_token_id, raw.deadline
+            f"{raw.model}-{next(self._ids)}", raw.model, ids, params, engine.inputs.eos_token_id, raw.deadline, policy
         )
         engine.submit(request)
         return request
 
-    def score(self, model: str, text: str) -> Scored:
-        """Teacher-forced log-probabilities (and greedy predictions) of the text's tokens after the first."""
+    def score(self, model: str, text: str, cache_policy: str = "") -> Scored:
+        """Teacher-forced log-probabilities (and greedy predictions) of the text's tokens after the
+        first, each seeing what the cache policy keeps."""
         engine = self.model(model)
-        return engine.runner.score(engine.inputs.score(text))
+        ids, policy = engine.inputs.score(text, cache_policy)
+        return engine.runner.score(ids, policy)
 
     def cancel(self, request: Request) -> None:
         if request.cancel_time is None and not request.status.finished:

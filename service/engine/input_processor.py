@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from contract.cache_policy import FIELD as POLICY_FIELD
+from contract.cache_policy import FULL_POLICY, CachePolicy, CachePolicyError, parse_cache_policy
 from contract.manifest import Manifest
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.request import SamplingParams
@@ -34,13 +36,15 @@ class GenerateInput:
     seed: int = 0
     stop: tuple[str, ...] = ()
     deadline: float | None = None  # time.monotonic() seconds
+    cache_policy: str = ""  # empty: the model's default
 
 
 class InputProcessor:
     """Turns one model's raw inputs into token ids and sampling parameters, or a RequestError."""
 
-    def __init__(self, manifest: Manifest, limits: InputLimits) -> None:
+    def __init__(self, manifest: Manifest, limits: InputLimits, default_policy: CachePolicy = FULL_POLICY) -> None:
         self.manifest, self.limits = manifest, limits
+        self.default_policy = default_policy
         tokenizer = manifest.tokenizer
         self.bos_token_id = int(tokenizer["bos_token_id"])  # type: ignore[call-overload]
         self.eos_token_id = int(tokenizer["eos_token_id"])  # type: ignore[call-overload]
@@ -55,7 +59,23 @@ class InputProcessor:
             return f"max_positions={self.manifest.max_positions} of model {self.manifest.name!r}"
         return f"max_sequence_tokens={self.limits.max_sequence_tokens} of this server"
 
-    def generate(self, raw: GenerateInput) -> tuple[list[int], SamplingParams]:
+    def cache_policy(self, text: str) -> CachePolicy:
+        """The request's policy (its default when empty), or INVALID_ARGUMENT naming the field."""
+        if not text.strip():
+            return self.default_policy
+        try:
+            policy = parse_cache_policy(text, self.limits.max_sequence_tokens)
+        except CachePolicyError as error:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
+        if policy.bounded and self.manifest.cache_eviction is None:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"{POLICY_FIELD}: model {self.manifest.name!r} was exported before cache policies and serves "
+                "only full; re-export it (python -m export)",
+            )
+        return policy
+
+    def generate(self, raw: GenerateInput) -> tuple[list[int], SamplingParams, CachePolicy]:
         if not raw.prompt:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "prompt: must not be empty")
         params = SamplingParams(
@@ -67,15 +87,38 @@ class InputProcessor:
             stop=raw.stop,
         )
         self.check(params)
+        policy = self.cache_policy(raw.cache_policy)
         ids = self.tokenize(raw.prompt)
-        total = len(ids) + params.max_new_tokens
-        if total > self.limits.max_sequence_tokens:
+        self.check_length(len(ids), params.max_new_tokens, policy)
+        return ids, params, policy
+
+    def check_length(self, prompt_tokens: int, new_tokens: int, policy: CachePolicy) -> None:
+        """Under `full` the cache holds every token, so prompt + new tokens must fit the sequence limit.
+        A bounded policy holds at most its budget, so only a bounded position table limits the
+        sequence (absolute positions keep counting); the prompt must still fit the sequence limit."""
+        total = prompt_tokens + new_tokens
+        if not policy.bounded:
+            if total > self.limits.max_sequence_tokens:
+                raise RequestError(
+                    ErrorKind.INVALID_ARGUMENT,
+                    f"prompt + max_new_tokens: {prompt_tokens} prompt tokens + {new_tokens} new tokens "
+                    f"= {total} exceeds {self._limit_name()}",
+                )
+            return
+        positions = self.manifest.max_positions
+        if positions and total > positions:
             raise RequestError(
                 ErrorKind.INVALID_ARGUMENT,
-                f"prompt + max_new_tokens: {len(ids)} prompt tokens + {params.max_new_tokens} new tokens "
-                f"= {total} exceeds {self._limit_name()}",
+                f"{POLICY_FIELD}: {policy} bounds the cache, not the positions: model {self.manifest.name!r} keeps "
+                f"each token's absolute position, which ends at max_positions={positions}; {prompt_tokens} prompt "
+                f"tokens + {new_tokens} new tokens = {total} exceeds it",
             )
-        return ids, params
+        if prompt_tokens > self.limits.max_sequence_tokens:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"prompt: {prompt_tokens} tokens exceed max_sequence_tokens={self.limits.max_sequence_tokens} "
+                "of this server",
+            )
 
     def check(self, params: SamplingParams) -> None:
         limit = self.limits.max_new_tokens_limit
@@ -90,16 +133,19 @@ class InputProcessor:
         if params.top_k < 0:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_k: must be >= 0, got {params.top_k}")
 
-    def score(self, text: str) -> list[int]:
-        """Token ids of a text to score; its positions must fit like a generation's."""
+    def score(self, text: str, cache_policy: str = "") -> tuple[list[int], CachePolicy]:
+        """Token ids of a text to score and the policy it streams through; its positions must fit
+        like a generation's."""
         if not text:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "text: must not be empty")
+        policy = self.cache_policy(cache_policy)
         ids = self.tokenize(text)
+        scored = len(ids) - 1
         limit = self.manifest.max_positions or self.limits.max_sequence_tokens
-        if len(ids) - 1 > limit:
+        if scored > limit:
             what = "max_positions" if self.manifest.max_positions else "max_sequence_tokens"
             raise RequestError(
                 ErrorKind.INVALID_ARGUMENT,
-                f"text: {len(ids) - 1} tokens to score exceed {what}={limit} of model {self.manifest.name!r}",
+                f"text: {scored} tokens to score exceed {what}={limit} of model {self.manifest.name!r}",
             )
-        return ids
+        return ids, policy

@@ -90,6 +90,9 @@ class NumpyArrays:
     def arange(self, n: int) -> np.ndarray:
         return np.arange(n, dtype=np.int64)
 
+    def copy(self, array: np.ndarray) -> np.ndarray:
+        return array.copy()
+
 
 class TorchArrays:
     """torch tensors on a device (CUDA in production; CPU in CI, to run the GPU path's code),
@@ -131,6 +134,9 @@ class TorchArrays:
     def arange(self, n: int) -> Array:
         return self.torch.arange(n, dtype=self.torch.int64, device=self.device)
 
+    def copy(self, array: Array) -> Array:
+        return array.clone()
+
 
 Backend = NumpyArrays | TorchArrays
 
@@ -146,22 +152,44 @@ def capacity_ladder(max_tokens: int, block_size: int) -> list[int]:
     return ladder
 
 
+@dataclass
+class RowPolicy:
+    """A row's cache policy (contract.cache_policy) and its eviction state.
+
+    `budget` 0 is `full`. A bounded row never holds more than `budget` tokens: the step that would
+    exceed it first evicts the oldest token after the `sinks` (its row shifts left by one column,
+    a copy of at most `budget` tokens, the same every step). `original_positions`: the next
+    position counts evicted tokens too (absolute schemes, and RoPE, whose sink keys are instead
+    moved by `evicted` positions from `anchor`, their keys before the first eviction)."""
+
+    budget: int = 0
+    sinks: int = 0
+    original_positions: bool = True
+    evicted: int = 0
+    anchor: Array | None = None  # (n_layers, heads, sinks, head_dim), RoPE sinks only
+
+
 class CapacityClass:
     """One dense in-place batch: rows of `capacity` token columns, members in rows [0, B)."""
 
-    def __init__(self, backend: Backend, layout: KVLayout, capacity: int, rows: int) -> None:
+    def __init__(
+        self, backend: Backend, layout: KVLayout, capacity: int, rows: int, rotary_inv_freq: np.ndarray | None = None
+    ) -> None:
         self.backend, self.layout, self.capacity = backend, layout, capacity
+        self.rotary_inv_freq = rotary_inv_freq
         self.cache = backend.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), layout.dtype)
         # mask: (rows, capacity + 1); the last column is the token fed by the step, always 1.
         self.mask = backend.zeros((rows, capacity + 1), "int64")
         self.mask[:, capacity] = 1
-        self.positions = backend.zeros((rows, 1), "int64")  # = cached tokens = the next position
+        self.positions = backend.zeros((rows, 1), "int64")  # the position the next token is fed at
         self.input_ids = backend.zeros((rows, 1), "int64")
         self.row_index = backend.arange(rows)
-        self.lengths = np.zeros(rows, dtype=np.int64)  # host copy of positions (no device reads)
+        self.lengths = np.zeros(rows, dtype=np.int64)  # cached tokens per row (host: no device reads)
+        self.policies: list[RowPolicy] = []  # of rows [0, B)
         self.members: list[str] = []  # sequence ids of rows [0, B)
         self.reserved: set[str] = set()  # promised a row here, not yet written (prefill, or a move)
         self.uniform = True  # every member has the same length: the step writes one column slice
+        self.bounded = False  # some member has a bounded policy: steps check for evictions
         self.version = next(_VERSIONS)  # new whenever arrays or membership change (a binding is stale)
 
     @property
@@ -184,17 +212,20 @@ class CapacityClass:
         self.positions[:batch] = old.positions[:batch]
         self.lengths[:batch] = old.lengths[:batch]
         self.members, self.reserved, self.uniform = list(old.members), set(old.reserved), old.uniform
+        self.policies, self.bounded = list(old.policies), old.bounded
 
-    def write(self, sequence_id: str, kv: Array, length: int) -> None:
+    def write(self, sequence_id: str, kv: Array, length: int, policy: RowPolicy | None = None) -> None:
         """A reserved sequence's cache (tensors, heads, length, head_dim) becomes the next member row."""
+        policy = policy or RowPolicy()
         row = len(self.members)
         self.cache[:, row, :, :length] = kv
         self.mask[row, : self.capacity] = 0
         self.mask[row, :length] = 1
-        self.positions[row, 0] = length
+        self.positions[row, 0] = length + (policy.evicted if policy.original_positions else 0)
         self.lengths[row] = length
         self.reserved.discard(sequence_id)
         self.members.append(sequence_id)
+        self.policies.append(policy)
         self._changed()
 
     def row_cache(self, row: int) -> Array:
@@ -210,30 +241,76 @@ class CapacityClass:
             self.positions[row] = self.positions[last]
             self.lengths[row] = self.lengths[last]
             self.members[row] = self.members[last]
+            self.policies[row] = self.policies[last]
         self.members.pop()
+        self.policies.pop()
         self._changed()
 
     def _changed(self) -> None:
         batch = len(self.members)
         self.uniform = batch == 0 or bool((self.lengths[:batch] == self.lengths[0]).all())
+        self.bounded = any(policy.budget for policy in self.policies)
         self.version = next(_VERSIONS)
 
     def append_step(self, new_kv: Array) -> None:
-        """Write the step's new K/V, (tensors, B, heads, 1, head_dim), at each member's length."""
+        """Write the step's new K/V, (tensors, B, heads, 1, head_dim), at each member's length,
+        after evicting from the rows whose policy's budget is full."""
         batch = len(self.members)
+        evicted = self._evict_full_rows() if self.bounded else False
         if self.uniform:
             column = int(self.lengths[0])
             self.cache[:, :batch, :, column] = new_kv[:, :, :, 0]
             self.mask[:batch, column] = 1
         else:
-            rows, columns = self.row_index[:batch], self.positions[:batch, 0]
+            rows, columns = self.row_index[:batch], self.backend.upload(self.lengths[:batch])
             self.cache[:, rows, :, columns] = self.backend.rows_first(new_kv[:, :, :, 0])
             self.mask[rows, columns] = 1
-        self.positions[:batch] += 1
         self.lengths[:batch] += 1
+        if evicted:
+            self._reset_positions()
+        else:
+            self.positions[:batch] += 1
+
+    def _evict_full_rows(self) -> bool:
+        """Make room for one token in every bounded row that holds its budget. True if any did."""
+        full = [row for row, policy in enumerate(self.policies) if policy.budget and self.lengths[row] >= policy.budget]
+        for row in full:
+            policy, length = self.policies[row], int(self.lengths[row])
+            sinks = policy.sinks
+            self.cache[:, row, :, sinks : length - 1] = self.backend.copy(self.cache[:, row, :, sinks + 1 : length])
+            self.lengths[row] = length - 1
+            if sinks and self.rotary_inv_freq is not None:
+                if policy.anchor is None:
+                    policy.anchor = self.backend.copy(self.cache[0::2, row, :, :sinks])
+                self.cache[0::2, row, :, :sinks] = self._rotate(policy.anchor, policy.evicted + 1)
+            policy.evicted += 1
+        if full:
+            batch = len(self.members)
+            self.uniform = bool((self.lengths[:batch] == self.lengths[0]).all())
+        return bool(full)
+
+    def _rotate(self, keys: Array, offset: int) -> Array:
+        """RoPE keys moved `offset` positions later: a pure rotation by offset x inv_freq (the
+        YaRN attention factor they carry is kept, not applied twice)."""
+        assert self.rotary_inv_freq is not None
+        angles = offset * self.rotary_inv_freq  # float64: exact up to fp32 rounding at any offset
+        emb = np.concatenate((angles, angles))
+        dtype = self.layout.dtype
+        cos, sin = self.backend.upload(np.cos(emb).astype(dtype)), self.backend.upload(np.sin(emb).astype(dtype))
+        half = keys.shape[-1] // 2
+        rotated_half = self.backend.concatenate([-keys[..., half:], keys[..., :half]], axis=-1)
+        return keys * cos + rotated_half * sin
+
+    def _reset_positions(self) -> None:
+        batch = len(self.members)
+        offsets = np.fromiter(
+            (p.evicted if p.original_positions else 0 for p in self.policies), dtype=np.int64, count=batch
+        )
+        self.positions[:batch, 0] = self.backend.upload(self.lengths[:batch] + offsets)
 
     def rewind(self, steps: int) -> None:
-        """Take back the last `steps` tokens of every member (benchmarks measure at a fixed context)."""
+        """Take back the last `steps` tokens of every member (benchmarks measure at a fixed context;
+        `full` rows only)."""
         batch = len(self.members)
         for _ in range(steps):
             self.positions[:batch] -= 1
@@ -256,12 +333,20 @@ class KVStore:
     """Every sequence's cache for one model, within `budget_bytes` of allocated K/V memory."""
 
     def __init__(
-        self, layout: KVLayout, budget_bytes: int, block_size: int, max_tokens: int, backend: Backend | None = None
+        self,
+        layout: KVLayout,
+        budget_bytes: int,
+        block_size: int,
+        max_tokens: int,
+        backend: Backend | None = None,
+        rotary_inv_freq: np.ndarray | None = None,
     ) -> None:
+        """`rotary_inv_freq`: a RoPE model's inverse frequencies, with which bounded policies move sink keys."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.layout, self.block_size, self.max_tokens = layout, block_size, max_tokens
         self.backend: Backend = backend or NumpyArrays()
+        self.rotary_inv_freq = rotary_inv_freq
         self.block_bytes = block_size * layout.token_bytes
         self.capacity_bytes = budget_bytes // self.block_bytes * self.block_bytes
         self.ladder = capacity_ladder(max_tokens, block_size)
@@ -319,7 +404,7 @@ class KVStore:
         if source is not None:
             if sequence_id in source.members:  # a move: the row's cache goes with it, on the device
                 row = source.members.index(sequence_id)
-                destination.write(sequence_id, source.row_cache(row), int(source.lengths[row]))
+                destination.write(sequence_id, source.row_cache(row), int(source.lengths[row]), source.policies[row])
                 source.remove(sequence_id)
             else:
                 source.reserved.discard(sequence_id)
@@ -350,7 +435,7 @@ class KVStore:
         if self.physical_bytes + new_bytes > self.capacity_bytes:
             return None
         self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes + new_bytes)
-        fresh = CapacityClass(self.backend, self.layout, capacity, rows)
+        fresh = CapacityClass(self.backend, self.layout, capacity, rows, self.rotary_inv_freq)
         if old is not None:
             fresh.copy_members_from(old)
             self.physical_bytes -= old.nbytes
@@ -385,14 +470,14 @@ class KVStore:
         klass.reserved.discard(sequence_id)
         self._release_if_empty(klass)
 
-    def write(self, sequence_id: str, kv: Array, length: int) -> None:
+    def write(self, sequence_id: str, kv: Array, length: int, policy: RowPolicy | None = None) -> None:
         """A prefilled prompt's cache, (tensors, heads, length, head_dim), into its reserved row."""
         capacity = self.capacity_of.get(sequence_id)
         if capacity is None or sequence_id not in self.classes[capacity].reserved:
             raise KeyError(f"sequence {sequence_id!r} holds no reserved row")
         if length > capacity:
             raise ValueError(f"sequence {sequence_id!r}: {length} tokens exceed its row of {capacity}")
-        self.classes[capacity].write(sequence_id, kv, length)
+        self.classes[capacity].write(sequence_id, kv, length, policy)
 
     # ------------------------------------------------------------------ reading
 

@@ -120,7 +120,13 @@ class PrefillWorker:
                 short = []
                 while self._jobs:
                     job = self._jobs.popleft()
-                    if len(job.token_ids) <= self.chunk_tokens:
+                    policy = job.request.cache_policy
+                    if policy.cached(len(job.token_ids)) < len(job.token_ids):  # past a bounded policy's budget
+                        streamed = self.runner.stream_through_policy(
+                            job.request.request_id, job.token_ids, policy, self.chunk_tokens
+                        )
+                        self._long.append((job, streamed))
+                    elif len(job.token_ids) <= self.chunk_tokens:
                         short.append(job)
                     else:
                         chunks = self.runner.prefill_chunks(job.request.request_id, job.token_ids, self.chunk_tokens)

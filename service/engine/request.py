@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -94,6 +95,7 @@ class Request:
     params: SamplingParams
     eos_token_id: int
     deadline: float | None = None  # time.monotonic() seconds
+    cache_policy: CachePolicy = FULL_POLICY
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -128,6 +130,11 @@ class Request:
     @property
     def prefill_length(self) -> int:
         return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the KV cache holds once this step's token is in: all of them, or the policy's budget."""
+        return self.cache_policy.cached(self.num_tokens)
 
     @property
     def prefill_done(self) -> bool:

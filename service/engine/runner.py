@@ -21,10 +21,20 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from contract.cache_policy import CachePolicy
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, left_pad_batch, new_kv_names, past_names
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import NP_DTYPES, Manifest, serving_variant
-from service.engine.kv_store import Array, Backend, CapacityClass, KVLayout, KVStore, NumpyArrays, TorchArrays
+from service.engine.kv_store import (
+    Array,
+    Backend,
+    CapacityClass,
+    KVLayout,
+    KVStore,
+    NumpyArrays,
+    RowPolicy,
+    TorchArrays,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +100,18 @@ class PrefilledPrompt:
     logits: np.ndarray  # (vocab,) at the last position, float32, host
     cache: Array  # (2 x layers, heads, length, head_dim) on the store's device
     length: int
+    policy: RowPolicy | None = None  # the row's policy and eviction state (None: full, or set at join)
+
+
+@dataclass
+class StreamedPrompt(PrefilledPrompt):
+    """A prompt computed through a bounded policy; with every position's logits when asked (scoring)."""
+
+    all_logits: np.ndarray | None = None  # (T, vocab)
+
+
+# A prompt streaming through a bounded policy lets other prompts run after this many tokens.
+STREAM_TOKENS_PER_YIELD = 64
 
 
 @dataclass
@@ -153,7 +175,9 @@ class ModelRunner:
         manifest.verify_all()
         self.backend = make_backend(self.on_gpu, backend)
         self.layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, self.dtype)
-        self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend)
+        self.eviction = manifest.cache_eviction
+        rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
+        self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)
         self.threads = threads or default_threads()
         self.prefill_threads = threads or os.cpu_count() or 1
         self.session = self._session(self.threads, arena=True)  # the decode calls (engine thread)
@@ -254,13 +278,70 @@ class ModelRunner:
                 return None
         raise ValueError("prefill_chunked: empty prompt")
 
-    def score(self, token_ids: list[int]) -> Scored:
+    def score(self, token_ids: list[int], policy: CachePolicy | None = None) -> Scored:
         """Teacher-forced log-probabilities of token_ids[1:] and the greedy prediction at each
-        position (one call, outside the store)."""
-        ids = np.asarray([token_ids[:-1]], dtype=np.int64)
-        positions = np.arange(ids.shape[1], dtype=np.int64)[None]
-        logits, _ = self._prompt_call(ids, np.ones_like(ids), positions, None, last_only=False)
-        return Scored(log_probabilities(logits[0], token_ids[1:]), np.asarray(logits[0]).argmax(-1))
+        position (one call, outside the store; a text longer than a bounded policy's budget
+        streams through it, one token at a time past the budget)."""
+        inputs = token_ids[:-1]
+        if policy is not None and policy.bounded and len(inputs) > policy.cached(len(inputs)):
+            *_, streamed = self.stream_through_policy("score", inputs, policy, len(inputs), keep_logits=True)
+            assert streamed is not None and streamed.all_logits is not None
+            logits = streamed.all_logits
+        else:
+            ids = np.asarray([inputs], dtype=np.int64)
+            positions = np.arange(ids.shape[1], dtype=np.int64)[None]
+            logits = self._prompt_call(ids, np.ones_like(ids), positions, None, last_only=False)[0][0]
+        return Scored(log_probabilities(logits, token_ids[1:]), np.asarray(logits).argmax(-1))
+
+    def row_policy(self, policy: CachePolicy) -> RowPolicy:
+        """A new row's eviction state for a request's policy."""
+        if not policy.bounded:
+            return RowPolicy()
+        assert self.eviction is not None, "bounded policies need an export with cache_eviction"
+        return RowPolicy(policy.budget or 0, policy.sinks, self.eviction.feeds_original_positions)
+
+    def stream_through_policy(
+        self, request_id: str, token_ids: list[int], policy: CachePolicy, chunk_tokens: int, keep_logits: bool = False
+    ) -> Iterator[StreamedPrompt | None]:
+        """A prompt longer than a bounded policy's budget B, as the policy sees it: its first B tokens
+        in chunks (nothing is evicted yet), then one token per graph call through a private row
+        that evicts as the store's rows do. Yields None between pieces of work (after every chunk,
+        and every STREAM_TOKENS_PER_YIELD tokens), then the result."""
+        budget = policy.budget
+        assert budget is not None and len(token_ids) > budget
+        session = self.prefill_session
+        assert session is not None, "open_prefill_session() first"
+        head = token_ids[:budget]
+        kept: list[np.ndarray] = []
+        past: Array | None = None
+        last = np.empty(0, dtype=np.float32)
+        for start in range(0, len(head), chunk_tokens):
+            chunk = head[start : start + chunk_tokens]
+            end = start + len(chunk)
+            ids = np.asarray([chunk], dtype=np.int64)
+            positions = np.arange(start, end, dtype=np.int64)[None]
+            logits, new_kv = self._prompt_call(ids, np.ones((1, end), dtype=np.int64), positions, past, not keep_logits)
+            if keep_logits:
+                kept.append(logits[0])
+            last = logits[0, -1]
+            past = new_kv if past is None else self.backend.concatenate([past, new_kv], axis=3)
+            yield None
+        assert past is not None
+        row = CapacityClass(self.backend, self.layout, budget, 1, self.store.rotary_inv_freq)
+        row.write(request_id, past[:, 0], len(head), self.row_policy(policy))
+        binding, step_logits, new_kv = self._bind(session, row.input_ids, row.mask, row.positions, row.cache)
+        for done, token in enumerate(token_ids[budget:], start=1):
+            self._set_ids(row.input_ids[:, 0], np.asarray([token], dtype=np.int64))
+            session.run(binding)
+            row.append_step(new_kv)
+            last = self.backend.download(step_logits[0]).astype(np.float32)  # (1, vocab), a copy
+            if keep_logits:
+                kept.append(last)
+            last = last[-1]
+            if done % STREAM_TOKENS_PER_YIELD == 0:
+                yield None
+        all_logits = np.concatenate(kept) if keep_logits else None
+        yield StreamedPrompt(request_id, last, row.row_cache(0), int(row.lengths[0]), row.policies[0], all_logits)
 
     # ------------------------------------------------------------------ the store (engine thread)
 
@@ -268,7 +349,7 @@ class ModelRunner:
         """Computed prompts are written into the rows the scheduler reserved for them."""
         started = time.perf_counter()
         for prompt in prompts:
-            self.store.write(prompt.request_id, prompt.cache, prompt.length)
+            self.store.write(prompt.request_id, prompt.cache, prompt.length, prompt.policy)
         self.timings.cache += time.perf_counter() - started
 
     def decode(self, tokens: dict[str, int]) -> dict[str, np.ndarray]:

@@ -78,7 +78,7 @@ class Scheduler:
         for request in [r for r in self.running if r.prefill_done]:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted below for an earlier request of this step
-            while not self.kv.reserve(request.request_id, request.num_tokens):
+            while not self.kv.reserve(request.request_id, request.cached_tokens):
                 victim = self.preemption.victim(self.running)
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -89,7 +89,7 @@ class Scheduler:
         # 2. New requests (and preempted ones) in arrival order: a row for the prompt and its first token.
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
-            if not self.kv.reserve(request.request_id, request.prefill_length + 1):
+            if not self.kv.reserve(request.request_id, request.cache_policy.cached(request.prefill_length + 1)):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

@@ -1,0 +1,86 @@
+"""Cache-budget policies: which tokens a sequence's K/V cache keeps. One grammar and one meaning,
+shared by the service (which runs them), the PyTorch reference (which checks them) and the clients.
+
+    full                every token stays (the default)
+    window:W            the last W tokens
+    sinks:S+window:W    the first S tokens ("attention sinks", StreamingLLM: Xiao et al. 2023,
+                        https://arxiv.org/abs/2309.17453) and the last W
+
+A bounded policy holds at most its budget B = S + W tokens. Each token attends to the cached
+tokens and to itself (at most B + 1 keys); after its step, when the cache already holds B tokens,
+the oldest token that is not a sink is evicted to make room for it. A prompt longer than B is
+computed the same way (its first B tokens at once, then one token at a time), so what a token
+sees never depends on how its text arrived.
+
+Positions after eviction are the scheme's own decision (`eviction_positions` in the manifest):
+- `cache`: distances within the cache (relative bias, ALiBi, RoPE, none), as StreamingLLM
+  re-indexes: the sinks sit right before the window, and the new token right after it;
+- `original`: absolute schemes (sinusoidal, learned) bake each token's position into its keys,
+  which cannot be re-indexed; new tokens keep counting from the start of the sequence, so a
+  bounded table (`learned`) still ends the sequence at its last position.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+FIELD = "cache_policy"
+FULL = "full"
+_WINDOW = re.compile(r"window:(\d+)")
+_SINKS = re.compile(r"sinks:(\d+)\+window:(\d+)")
+POLICY_FORMS = "full, window:W or sinks:S+window:W"
+
+
+class CachePolicyError(ValueError):
+    """A policy string that does not parse, or does not fit the model or the server."""
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    sinks: int = 0
+    window: int | None = None  # None: full
+
+    @property
+    def bounded(self) -> bool:
+        return self.window is not None
+
+    @property
+    def budget(self) -> int | None:
+        """Most tokens the cache holds (None: unbounded)."""
+        return None if self.window is None else self.sinks + self.window
+
+    def cached(self, tokens: int) -> int:
+        """Tokens in the cache once `tokens` tokens have gone through it."""
+        return tokens if self.window is None else min(tokens, self.sinks + self.window)
+
+    def __str__(self) -> str:
+        if self.window is None:
+            return FULL
+        return f"window:{self.window}" if not self.sinks else f"sinks:{self.sinks}+window:{self.window}"
+
+
+FULL_POLICY = CachePolicy()
+
+
+def parse_cache_policy(text: str, max_budget: int | None = None) -> CachePolicy:
+    """A policy from its string ("" means full); errors name the field, the forms and the limit."""
+    text = text.strip()
+    if text in ("", FULL):
+        return FULL_POLICY
+    if match := _SINKS.fullmatch(text):
+        sinks, window = int(match.group(1)), int(match.group(2))
+        if sinks < 1:
+            raise CachePolicyError(f"{FIELD}: {text!r}: sinks must be at least 1 (or use window:W)")
+    elif match := _WINDOW.fullmatch(text):
+        sinks, window = 0, int(match.group(1))
+    else:
+        raise CachePolicyError(f"{FIELD}: {text!r} is not a cache policy; expected {POLICY_FORMS} (W, S integers)")
+    if window < 1:
+        raise CachePolicyError(f"{FIELD}: {text!r}: window must be at least 1 token")
+    if max_budget is not None and sinks + window > max_budget:
+        raise CachePolicyError(
+            f"{FIELD}: {text!r} keeps {sinks + window} tokens, more than this server's longest sequence "
+            f"({max_budget} tokens); use full, or a smaller window"
+        )
+    return CachePolicy(sinks, window)
