@@ -6,8 +6,10 @@ context, p50/p95/p99 at 1-32 concurrent users, throughput, and goodput with and 
 server's time-to-first-token admission control), cache memory (KV
 bytes per token, bytes in use at peak, pool utilisation, extra per-step memory, process peak
 memory), quality through `Score` (bits per byte at 0.5x-8x the training context, rope also with
-linear/ntk/yarn scaling) and graded retrieval probes with 95% intervals (copy over distance and
-depth, passkey, bits per byte on bytes that complete a repeated n-gram; loadtest/probes.py).
+linear/ntk/yarn scaling), graded retrieval probes with 95% intervals (copy over distance and
+depth, passkey, bits per byte on bytes that complete a repeated n-gram; loadtest/probes.py) and
+the cache-budget comparison (window, attention sinks and int8 caches: quality against KV bytes;
+loadtest/cache_budget.py).
 Writes reports/<run-id>/.
 """
 
@@ -34,6 +36,7 @@ from tqdm import tqdm
 from contract.manifest import MANIFEST
 from export.repository import ExportOptions, rope_scaled_name
 from export.repository import run as export_run
+from loadtest.cache_budget import CacheBudgetPlan, measure_cache_budgets
 from loadtest.probes import Scorer, copy_text, depth_text, passkey_text
 from loadtest.streaming import timed_stream
 from models.cli import HelpFormatter
@@ -79,6 +82,20 @@ class Budget:
     passkey_contexts: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     natural_context: float = 8.0
     repeats: int = 3
+    # Cache budgets (loadtest/cache_budget.py): tokens the cache may hold, text lengths, cells.
+    cache_budgets: tuple[int, ...] = (64, 128, 256)
+    cache_multiples: tuple[float, ...] = (2.0, 4.0, 8.0)
+    cache_windows: int = 3
+    cache_trials: int = 16
+    cache_copy_distances: tuple[int, ...] = (32, 128, 512)
+    cache_passkey_context: float = 2.0
+    int8_multiples: tuple[float, ...] = (1.0, 4.0)
+
+    def cache_plan(self) -> CacheBudgetPlan:
+        return CacheBudgetPlan(
+            self.cache_budgets, self.cache_multiples, self.cache_windows, self.cache_trials,
+            self.cache_copy_distances, self.cache_passkey_context, self.int8_multiples,
+        )  # fmt: skip
 
     @classmethod
     def quick(cls) -> Budget:
@@ -86,6 +103,8 @@ class Budget:
             prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 8, 32),
             load_seconds=3.0, load_new_tokens=16, score_windows=3, retrieval_trials=8,
             copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 8.0), passkey_contexts=(1.0, 8.0), repeats=1,
+            cache_budgets=(64, 256), cache_multiples=(2.0, 8.0), cache_windows=1, cache_trials=6,
+            cache_copy_distances=(32, 512),
         )  # fmt: skip
 
     @classmethod
@@ -95,7 +114,9 @@ class Budget:
             prompt_lengths=(64, 512), itl_contexts=(128, 512), concurrency=(1, 2), load_seconds=0.5,
             load_new_tokens=4, context_multiples=(0.5, 2.0), scaling_multiples=(2.0,), score_windows=1,
             retrieval_trials=2, copy_distances=(0.125, 2.0), depth_contexts=(1.0,), retrieval_depths=(0.5,),
-            passkey_contexts=(1.0, 2.0), natural_context=2.0, repeats=1,
+            passkey_contexts=(1.0, 2.0), natural_context=2.0, repeats=1, cache_budgets=(64,),
+            cache_multiples=(2.0,), cache_windows=1, cache_trials=2, cache_copy_distances=(32,),
+            cache_passkey_context=1.0, int8_multiples=(1.0,),
         )  # fmt: skip
 
 
@@ -115,6 +136,8 @@ class Results:
     quality: dict[str, dict[str, float | None]] = field(default_factory=dict)  # model -> multiple -> bpb
     # scheme -> probe -> cells (see loadtest/probes.py); each cell {value, low, high, n} or None (not servable)
     retrieval: dict[str, dict[str, object]] = field(default_factory=dict)
+    # scheme -> the cache-budget comparison (loadtest/cache_budget.py)
+    cache_budget: dict[str, dict[str, object]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -393,23 +416,35 @@ def process_peak_bytes(pid: int) -> int:
     return 0
 
 
+SECTIONS = ("quality", "latency", "load", "retrieval", "cache")
+
+
 def run(args: argparse.Namespace) -> Path:
     budget = Budget.tiny() if args.tiny else Budget.quick() if args.quick else Budget()
     if args.retrieval_trials:
         budget.retrieval_trials = args.retrieval_trials
     schemes = list(args.schemes)
+    sections = set(args.sections)
     run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
     out = args.out or ROOT / "reports" / run_id
     out.mkdir(parents=True, exist_ok=True)
     rope_variants = ensure_repository(args.model_repository, schemes, budget)
-    results = Results(
-        run_id, {"budget": asdict(budget), "threads": args.threads, "schemes": schemes,
-                 "goodput_targets": {"ttft_s": TTFT_TARGET_S, "itl_s": ITL_TARGET_S},
-                 "admission_ttft_slo_s": ADMISSION_TTFT_SLO_S},
-        environment(), schemes,
-    )  # fmt: skip
+    measured = {"sections": sorted(sections), "environment": environment(), "budget": asdict(budget)}
+    if sections == set(SECTIONS):
+        results = Results(
+            run_id, {"budget": asdict(budget), "threads": args.threads, "schemes": schemes,
+                     "goodput_targets": {"ttft_s": TTFT_TARGET_S, "itl_s": ITL_TARGET_S},
+                     "admission_ttft_slo_s": ADMISSION_TTFT_SLO_S},
+            measured["environment"], schemes,
+        )  # fmt: skip
+    else:  # some sections again, into the run's existing results; which ones and when is recorded
+        existing = out / "results.json"
+        if not existing.is_file():
+            raise SystemExit(f"--sections {' '.join(sorted(sections))}: {existing} has no earlier full run to update")
+        results = Results(**json.loads(existing.read_text()))
+    results.config.setdefault("runs", []).append(measured)  # type: ignore[union-attr]
     held_out = HeldOut()
-    steps = len(schemes) * 5 + len(rope_variants)
+    steps = len(schemes) * 6 + len(rope_variants)
     with tqdm(total=steps, desc="compare", unit="task") as progress:
         for scheme in schemes:
             # One server per scheme: its peak memory is that scheme's alone.
@@ -425,43 +460,54 @@ def run(args: argparse.Namespace) -> Path:
                     "max_positions": limit or None, "kv_bytes_per_token": info.kv_cache_bytes_per_token,
                     "kv_capacity_bytes": info.kv_cache_capacity_bytes, "train_context": info.train_context,
                 }  # fmt: skip
-                progress.set_postfix(scheme=scheme, part="quality")
-                contexts = [int(m * info.train_context) for m in budget.context_multiples]
-                results.quality[scheme] = {
-                    f"{m:g}": score_bpb(server, scheme, held_out.windows(c, budget.score_windows))
-                    for m, c in zip(budget.context_multiples, contexts, strict=True)
-                }
+                if "quality" in sections:
+                    progress.set_postfix(scheme=scheme, part="quality")
+                    contexts = [int(m * info.train_context) for m in budget.context_multiples]
+                    results.quality[scheme] = {
+                        f"{m:g}": score_bpb(server, scheme, held_out.windows(c, budget.score_windows))
+                        for m, c in zip(budget.context_multiples, contexts, strict=True)
+                    }
+                    if scheme == "rope":
+                        for name in rope_variants:
+                            factor = float(name.rsplit("-x", 1)[1])
+                            length = int(factor * info.train_context)
+                            results.quality[name] = {
+                                f"{factor:g}": score_bpb(server, name, held_out.windows(length, budget.score_windows))
+                            }
+                            progress.update()
                 progress.update()
-                if scheme == "rope":
-                    for name in rope_variants:
-                        factor = float(name.rsplit("-x", 1)[1])
-                        length = int(factor * info.train_context)
-                        results.quality[name] = {
-                            f"{factor:g}": score_bpb(server, name, held_out.windows(length, budget.score_windows))
-                        }
-                        progress.update()
-                progress.set_postfix(scheme=scheme, part="latency")
-                results.ttft[scheme] = measure_ttft(server, scheme, limit, held_out, budget)
-                results.itl[scheme] = measure_itl(server, scheme, limit, held_out, budget)
+                if "latency" in sections:
+                    progress.set_postfix(scheme=scheme, part="latency")
+                    results.ttft[scheme] = measure_ttft(server, scheme, limit, held_out, budget)
+                    results.itl[scheme] = measure_itl(server, scheme, limit, held_out, budget)
                 progress.update()
-                progress.set_postfix(scheme=scheme, part="load")
-                results.load[scheme] = {
-                    str(users): measure_load(server, scheme, limit, held_out, users, budget)
-                    for users in budget.concurrency
-                }
-                progress.set_postfix(scheme=scheme, part="load, admission control")
-                results.load_admission[scheme] = measure_load_with_admission(args, scheme, limit, held_out, budget)
+                if "load" in sections:
+                    progress.set_postfix(scheme=scheme, part="load")
+                    results.load[scheme] = {
+                        str(users): measure_load(server, scheme, limit, held_out, users, budget)
+                        for users in budget.concurrency
+                    }
+                    progress.set_postfix(scheme=scheme, part="load, admission control")
+                    results.load_admission[scheme] = measure_load_with_admission(args, scheme, limit, held_out, budget)
                 progress.update()
-                progress.set_postfix(scheme=scheme, part="retrieval")
-                results.retrieval[scheme] = measure_retrieval(
-                    server, scheme, limit, info.train_context, held_out, budget
-                )
+                if "retrieval" in sections:
+                    progress.set_postfix(scheme=scheme, part="retrieval")
+                    results.retrieval[scheme] = measure_retrieval(
+                        server, scheme, limit, info.train_context, held_out, budget
+                    )
                 progress.update()
-                results.memory[scheme] = {
-                    "process_peak_bytes": process_peak_bytes(server.process.pid),
-                    "kv_peak_bytes": max(v["kv_peak_bytes"] for v in results.load[scheme].values()),
-                    **per_step_extra_bytes(scheme),
-                }
+                if "cache" in sections:
+                    progress.set_postfix(scheme=scheme, part="cache budgets")
+                    results.cache_budget[scheme] = measure_cache_budgets(
+                        server, scheme, info, held_out.text, held_out.windows, budget.cache_plan()
+                    )
+                progress.update()
+                if "load" in sections:
+                    results.memory[scheme] = {
+                        "process_peak_bytes": process_peak_bytes(server.process.pid),
+                        "kv_peak_bytes": max(v["kv_peak_bytes"] for v in results.load[scheme].values()),
+                        **per_step_extra_bytes(scheme),
+                    }
                 progress.update()
             finally:
                 server.stop()
@@ -487,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--retrieval-trials", type=int, default=0,
         help="trials per retrieval cell (0: the budget's, 48 in a full run and 8 with --quick)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+        help=f"what to measure, from {' '.join(SECTIONS)}; fewer than all updates those parts of the run's "
+        "existing results.json (which sections ran, when and at which commit is recorded there)",
     )  # fmt: skip
     parser.add_argument("--run-id", default=None, help="names the report folder (default: the start time)")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default reports/<run-id>)")

@@ -142,14 +142,24 @@ def bucket_of(distance: int) -> int | None:
 class Scorer:
     """Score texts through the service; None where the model cannot take the length."""
 
-    def __init__(self, stub: generation_pb2_grpc.GenerationStub, model: str, limit: int, workers: int = 2) -> None:
+    def __init__(
+        self,
+        stub: generation_pb2_grpc.GenerationStub,
+        model: str,
+        limit: int,
+        workers: int = 2,
+        cache_policy: str = "",
+    ) -> None:
+        """`cache_policy`: the texts stream through it (contract/cache_policy.py; empty: the model's default)."""
         self.stub, self.model, self.limit, self.workers = stub, model, limit, workers
+        self.cache_policy = cache_policy
 
     def servable(self, length: int) -> bool:
         return not self.limit or length <= self.limit
 
     def score(self, text: str) -> pb.ScoreResponse:
-        return self.stub.Score(pb.ScoreRequest(model=self.model, text=text), timeout=300)
+        request = pb.ScoreRequest(model=self.model, text=text, cache_policy=self.cache_policy)
+        return self.stub.Score(request, timeout=600)
 
     def hits(self, probes: list[ProbeText]) -> list[float] | None:
         """Per probe, the share of its scored bytes the model predicts; None if any is too long."""

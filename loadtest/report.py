@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from loadtest.cache_budget import policy_budget
 from loadtest.probes import wilson
 
 PLOTS = {
@@ -25,6 +26,7 @@ PLOTS = {
     "kv_bytes.png": "KV-cache bytes",
     "retrieval.png": "Retrieval probes with 95% intervals",
     "retrieval_depth.png": "Copy accuracy by context length and depth of the first copy",
+    "cache_budget.png": "Quality against KV bytes per sequence, per cache policy",
 }
 
 
@@ -104,6 +106,8 @@ def plot(results: dict, out: Path) -> None:  # type: ignore[type-arg]
 
     plot_retrieval(results, out)
     plot_retrieval_depth(results, out)
+    if results.get("cache_budget"):
+        plot_cache_budget(results, out)
 
 
 def _cells(cells: dict[str, dict[str, float] | None]) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -371,6 +375,158 @@ def _grid_table(title: str, data: dict, scale: float, digits: int) -> str:  # ty
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------------- cache budgets
+
+
+def _policy_tokens(policy: str, full_tokens: int) -> int:
+    """Tokens a policy's cache holds for a text of `full_tokens` (full: all of them)."""
+    budget = policy_budget(policy)
+    return full_tokens if budget is None else min(budget, full_tokens)
+
+
+def plot_cache_budget(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+    """bpb at the longest text against KV bytes per sequence, one line per scheme, a panel per eviction kind."""
+    data = results["cache_budget"]
+    train = next(iter(results["models"].values()))["train_context"]
+    longest = max(float(m) for c in data.values() for m in next(iter(c["bpb"].values())))
+    kinds = (("window", "window:W (the last W tokens)"), ("sinks", "sinks:4+window:W-4 (StreamingLLM)"))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    for ax, (kind, title) in zip(axes, kinds, strict=True):
+        for scheme, figures in data.items():
+            points = []
+            for policy, cells in figures["bpb"].items():
+                value = cells.get(f"{longest:g}")
+                if value is None or not (policy == "full" or policy.startswith(kind)):
+                    continue
+                tokens = _policy_tokens(policy, int(longest * train))
+                points.append((tokens * figures["bytes_per_token"], value))
+            if points:
+                points.sort()
+                ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], marker="o", label=scheme)
+        ax.set(xscale="log", xlabel="KV bytes per sequence (MB; rightmost point: full cache)", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"bits per byte at {longest:g}x the training context")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        PLOTS["cache_budget.png"] + f" ({longest * train:.0f}-byte held-out texts, streamed through the cache)"
+    )
+    fig.tight_layout()
+    fig.savefig(out / "cache_budget.png", dpi=110)
+    plt.close(fig)
+
+
+def cache_budget_section(results: dict) -> str:  # type: ignore[type-arg]
+    data = results.get("cache_budget") or {}
+    if not data:
+        return "Not measured in this run (`--sections cache`).\n"
+    runs = [r for r in results["config"].get("runs", []) if "cache" in r["sections"]]
+    budget = runs[-1]["budget"] if runs else results["config"].get("budget", {})
+    policies = next(iter(data.values()))["policies"]
+    multiples = sorted({m for c in data.values() for cells in c["bpb"].values() for m in cells}, key=float)
+    lines: list[str] = []
+    for multiple in multiples:
+        lines += [f"### Bits per byte at {multiple}x the training context, by cache policy", "",
+                  "| scheme | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]  # fmt: skip
+        for scheme, figures in data.items():
+            cells = [_fmt(figures["bpb"][p].get(multiple)) for p in policies]
+            lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+        lines.append("")
+    probes = sorted({k for c in data.values() for cells in c["retrieval"].values() for k in cells})
+    for probe in probes:
+        kind, length = probe.split("@")
+        what = f"copy, {length} filler bytes between the copies" if kind == "copy" else f"passkey, {length} bytes"
+        lines += [f"### Retrieval under each policy: {what} (95% intervals)", "",
+                  "| scheme | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]  # fmt: skip
+        for scheme, figures in data.items():
+            lines.append(
+                f"| {scheme} | " + " | ".join(_cell(figures["retrieval"][p].get(probe)) for p in policies) + " |"
+            )
+        lines.append("")
+    int8_rows = [(s, f["int8"]) for s, f in data.items() if f.get("int8")]
+    if int8_rows:
+        lines += ["### int8 K/V against full precision", "",
+                  "| scheme | policy | " + " | ".join(f"bpb @{m}x" for m in ("1", "4")) + " | bpb change @1x | "
+                  "bpb change @4x | copy@32 | copy@512 |", "|---|---|" + "---|" * 6]  # fmt: skip
+        for scheme, int8 in int8_rows:
+            full = int8.get("full", {})
+            for policy, cells in int8.items():
+                changes = []
+                for m in ("1", "4"):
+                    base, value = full.get(m), cells.get(m)
+                    changes.append("" if base is None or value is None else f"{(value / base - 1) * 100:+.2f}%")
+                lines.append(
+                    f"| {scheme} | {policy} | {_fmt(cells.get('1'))} | {_fmt(cells.get('4'))} | "
+                    f"{changes[0]} | {changes[1]} | {_cell(cells.get('copy@32'))} | {_cell(cells.get('copy@512'))} |"
+                )
+        lines.append("")
+    cost_policies = list(dict.fromkeys(p for f in data.values() for p in f["cost"]))
+    lines += ["### Cost: KV bytes allocated per sequence and inter-token latency at 2048 tokens of history", "",
+              "Cells: MB allocated (from /metrics, one stream alone on the server) / ms per token.", "",
+              "| scheme | " + " | ".join(cost_policies) + " |", "|---|" + "---|" * len(cost_policies)]  # fmt: skip
+    for scheme, figures in data.items():
+        cells = []
+        for policy in cost_policies:
+            cost = figures["cost"].get(policy)
+            cells.append(
+                "not servable"
+                if cost is None
+                else f"{cost['kv_physical_bytes'] / 1e6:.2f} / {cost['itl_s'] * 1000:.2f}"
+            )
+        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    lines += ["", cache_budget_goals(data, multiples), ""]
+    trials, windows = budget.get("cache_trials", "?"), budget.get("cache_windows", "?")
+    note = (
+        "Texts stream through the policy one token at a time past the budget (StreamingLLM's evaluation); "
+        f"{windows} held-out texts per bpb cell, {trials} probes per retrieval cell."
+    )
+    if runs:
+        note += f" Measured at commit `{runs[-1]['environment']['commit']}`."
+    return note + "\n\n![quality against KV bytes](cache_budget.png)\n\n" + "\n".join(lines)
+
+
+def cache_budget_goals(data: dict, multiples: list[str]) -> str:  # type: ignore[type-arg]
+    """The issue's hypotheses, stated and checked against this run's figures, whichever way they come out."""
+    longest = multiples[-1]
+    out = ["### The hypotheses, checked", ""]
+    alibi = data.get("alibi")
+    if alibi and "window:256" in alibi["bpb"]:
+        full, window = alibi["bpb"]["full"].get(longest), alibi["bpb"]["window:256"].get(longest)
+        if full and window:
+            change = (window / full - 1) * 100
+            verdict = "holds" if abs(change) <= 2 else "fails"
+            out.append(f"- ALiBi under window:256 within 2% of its full-cache bpb at {longest}x: {window:.3f} against "
+                       f"{full:.3f} ({change:+.2f}%): **{verdict}**.")  # fmt: skip
+    rope = data.get("rope")
+    if rope:
+        full = rope["bpb"]["full"].get(longest)
+        for policy in rope["bpb"]:
+            if not policy.startswith("window:") or full is None:
+                continue
+            size = policy_budget(policy)
+            sinks = rope["bpb"].get(f"sinks:4+window:{(size or 0) - 4}", {}).get(longest)
+            window = rope["bpb"][policy].get(longest)
+            if window is None or sinks is None:
+                continue
+            lost, kept = window - full, sinks - full
+            repaired = (1 - kept / lost) * 100 if lost > 0 else float("nan")
+            verdict = "holds" if lost > 0 and repaired >= 50 else "fails"
+            out.append(f"- RoPE, {size}-token budget at {longest}x: window alone {window:.3f}, sinks {sinks:.3f}, "
+                       f"full {full:.3f}; sinks repair {repaired:.0f}% of the window's loss: **{verdict}** "
+                       "(degrades, and sinks repair most of it).")  # fmt: skip
+    for scheme, figures in data.items():
+        int8 = figures.get("int8", {})
+        full, quantized = int8.get("full", {}).get("1"), int8.get("int8", {}).get("1")
+        if full and quantized:
+            change = (quantized / full - 1) * 100
+            bytes_int8 = (figures["cost"].get("int8") or {}).get("kv_physical_bytes")
+            bytes_full = (figures["cost"].get("full") or {}).get("kv_physical_bytes")
+            ratio = f", {bytes_int8 / bytes_full:.2f}x the bytes" if bytes_int8 and bytes_full else ""
+            verdict = "holds" if abs(change) <= 1 else "fails"
+            out.append(f"- {scheme}: int8 K/V changes bpb at 1x by {change:+.2f}%{ratio}: **{verdict}** (goal: at most "
+                       "1% at a quarter of fp32's bytes).")  # fmt: skip
+    return "\n".join(out)
+
+
 def write_report(out: Path) -> Path:
     results = json.loads((out / "results.json").read_text())
     plot(results, out)
@@ -472,6 +628,9 @@ standard error over windows). Chance for a digit is 0.1, for a span character 1/
 ## What each scheme buys
 
 {what_each_scheme_buys(results)}
+## Cache budgets: what each scheme keeps when its cache is bounded
+
+{cache_budget_section(results)}
 ## Config
 
 ```json
