@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import math
 import statistics
 import tempfile
@@ -26,6 +27,7 @@ import numpy as np
 import onnxruntime as ort
 from prometheus_client import CollectorRegistry
 
+from contract.cache_policy import CachePolicy, parse_cache_policy
 from contract.manifest import NP_DTYPES, Manifest
 from export.runtime import OnnxCausalLM
 from models.cli import HelpFormatter
@@ -41,7 +43,10 @@ from service.process import ServerProcess
 from service.server import REPOSITORY_ROOT
 
 CONTEXTS = (128, 256, 512, 1024, 2048)
-SECTIONS = ("mixed", "throughput", "steps", "share")
+SECTIONS = ("mixed", "throughput", "steps", "share", "policies")
+POLICY_HISTORY = 2048  # tokens a sequence has seen when its step time per cache policy is measured
+BENCH_POLICIES = ("full", "window:256", "sinks:4+window:252", "window:64", "int8", "window:256+int8")
+logger = logging.getLogger(__name__)
 REQUESTS_PER_STREAM = 4  # aggregate throughput: unary requests each stream sends back to back
 
 
@@ -283,6 +288,42 @@ def batch_runner(
     return runner
 
 
+def policy_runner(
+    folder: Path, batch: int, history: int, policy: CachePolicy, threads: int, device: str = "cpu"
+) -> ModelRunner:
+    """A runner whose store holds `batch` sequences that have seen `history` tokens under `policy`
+    (random K/V): a bounded row holds its budget and has evicted the rest."""
+    store = StoreConfig(1 << 34, 16, max(4096, history + 64))
+    runner = ModelRunner(Manifest.load(folder), store, device, threads)
+    layout = runner.layout
+    rng = np.random.default_rng(0)
+    cached = policy.cached(history)
+    shape = (layout.tensors, layout.n_heads, cached, layout.head_dim)
+    logits = np.zeros(runner.manifest.vocab_size, dtype=np.float32)
+    prompts = []
+    for i in range(batch):
+        cache = runner.backend.upload((rng.standard_normal(shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
+        runner.store.reserve(f"r{i}", policy.cached(history + 1))
+        row = runner.row_policy(policy)
+        row.evicted = history - cached
+        prompts.append(PrefilledPrompt(f"r{i}", logits, cache, cached, row))
+    runner.join(prompts)
+    return runner
+
+
+def bounded_step_seconds(runner: ModelRunner, steps: int) -> float:
+    """Median decode step time of bounded rows: every step evicts one token and appends one, so
+    the history grows while the cache stays the same size."""
+    tokens = dict.fromkeys(runner.store.members(), 65)
+    runner.decode(tokens)  # warm-up
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        runner.decode(tokens)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def step_seconds(runner: ModelRunner, steps: int) -> float:
     """Median decode step time at the store's context: each step's new column is taken back,
     so every step reads the same context."""
@@ -482,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         print_step_table(folders, args, steps)
     if "share" in args.sections:
         print_cache_share(repository / args.model, args, steps)
+    if "policies" in args.sections:
+        print_policy_steps(folders, args, steps)
     return 0
 
 
@@ -575,6 +618,39 @@ def print_step_table(folders: list[Path], args: argparse.Namespace, steps: int) 
             one = step_seconds(batch_runner(folder, 1, context, args.threads, args.device), steps) * 1000
             eight = step_seconds(batch_runner(folder, 8, context, args.threads, args.device), steps) * 1000
             cells.append(f"{one:7.2f} /{eight:7.2f}")
+        print(f"  {manifest.name:<12}" + "".join(cells))
+
+
+def print_policy_steps(folders: list[Path], args: argparse.Namespace, steps: int) -> None:
+    """Decode step time per cache policy at POLICY_HISTORY tokens of history, batch 1 and 8."""
+    print(
+        f"\nDecode step time (ms, median, batch 1 / batch 8) per cache policy after {POLICY_HISTORY} tokens of "
+        "history, and KV bytes per sequence (a bounded row evicts and appends one token per step):"
+    )
+    names = list(BENCH_POLICIES)
+    print("  " + f"{'model':<12}" + "".join(f"{p:>22}" for p in names))
+    for folder in folders:
+        manifest = Manifest.load(folder)
+        if manifest.is_scaling_variant:
+            continue
+        cells = []
+        for text in names:
+            policy = parse_cache_policy(text)
+            if manifest.max_positions is not None and POLICY_HISTORY >= manifest.max_positions:
+                cells.append(f"{'not servable':>22}")
+                continue
+            try:
+                one = policy_runner(folder, 1, POLICY_HISTORY, policy, args.threads, args.device)
+            except (AssertionError, ValueError) as error:  # an export without this policy
+                cells.append(f"{'n/a':>22}")
+                logger.debug("%s %s: %s", manifest.name, text, error)
+                continue
+            eight = policy_runner(folder, 8, POLICY_HISTORY, policy, args.threads, args.device)
+            timing = bounded_step_seconds if policy.bounded else step_seconds
+            per_sequence = one.store.stats().physical_bytes
+            cells.append(
+                f"{timing(one, steps) * 1000:6.2f} /{timing(eight, steps) * 1000:6.2f} {per_sequence / 1e6:5.2f}MB"
+            )
         print(f"  {manifest.name:<12}" + "".join(cells))
 
 
