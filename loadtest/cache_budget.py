@@ -13,6 +13,7 @@ Measured through the service, per scheme and cache policy (contract/cache_policy
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,23 +82,41 @@ def score_bpb(server: ServerProcess, model: str, texts: list[str], policy: str) 
 
 
 def measure_cost(server: ServerProcess, model: str, prompt: str, policy: str) -> dict[str, float] | None:
-    """One stream at COST_HISTORY tokens of history: KV bytes allocated (read from /metrics while it
-    runs, alone on the server) and the mean inter-token gap over its last tokens."""
+    """One stream at COST_HISTORY tokens of history, alone on the server: the most KV bytes
+    /metrics shows allocated while it runs, and the time per token after the first (chunks may
+    carry several tokens when the client falls behind: one token is one byte)."""
     request = pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=COST_NEW_TOKENS, cache_policy=policy)
-    arrivals: list[float] = []
-    physical = 0.0
+    arrivals: list[tuple[float, int]] = []  # (time, tokens so far)
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], server.metric("posenc_kv_cache_physical_bytes", model=model))
+            except Exception:  # a scrape racing the server is not a result
+                pass
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    tokens = 0
     try:
         for chunk in server.stub.GenerateStream(request, timeout=600):
             if chunk.text:
-                arrivals.append(time.perf_counter())
-                if len(arrivals) == COST_NEW_TOKENS // 2:
-                    physical = server.metric("posenc_kv_cache_physical_bytes", model=model)
+                tokens += len(chunk.text.encode())
+                arrivals.append((time.perf_counter(), tokens))
     except grpc.RpcError as error:
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return None
         raise
-    gaps = np.diff(arrivals[1:])  # from the second token: the first follows the prompt
-    return {"kv_physical_bytes": physical, "itl_s": float(np.mean(gaps)) if len(gaps) else float("nan")}
+    finally:
+        done.set()
+        sampler.join()
+    if len(arrivals) < 2:
+        return {"kv_physical_bytes": peak[0], "itl_s": float("nan")}
+    (first_time, first_tokens), (last_time, last_tokens) = arrivals[0], arrivals[-1]
+    return {"kv_physical_bytes": peak[0], "itl_s": (last_time - first_time) / max(1, last_tokens - first_tokens)}
 
 
 def measure_cache_budgets(

@@ -97,7 +97,7 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     assert compare_main(["--tiny", "--model-repository", str(own), "--out", str(out), "--threads", "1"]) == 0
     for name in ("report.md", "results.json", "bpb_vs_context.png", "itl_vs_context.png", "ttft_vs_prompt.png",
                  "throughput_vs_concurrency.png", "goodput_vs_users.png", "kv_bytes.png", "retrieval.png",
-                 "retrieval_depth.png"):  # fmt: skip
+                 "retrieval_depth.png", "cache_budget.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())
     assert results["schemes"] == list(SCHEMES)
@@ -124,5 +124,15 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
         results["memory"]["relative"]["attention_bias_bytes"] > 0
         and results["memory"]["none"]["attention_bias_bytes"] == 0
     )
+    cache = results["cache_budget"]
+    assert set(cache) == set(SCHEMES)
+    alibi = cache["alibi"]
+    assert alibi["policies"] == ["full", "window:64", "sinks:4+window:60"]
+    windowed, full = alibi["bpb"]["window:64"]["2"], alibi["bpb"]["full"]["2"]
+    assert windowed is not None and full is not None and windowed != full  # the 512-byte text was evicted from
+    assert cache["learned"]["bpb"]["window:64"]["2"] is None  # absolute positions end at 256
+    assert alibi["cost"]["window:64"]["kv_physical_bytes"] < alibi["cost"]["full"]["kv_physical_bytes"]
+    assert cache["learned"]["cost"]["full"] is None  # 2048 tokens of history: not servable
     report = (out / "report.md").read_text()
     assert "not servable" in report and all(scheme in report for scheme in SCHEMES)
+    assert "## Cache budgets" in report and "window:64" in report

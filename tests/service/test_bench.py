@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.bench import batch_runner, decode_rate, median_of, step_seconds
+from contract.cache_policy import parse_cache_policy
+from service.bench import batch_runner, bounded_step_seconds, decode_rate, median_of, policy_runner, step_seconds
 
 
 def test_decode_rate_counts_tokens_between_first_and_last_chunk() -> None:
@@ -30,3 +31,16 @@ def test_step_time_is_measured_at_a_fixed_context(repository: Path) -> None:
     assert np.array_equal(klass.lengths, lengths) and np.array_equal(klass.positions[:, 0], lengths)
     assert np.array_equal(klass.mask, mask)
     assert runner.store.stats().used_tokens == 4 * 41
+
+
+def test_a_bounded_policy_steps_at_a_fixed_cache_size(repository: Path) -> None:
+    """Rows that have seen 300 tokens under sinks:4+window:60 hold 64; each measured step evicts one
+    and appends one, so the history grows and the cache (and its memory) does not."""
+    runner = policy_runner(repository / "alibi", 2, 300, parse_cache_policy("sinks:4+window:60"), 1)
+    (klass,) = runner.store.batches()
+    before = runner.store.stats().physical_bytes
+    assert list(klass.lengths[:2]) == [64, 64] and klass.policies[0].evicted == 300 - 64
+    assert bounded_step_seconds(runner, 5) > 0
+    assert list(klass.lengths[:2]) == [64, 64] and klass.policies[0].evicted == 300 - 64 + 6  # warm-up + 5
+    assert list(klass.positions[:2, 0]) == [64, 64]  # alibi: positions within the cache
+    assert runner.store.stats().physical_bytes == before
