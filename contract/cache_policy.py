@@ -5,6 +5,9 @@ shared by the service (which runs them), the PyTorch reference (which checks the
     window:W            the last W tokens
     sinks:S+window:W    the first S tokens ("attention sinks", StreamingLLM: Xiao et al. 2023,
                         https://arxiv.org/abs/2309.17453) and the last W
+    int8, window:W+int8, sinks:S+window:W+int8
+                        the same tokens, their K/V stored as int8 with one float32 scale per
+                        token and head (contract/kv_int8.py): about 28% of float32's bytes
 
 A bounded policy holds at most its budget B = S + W tokens. Each token attends to the cached
 tokens and to itself (at most B + 1 keys); after its step, when the cache already holds B tokens,
@@ -29,7 +32,9 @@ FIELD = "cache_policy"
 FULL = "full"
 _WINDOW = re.compile(r"window:(\d+)")
 _SINKS = re.compile(r"sinks:(\d+)\+window:(\d+)")
-POLICY_FORMS = "full, window:W or sinks:S+window:W"
+INT8 = "int8"
+_INT8_SUFFIX = "+" + INT8
+POLICY_FORMS = "full, window:W or sinks:S+window:W, each optionally +int8 (int8 alone: full in int8)"
 
 
 class CachePolicyError(ValueError):
@@ -40,6 +45,7 @@ class CachePolicyError(ValueError):
 class CachePolicy:
     sinks: int = 0
     window: int | None = None  # None: full
+    int8: bool = False  # K/V stored as int8 with per-token scales (contract/kv_int8.py)
 
     @property
     def bounded(self) -> bool:
@@ -56,8 +62,9 @@ class CachePolicy:
 
     def __str__(self) -> str:
         if self.window is None:
-            return FULL
-        return f"window:{self.window}" if not self.sinks else f"sinks:{self.sinks}+window:{self.window}"
+            return INT8 if self.int8 else FULL
+        tokens = f"window:{self.window}" if not self.sinks else f"sinks:{self.sinks}+window:{self.window}"
+        return tokens + _INT8_SUFFIX if self.int8 else tokens
 
 
 FULL_POLICY = CachePolicy()
@@ -66,6 +73,13 @@ FULL_POLICY = CachePolicy()
 def parse_cache_policy(text: str, max_budget: int | None = None) -> CachePolicy:
     """A policy from its string ("" means full); errors name the field, the forms and the limit."""
     text = text.strip()
+    if text == INT8:
+        return CachePolicy(int8=True)
+    if text.endswith(_INT8_SUFFIX):
+        tokens = parse_cache_policy(text.removesuffix(_INT8_SUFFIX), max_budget)
+        if not tokens.bounded or tokens.int8:
+            raise CachePolicyError(f"{FIELD}: {text!r} is not a cache policy; expected {POLICY_FORMS}")
+        return CachePolicy(tokens.sinks, tokens.window, int8=True)
     if text in ("", FULL):
         return FULL_POLICY
     if match := _SINKS.fullmatch(text):

@@ -3,7 +3,9 @@
 Names follow Hugging Face Optimum and onnxruntime-genai: `input_ids`, `attention_mask`,
 `position_ids`, `past_key_values.{i}.key|value` -> `logits`, `present.{i}.key|value`. The
 in-place serving graph takes the same inputs and returns `new_key_values.{i}.key|value`
-(the new tokens only) instead of `present`.
+(the new tokens only) instead of `present`. The int8 serving graph (variant serving-int8) takes
+the past as int8 `past_key_values.{i}.key|value` plus float32 `past_key_values.{i}.key_scale|value_scale`
+(one scale per token and head, contract/kv_int8.py) and returns the same float32 outputs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ PAST_KEY_VALUES = "past_key_values"
 PRESENT = "present"
 NEW_KEY_VALUES = "new_key_values"
 KV_KINDS = ("key", "value")
+SCALE_KINDS = ("key_scale", "value_scale")
 
 
 def kv_name(prefix: str, layer: int | str, kind: str) -> str:
@@ -34,6 +37,11 @@ def past_names(n_layers: int) -> list[str]:
     return _kv_names(PAST_KEY_VALUES, n_layers)
 
 
+def past_scale_names(n_layers: int) -> list[str]:
+    """Scale inputs of the int8 serving graph, in the order of `past_names`."""
+    return [kv_name(PAST_KEY_VALUES, i, kind) for i in range(n_layers) for kind in SCALE_KINDS]
+
+
 def present_names(n_layers: int) -> list[str]:
     """Cache outputs of the Optimum graph (past + new), in the order of `past_names`."""
     return _kv_names(PRESENT, n_layers)
@@ -44,8 +52,15 @@ def new_kv_names(n_layers: int) -> list[str]:
     return _kv_names(NEW_KEY_VALUES, n_layers)
 
 
-def input_names(n_layers: int) -> list[str]:
-    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(n_layers)]
+def input_names(n_layers: int, int8: bool = False) -> list[str]:
+    """Graph inputs; `int8`: the int8 serving graph's, whose scales follow the int8 past."""
+    scales = past_scale_names(n_layers) if int8 else []
+    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(n_layers), *scales]
+
+
+def cache_input_names(n_layers: int, int8: bool = False) -> list[list[str]]:
+    """The cache inputs by array: [past] (float graphs) or [past, scales] (int8), each in layer order."""
+    return [past_names(n_layers), past_scale_names(n_layers)] if int8 else [past_names(n_layers)]
 
 
 def output_names(n_layers: int, new_only: bool = False) -> list[str]:

@@ -21,6 +21,10 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 # Variant names of the in-place serving graphs (the plain graphs are named by their dtype).
 SERVING = "serving-float32"
 SERVING_FP16 = "serving-float16"
+# The in-place serving graph of the int8 cache (contract.kv_int8): int8 past plus float32 scales in,
+# float32 activations and outputs, like SERVING.
+SERVING_INT8 = "serving-int8"
+INT8_SCALE_BYTES = 4  # one float32 scale per token, head and K or V
 _SERVING_PREFIX = "serving-"
 # A manifest without any of these is refused (manifest.json may carry more).
 REQUIRED_KEYS = (
@@ -152,8 +156,16 @@ class Manifest:
     def onnx_path(self, dtype: str = "float32") -> Path:
         return self.folder / self.variant(dtype)["file"]
 
+    @property
+    def has_int8_cache(self) -> bool:
+        """The export has the int8 serving graph (the +int8 cache policies)."""
+        return SERVING_INT8 in self.data["variants"]  # type: ignore[operator]
+
     def kv_bytes_per_token(self, dtype: str = "float32") -> int:
-        """Cache bytes one token occupies: K and V, every layer and head."""
+        """Cache bytes one token occupies: K and V, every layer and head (SERVING_INT8: int8 values
+        plus one float32 scale per head)."""
+        if dtype == SERVING_INT8:
+            return 2 * self.n_layers * self.n_heads * (self.head_dim + INT8_SCALE_BYTES)
         return 2 * self.n_layers * self.n_heads * self.head_dim * DTYPE_BYTES[variant_dtype(dtype)]
 
     def verify(self, dtype: str = "float32") -> Path:

@@ -52,6 +52,25 @@ class FlatKeyValueModel(nn.Module):
         return (logits, *(t for pair in presents for t in pair))
 
 
+class Int8KeyValueModel(nn.Module):
+    """The serving model fed an int8 cache: int8 past K/V then their float32 per-token scales
+    (contract.graph.input_names(int8=True)), dequantized here (contract.kv_int8) and read by the
+    same in-place layers; outputs as the float32 serving graph's."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *cache: Tensor
+    ) -> tuple[Tensor, ...]:
+        half = len(cache) // 2
+        past = [q.to(torch.float32) * scale for q, scale in zip(cache[:half], cache[half:], strict=True)]
+        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(half // 2)]
+        logits, presents = self.model(input_ids, attention_mask, position_ids, pairs)
+        return (logits, *(t for pair in presents for t in pair))
+
+
 def example_inputs(model: Transformer, batch: int = 2, seq: int = 5, past: int = 3) -> tuple[Tensor, ...]:
     """Sizes > 1 everywhere so the exporter keeps every axis symbolic."""
     config = model.config
@@ -68,36 +87,46 @@ def example_inputs(model: Transformer, batch: int = 2, seq: int = 5, past: int =
     )
 
 
+def int8_example_inputs(model: Transformer, batch: int = 2, seq: int = 5, past: int = 3) -> tuple[Tensor, ...]:
+    """The int8 graph's: int8 past K/V and float32 scales (batch, heads, past, 1)."""
+    ids, mask, positions, *past_kv = example_inputs(model, batch, seq, past)
+    quantized = [torch.randint(-127, 128, t.shape, dtype=torch.int8) for t in past_kv]
+    scales = [torch.rand(batch, model.config.n_heads, past, 1) for _ in past_kv]
+    return (ids, mask, positions, *quantized, *scales)
+
+
 def export_onnx(
-    model: Transformer, path: Path, dtype: torch.dtype = torch.float32, new_only: bool = False
+    model: Transformer, path: Path, dtype: torch.dtype = torch.float32, new_only: bool = False, int8: bool = False
 ) -> onnx.ModelProto:
     """Export with the maintained (dynamo / torch.export) exporter into one self-contained file.
 
     `new_only` writes the serving graph: it reads the past from the engine's buffer in place
-    and returns only the new tokens' K/V, so no cache is copied inside the graph.
+    and returns only the new tokens' K/V, so no cache is copied inside the graph. `int8` writes
+    the int8 cache's serving graph (float32, new only; `Int8KeyValueModel`).
     """
-    model = model.to(dtype).eval()
-    if new_only:
+    model = model.to(torch.float32 if int8 else dtype).eval()
+    if new_only or int8:
         model.return_new_key_values_only()
     n_layers = model.config.n_layers
-    args = example_inputs(model)
+    args = int8_example_inputs(model) if int8 else example_inputs(model)
+    wrapper = Int8KeyValueModel(model) if int8 else FlatKeyValueModel(model)
     batch, sequence, past, total = "batch", "sequence", "past_sequence", "total_sequence"
     kv_shape = {0: batch, 2: past}
     dynamic_shapes = (
         {0: batch, 1: sequence},
         {0: batch, 1: total},
         {0: batch, 1: sequence},
-        tuple([kv_shape] * (2 * n_layers)),  # the *past varargs arrive as one tuple
+        tuple([kv_shape] * ((4 if int8 else 2) * n_layers)),  # the *past varargs arrive as one tuple
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            FlatKeyValueModel(model),
+            wrapper,
             args,
             dynamo=True,
-            input_names=input_names(n_layers),
-            output_names=output_names(n_layers, new_only),
+            input_names=input_names(n_layers, int8),
+            output_names=output_names(n_layers, new_only or int8),
             dynamic_shapes=dynamic_shapes,
             opset_version=OPSET,
             optimize=True,

@@ -1,8 +1,8 @@
 """Building the model repository, as a library: `python -m export` is its command line.
 
 For every scheme with shipped weights: export the float32 graph and the in-place serving
-graph (and both again in float16), write manifest.json and genai_config.json, then optionally
-check parity against PyTorch and evaluate bits per byte.
+graph (and both again in float16) and the int8 cache's serving graph, write manifest.json and
+genai_config.json, then optionally check parity against PyTorch and evaluate bits per byte.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import onnx
 import torch
 from tqdm import tqdm
 
-from contract.manifest import GENAI_CONFIG, MANIFEST, SERVING, SERVING_FP16, serving_variant
+from contract.manifest import GENAI_CONFIG, MANIFEST, SERVING, SERVING_FP16, SERVING_INT8, serving_variant
 from export.evaluate import bits_per_byte, evaluation_sequences
 from export.manifest import build_manifest, genai_config, write_json
 from export.onnx import OPSET, export_onnx
 from export.runtime import OnnxCausalLM
-from export.verify import ParityReport, check_parity, default_prompts, tolerance
+from export.verify import FP32_TOLERANCE, ParityReport, check_int8_graph, check_parity, default_prompts, tolerance
 from models.config import RopeScaling
 from models.corpus import load_corpus
 from models.positional import SCHEMES
@@ -39,6 +39,7 @@ GRAPH_FILES = {
     SERVING: "model.serving.onnx",
     "float16": "model.fp16.onnx",
     SERVING_FP16: "model.serving.fp16.onnx",
+    SERVING_INT8: "model.serving.int8.onnx",
 }
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -65,10 +66,14 @@ class ExportResult:
     export_seconds: float
     parity: list[ParityReport] = field(default_factory=list)
     test_bpb: dict[int, float | None] = field(default_factory=dict)
+    int8_max_abs: float | None = None  # serving-int8 against PyTorch fed the same dequantized cache
 
     def parity_failures(self) -> list[str]:
         """`name variant` of every graph whose parity is outside its dtype's tolerance."""
-        return [f"{p.name} {p.dtype}" for p in self.parity if not p.passed(tolerance(p.dtype))]
+        failures = [f"{p.name} {p.dtype}" for p in self.parity if not p.passed(tolerance(p.dtype))]
+        if self.int8_max_abs is not None and not self.int8_max_abs <= FP32_TOLERANCE:
+            failures.append(f"{self.name} {SERVING_INT8}")
+        return failures
 
 
 def rope_scaled_name(scaling: RopeScaling) -> str:
@@ -87,6 +92,8 @@ def export_model(name: str, model: Transformer, options: ExportOptions, training
             variants[variant] = folder / GRAPH_FILES[variant]
             # A copy each time: export casts the model and the serving layout rewires its layers.
             export_onnx(copy.deepcopy(model), variants[variant], TORCH_DTYPES[dtype], new_only=new_only)
+    variants[SERVING_INT8] = folder / GRAPH_FILES[SERVING_INT8]
+    export_onnx(copy.deepcopy(model), variants[SERVING_INT8], int8=True)
     seconds = time.time() - started
     versions = {"torch": torch.__version__, "onnx": onnx.__version__, "python": sys.version.split()[0]}
     extra = {
@@ -140,6 +147,8 @@ def run(options: ExportOptions) -> list[ExportResult]:
             for dtype in ("float32", "float16")[: 1 + options.fp16]:
                 runtime = OnnxCausalLM(options.out / name, dtype)
                 result.parity.append(check_parity(reference, runtime, default_prompts(TOKENIZER.bos_token_id)))
+            int8_runtime = OnnxCausalLM(options.out / name, SERVING_INT8)
+            result.int8_max_abs = check_int8_graph(reference, int8_runtime, default_prompts(TOKENIZER.bos_token_id))
             runtime = OnnxCausalLM(options.out / name)
             for context in options.eval_contexts:
                 sequences = evaluation_sequences(

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from contract.graph import left_pad_batch
-from contract.manifest import variant_dtype
+from contract.graph import LOGITS, input_names, left_pad_batch, new_kv_names
+from contract.kv_int8 import quantize_numpy
+from contract.manifest import SERVING_INT8, variant_dtype
 from export.runtime import OnnxCausalLM
 from models.transformer import Transformer
 
@@ -91,3 +92,28 @@ def check_parity(model: Transformer, runtime: OnnxCausalLM, prompts: list[list[i
     cached_vs_full = float(np.abs(cached - recomputed).max())
     greedy_equal = bool((cached.argmax(-1) == recomputed.argmax(-1)).all())
     return ParityReport(runtime.manifest.name, runtime.dtype, prefill, decode, cached_vs_full, greedy_equal, steps)
+
+
+@torch.no_grad()
+def check_int8_graph(model: Transformer, runtime: OnnxCausalLM, prompts: list[list[int]]) -> float:
+    """The serving-int8 graph against PyTorch fed the same dequantized cache: each prompt's cache,
+    quantized (contract.kv_int8), then its next token. Returns the max absolute logit difference
+    (within FP32_TOLERANCE: the graph only dequantizes; what int8 costs is measured elsewhere)."""
+    assert runtime.dtype == SERVING_INT8
+    model = model.float().eval()
+    n_layers, worst = model.config.n_layers, 0.0
+    for ids in prompts:
+        _, present = model(torch.tensor([ids[:-1]]))
+        quantized = [quantize_numpy(t.numpy()) for pair in present for t in pair]
+        past = [torch.from_numpy(q.astype(np.float32) * s) for q, s in quantized]
+        mask = np.ones((1, len(ids)), dtype=np.int64)
+        position = np.array([[len(ids) - 1]], dtype=np.int64)
+        token = np.array([[ids[-1]]], dtype=np.int64)
+        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(n_layers)]
+        expected, _ = model(torch.from_numpy(token), torch.from_numpy(mask), torch.from_numpy(position), pairs)
+        feeds = dict(zip(input_names(n_layers, int8=True), [token, mask, position], strict=False))
+        names = input_names(n_layers, int8=True)[3:]
+        feeds.update(zip(names, [q for q, _ in quantized] + [s for _, s in quantized], strict=True))
+        logits, *_ = runtime.session.run([LOGITS, *new_kv_names(n_layers)], feeds)
+        worst = max(worst, float(np.abs(logits - expected.numpy()).max()))
+    return worst

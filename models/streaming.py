@@ -12,6 +12,11 @@ Per step, with n tokens cached before it and t its index in the sequence:
   are already right relative to the query at `t`, and the sink keys are moved by the number of
   evicted tokens (`move_keys`, from the keys as they were before the first eviction, so no
   rounding accumulates). The sinks then sit right before the window, as StreamingLLM re-indexes.
+- `+int8` policies store each token's K/V as the int8 cache does (contract/kv_int8.py: quantized
+  then dequantized, per token and head) once its step is done; the token itself attended with its
+  float32 K/V. Moved rope sinks are quantized again after the move, from the stored anchor.
+  `prompt_tokens` computes the first tokens in one float32 pass, as the service prefills a
+  generation's prompt, and stores their cache quantized after it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from contract import kv_int8
 from contract.cache_policy import CachePolicy
 from models.transformer import KeyValue, Transformer
 
@@ -48,9 +54,26 @@ def _evict(cache: list[KeyValue], sinks: int) -> list[KeyValue]:
     return [(drop(k), drop(v)) for k, v in cache]
 
 
+def fake_quantize(x: Tensor) -> Tensor:
+    """x as the int8 cache stores it (contract.kv_int8, the store's own numpy code), in x's dtype."""
+    return torch.from_numpy(kv_int8.fake_quantize(x.detach().cpu().numpy())).to(x)
+
+
+def _stored(cache: list[KeyValue], policy: CachePolicy, first: int) -> list[KeyValue]:
+    """The cache as the policy's storage holds it: columns from `first` on quantized under +int8."""
+    if not policy.int8:
+        return cache
+
+    def store(x: Tensor) -> Tensor:
+        return torch.cat((x[:, :, :first], fake_quantize(x[:, :, first:])), dim=2)
+
+    return [(store(k), store(v)) for k, v in cache]
+
+
 @torch.no_grad()
-def stream_logits(model: Transformer, ids: list[int], policy: CachePolicy) -> Tensor:
-    """Logits (len(ids), vocab), float32, of `ids` decoded one token at a time under `policy`."""
+def stream_logits(model: Transformer, ids: list[int], policy: CachePolicy, prompt_tokens: int = 1) -> Tensor:
+    """Logits (len(ids), vocab), float32, of `ids` decoded one token at a time under `policy`
+    (the first `prompt_tokens`, at most the budget, in one pass: a prompt as the service prefills it)."""
     device = model.token_embedding.weight.device
     scheme = model.positional
     budget, sinks = policy.budget, policy.sinks
@@ -58,14 +81,20 @@ def stream_logits(model: Transformer, ids: list[int], policy: CachePolicy) -> Te
     anchor: list[Tensor] | None = None  # sink keys per layer before the first eviction (rope)
     evicted = 0
     rows: list[Tensor] = []
-    for t, token in enumerate(ids):
-        n = 0 if cache is None else cache[0][0].shape[2]
+    head = max(1, min(prompt_tokens, len(ids), budget or len(ids)))
+    if ids:
+        logits, cache = model(torch.tensor([ids[:head]], dtype=torch.long, device=device))
+        rows.extend(logits[0].to(torch.float32))
+        cache = _stored(cache, policy, 0)
+    for t, token in enumerate(ids[head:], start=head):
+        assert cache is not None
+        n = cache[0][0].shape[2]
         input_ids = torch.tensor([[token]], dtype=torch.long, device=device)
         mask = torch.ones((1, n + 1), dtype=torch.long, device=device)
         position_ids = torch.tensor([[_query_position(model, t, n)]], dtype=torch.long, device=device)
         logits, presents = model(input_ids, mask, position_ids, past_key_values=cache)
         rows.append(logits[0, -1].to(torch.float32))
-        cache = presents if cache is None else _with_new(cache, presents, n)
+        cache = _stored(_with_new(cache, presents, n), policy, n)
         if budget is None or n < budget:
             continue
         if scheme.rotates_keys and sinks and anchor is None:
@@ -73,16 +102,16 @@ def stream_logits(model: Transformer, ids: list[int], policy: CachePolicy) -> Te
         cache = _evict(cache, sinks)
         evicted += 1
         if anchor is not None:
-            cache = [
-                (torch.cat((scheme.move_keys(a, evicted), k[:, :, sinks:]), dim=2), v)
-                for a, (k, v) in zip(anchor, cache, strict=True)
-            ]
+            moved = [scheme.move_keys(a, evicted) for a in anchor]
+            if policy.int8:
+                moved = [fake_quantize(m) for m in moved]
+            cache = [(torch.cat((m, k[:, :, sinks:]), dim=2), v) for m, (k, v) in zip(moved, cache, strict=True)]
     return torch.stack(rows) if rows else torch.empty((0, model.config.vocab_size))
 
 
-def stream_logprobs(model: Transformer, ids: list[int], policy: CachePolicy) -> np.ndarray:
+def stream_logprobs(model: Transformer, ids: list[int], policy: CachePolicy, prompt_tokens: int = 1) -> np.ndarray:
     """log p(ids[i + 1] | what the cache kept) for i < len(ids) - 1, float32 (len(ids) - 1,)."""
-    logits = stream_logits(model, ids, policy)
+    logits = stream_logits(model, ids, policy, prompt_tokens)
     if len(ids) < 2:
         return np.zeros(0, dtype=np.float32)
     logprobs = torch.log_softmax(logits[:-1].to(torch.float32), dim=-1)

@@ -166,7 +166,10 @@ class ModelEngine:
     @property
     def cache_policy_forms(self) -> list[str]:
         """The policies this model accepts, as ListModels shows them."""
-        return ["full"] if self.manifest.cache_eviction is None else ["full", "window:W", "sinks:S+window:W"]
+        forms = ["full"] if self.manifest.cache_eviction is None else ["full", "window:W", "sinks:S+window:W"]
+        if self.manifest.has_int8_cache:
+            forms += ["int8", *(f"{form}+int8" for form in forms[1:])]
+        return forms
 
     @property
     def eviction_positions(self) -> str:

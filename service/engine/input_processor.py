@@ -73,6 +73,12 @@ class InputProcessor:
                 f"{POLICY_FIELD}: model {self.manifest.name!r} was exported before cache policies and serves "
                 "only full; re-export it (python -m export)",
             )
+        if policy.int8 and not self.manifest.has_int8_cache:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"{POLICY_FIELD}: model {self.manifest.name!r} was exported without the int8 cache graph "
+                "(serving-int8); re-export it (python -m export)",
+            )
         return policy
 
     def generate(self, raw: GenerateInput) -> tuple[list[int], SamplingParams, CachePolicy]:

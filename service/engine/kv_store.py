@@ -13,6 +13,13 @@ with the old array still alive while a class is re-allocated, above the budget. 
 on the array's own device (numpy on the host, or torch tensors on CPU or CUDA, bound to ONNX
 Runtime by data pointer), so joins, moves, leaves and each step's new column never cross the bus.
 
+Int8 rows (the `+int8` cache policies, contract/kv_int8.py) live in classes of their own storage
+kind, so a class's arrays have one dtype: int8 K/V (2 x layers, rows, heads, C, head_dim) plus their
+float32 scales (2 x layers, rows, heads, C, 1), bound to the serving-int8 graph. The kind-specific
+part is `FloatRows` / `Int8Rows`: what a class allocates, how float K/V are written into it (an int8
+class quantizes them), and how its rows read back as float; row moves, shifts and copies go over
+each of its arrays alike. Bytes are the real ones (values plus scales) in the budget and the stats.
+
 Measured side by side before choosing (`python -m service.bench`): one left-padded batch wastes
 most of its memory with mixed lengths; a block pool gathered inside the graph would copy the whole
 batch cache every step; classes keep today's in-place graph and cost one graph call per class.
@@ -28,12 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from contract.manifest import DTYPE_BYTES
+from contract.kv_int8 import QMAX, SCALE_DTYPE, dequantize, quantize_numpy
+from contract.manifest import DTYPE_BYTES, INT8_SCALE_BYTES
 
 Array = Any  # np.ndarray or torch.Tensor, as the backend makes them
 
 GROWTH = 1.25  # capacity ratio between neighbouring classes: a row is >= 1/GROWTH full
 SMALLEST_CLASS_BLOCKS = 4
+INT8 = "int8"  # the storage kind of int8 rows (float rows' kind is the layout's dtype)
 _VERSIONS = itertools.count()  # binding versions, unique across re-made classes
 
 
@@ -57,6 +66,80 @@ class KVLayout:
     @property
     def token_bytes(self) -> int:
         return self.tensors * self.n_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def kind_token_bytes(self, kind: str) -> int:
+        """One token's bytes in rows of a storage kind (INT8: int8 values plus a float32 scale per head)."""
+        if kind == INT8:
+            return self.tensors * self.n_heads * (self.head_dim + INT8_SCALE_BYTES)
+        return self.token_bytes
+
+
+@dataclass(frozen=True)
+class Int8KV:
+    """A row's cache as an int8 class holds it: values (..., head_dim) int8 and scales (..., 1) float32.
+    Moves between int8 classes carry it as it is (no re-quantization)."""
+
+    values: Array
+    scales: Array
+
+    def __getitem__(self, index: Any) -> Int8KV:
+        return Int8KV(self.values[index], self.scales[index])
+
+
+class FloatRows:
+    """A class's K/V in the layout's float dtype: one array, written and read as it is."""
+
+    def __init__(self, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> None:
+        self.dtype = layout.dtype
+        self.cache = backend.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), layout.dtype)
+        self.arrays = [self.cache]
+
+    def encode(self, kv: Array) -> list[Array]:
+        """Float K/V as this storage's arrays hold them."""
+        return [dequantize(kv.values, kv.scales) if isinstance(kv, Int8KV) else kv]
+
+    def read(self, index: Any) -> Array:
+        """Stored K/V at `index` as float."""
+        return self.cache[index]
+
+    def raw(self, index: Any) -> Array:
+        """Stored K/V at `index` as another class of this kind takes it (`write`)."""
+        return self.cache[index]
+
+
+class Int8Rows:
+    """A class's K/V as int8 with float32 per-token scales: float K/V are quantized when written,
+    and read back dequantized (float32)."""
+
+    def __init__(self, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> None:
+        shape = (layout.tensors, rows, layout.n_heads, capacity)
+        self.dtype = "float32"
+        self.cache = backend.zeros((*shape, layout.head_dim), INT8)
+        self.scales = backend.zeros((*shape, 1), SCALE_DTYPE)
+        self.arrays = [self.cache, self.scales]
+        self._quantize = backend.quantize
+
+    def encode(self, kv: Array) -> list[Array]:
+        if isinstance(kv, Int8KV):
+            return [kv.values, kv.scales]
+        return list(self._quantize(kv))
+
+    def read(self, index: Any) -> Array:
+        return dequantize(self.cache[index], self.scales[index])
+
+    def raw(self, index: Any) -> Int8KV:
+        return Int8KV(self.cache[index], self.scales[index])
+
+
+Rows = FloatRows | Int8Rows
+
+
+def make_rows(kind: str, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> Rows:
+    if kind == INT8:
+        return Int8Rows(backend, layout, rows, capacity)
+    if kind != layout.dtype:
+        raise ValueError(f"storage kind must be {layout.dtype} or {INT8}, got {kind!r}")
+    return FloatRows(backend, layout, rows, capacity)
 
 
 class NumpyArrays:
@@ -93,6 +176,10 @@ class NumpyArrays:
     def copy(self, array: np.ndarray) -> np.ndarray:
         return array.copy()
 
+    def quantize(self, array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """int8 values and float32 per-token scales (contract.kv_int8)."""
+        return quantize_numpy(array)
+
 
 class TorchArrays:
     """torch tensors on a device (CUDA in production; CPU in CI, to run the GPU path's code),
@@ -105,7 +192,7 @@ class TorchArrays:
         self.device = torch.device(device)
         self.device_type = self.device.type
         self.device_id = self.device.index or 0
-        self._dtypes = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64}
+        self._dtypes = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, INT8: torch.int8}
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Array:
         return self.torch.zeros(shape, dtype=self._dtypes[dtype], device=self.device)
@@ -136,6 +223,14 @@ class TorchArrays:
 
     def copy(self, array: Array) -> Array:
         return array.clone()
+
+    def quantize(self, array: Array) -> tuple[Array, Array]:
+        """contract.kv_int8.quantize_numpy in torch, on the array's device (the same rounding: half to even)."""
+        torch = self.torch
+        array = array.to(torch.float32)
+        top = array.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(top > 0, top / QMAX, torch.ones_like(top))
+        return torch.clamp(torch.round(array / scale), -QMAX, QMAX).to(torch.int8), scale
 
 
 Backend = NumpyArrays | TorchArrays
@@ -170,14 +265,23 @@ class RowPolicy:
 
 
 class CapacityClass:
-    """One dense in-place batch: rows of `capacity` token columns, members in rows [0, B)."""
+    """One dense in-place batch: rows of `capacity` token columns, members in rows [0, B), stored
+    as `kind` (the layout's dtype, or INT8)."""
 
     def __init__(
-        self, backend: Backend, layout: KVLayout, capacity: int, rows: int, rotary_inv_freq: np.ndarray | None = None
+        self,
+        backend: Backend,
+        layout: KVLayout,
+        capacity: int,
+        rows: int,
+        rotary_inv_freq: np.ndarray | None = None,
+        kind: str | None = None,
     ) -> None:
         self.backend, self.layout, self.capacity = backend, layout, capacity
+        self.kind = kind or layout.dtype
         self.rotary_inv_freq = rotary_inv_freq
-        self.cache = backend.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), layout.dtype)
+        self.storage = make_rows(self.kind, backend, layout, rows, capacity)
+        self.cache = self.storage.cache  # (2 x layers, rows, heads, capacity, head_dim)
         # mask: (rows, capacity + 1); the last column is the token fed by the step, always 1.
         self.mask = backend.zeros((rows, capacity + 1), "int64")
         self.mask[:, capacity] = 1
@@ -193,12 +297,26 @@ class CapacityClass:
         self.version = next(_VERSIONS)  # new whenever arrays or membership change (a binding is stale)
 
     @property
+    def key(self) -> tuple[int, str]:
+        return self.capacity, self.kind
+
+    @property
+    def arrays(self) -> list[Array]:
+        """The cache arrays the graph reads: K/V (and, for INT8, their scales), rows on axis 1."""
+        return self.storage.arrays
+
+    def _put(self, index: Any, kv: Array, view: Any = None) -> None:
+        """Float K/V (or this kind's own raw rows) into the cache arrays at `index`."""
+        for array, part in zip(self.storage.arrays, self.storage.encode(kv), strict=True):
+            array[index] = part if view is None else view(part)
+
+    @property
     def rows(self) -> int:
         return int(self.lengths.shape[0])
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.capacity * self.layout.token_bytes
+        return self.rows * self.capacity * self.layout.kind_token_bytes(self.kind)
 
     @property
     def free_rows(self) -> int:
@@ -207,7 +325,8 @@ class CapacityClass:
     def copy_members_from(self, old: CapacityClass) -> None:
         """Take over `old`'s members and reservations (same capacity, at least as many rows)."""
         batch = len(old.members)
-        self.cache[:, :batch] = old.cache[:, :batch]
+        for new, previous in zip(self.arrays, old.arrays, strict=True):
+            new[:, :batch] = previous[:, :batch]
         self.mask[:batch] = old.mask[:batch]
         self.positions[:batch] = old.positions[:batch]
         self.lengths[:batch] = old.lengths[:batch]
@@ -215,10 +334,11 @@ class CapacityClass:
         self.policies, self.bounded = list(old.policies), old.bounded
 
     def write(self, sequence_id: str, kv: Array, length: int, policy: RowPolicy | None = None) -> None:
-        """A reserved sequence's cache (tensors, heads, length, head_dim) becomes the next member row."""
+        """A reserved sequence's cache (tensors, heads, length, head_dim), float or this kind's own
+        (`row_cache` of a class of this kind), becomes the next member row."""
         policy = policy or RowPolicy()
         row = len(self.members)
-        self.cache[:, row, :, :length] = kv
+        self._put((slice(None), row, slice(None), slice(None, length)), kv)
         self.mask[row, : self.capacity] = 0
         self.mask[row, :length] = 1
         self.positions[row, 0] = length + (policy.evicted if policy.original_positions else 0)
@@ -229,14 +349,16 @@ class CapacityClass:
         self._changed()
 
     def row_cache(self, row: int) -> Array:
-        return self.cache[:, row, :, : int(self.lengths[row])]
+        """A member's cache as a class of this kind takes it (for INT8, `Int8KV`)."""
+        return self.storage.raw((slice(None), row, slice(None), slice(None, int(self.lengths[row]))))
 
     def remove(self, sequence_id: str) -> None:
         """A member leaves: the last row moves into its place (one row's copy)."""
         row = self.members.index(sequence_id)
         last = len(self.members) - 1
         if row != last:
-            self.cache[:, row] = self.cache[:, last]
+            for array in self.arrays:
+                array[:, row] = array[:, last]
             self.mask[row] = self.mask[last]
             self.positions[row] = self.positions[last]
             self.lengths[row] = self.lengths[last]
@@ -259,11 +381,11 @@ class CapacityClass:
         evicted = self._evict_full_rows() if self.bounded else False
         if self.uniform:
             column = int(self.lengths[0])
-            self.cache[:, :batch, :, column] = new_kv[:, :, :, 0]
+            self._put((slice(None), slice(None, batch), slice(None), column), new_kv[:, :, :, 0])
             self.mask[:batch, column] = 1
         else:
             rows, columns = self.row_index[:batch], self.backend.upload(self.lengths[:batch])
-            self.cache[:, rows, :, columns] = self.backend.rows_first(new_kv[:, :, :, 0])
+            self._put((slice(None), rows, slice(None), columns), new_kv[:, :, :, 0], self.backend.rows_first)
             self.mask[rows, columns] = 1
         self.lengths[:batch] += 1
         if evicted:
@@ -277,12 +399,14 @@ class CapacityClass:
         for row in full:
             policy, length = self.policies[row], int(self.lengths[row])
             sinks = policy.sinks
-            self.cache[:, row, :, sinks : length - 1] = self.backend.copy(self.cache[:, row, :, sinks + 1 : length])
+            for array in self.arrays:
+                array[:, row, :, sinks : length - 1] = self.backend.copy(array[:, row, :, sinks + 1 : length])
             self.lengths[row] = length - 1
             if sinks and self.rotary_inv_freq is not None:
-                if policy.anchor is None:
-                    policy.anchor = self.backend.copy(self.cache[0::2, row, :, :sinks])
-                self.cache[0::2, row, :, :sinks] = self._rotate(policy.anchor, policy.evicted + 1)
+                keys = (slice(0, None, 2), row, slice(None), slice(None, sinks))
+                if policy.anchor is None:  # as stored (INT8: dequantized), before the first move
+                    policy.anchor = self.backend.copy(self.storage.read(keys))
+                self._put(keys, self._rotate(policy.anchor, policy.evicted + 1))
             policy.evicted += 1
         if full:
             batch = len(self.members)
@@ -295,7 +419,7 @@ class CapacityClass:
         assert self.rotary_inv_freq is not None
         angles = offset * self.rotary_inv_freq  # float64: exact up to fp32 rounding at any offset
         emb = np.concatenate((angles, angles))
-        dtype = self.layout.dtype
+        dtype = self.storage.dtype
         cos, sin = self.backend.upload(np.cos(emb).astype(dtype)), self.backend.upload(np.sin(emb).astype(dtype))
         half = keys.shape[-1] // 2
         rotated_half = self.backend.concatenate([-keys[..., half:], keys[..., :half]], axis=-1)
@@ -356,8 +480,10 @@ class KVStore:
                 f"kv cache budget {budget_bytes} bytes cannot hold one sequence of {max_tokens} tokens "
                 f"(needs at least {minimum} bytes)"
             )
-        self.classes: dict[int, CapacityClass] = {}
+        self.classes: dict[int, CapacityClass] = {}  # float rows (the layout's dtype), by capacity
+        self.kinds: dict[str, dict[int, CapacityClass]] = {layout.dtype: self.classes, INT8: {}}
         self.capacity_of: dict[str, int] = {}  # sequence -> the capacity of its class
+        self.kind_of: dict[str, str] = {}  # sequence -> the storage kind of its class
         self.tokens: dict[str, int] = {}  # sequence -> tokens reserved
         self.physical_bytes = 0
         self.peak_physical_bytes = 0
@@ -375,32 +501,37 @@ class KVStore:
                 return capacity
         raise ValueError(f"{tokens} tokens exceed the store's max_tokens={self.max_tokens}")
 
+    def _class_of(self, sequence_id: str) -> CapacityClass | None:
+        capacity = self.capacity_of.get(sequence_id)
+        return None if capacity is None else self.kinds[self.kind_of[sequence_id]].get(capacity)
+
     # ------------------------------------------------------------------ accounting = allocation
 
-    def reserve(self, sequence_id: str, tokens: int) -> bool:
+    def reserve(self, sequence_id: str, tokens: int, int8: bool = False) -> bool:
         """Make room for `tokens` tokens of the sequence: a row for a new one (written later by
-        `write`), a move to a wider class when its row is full. False, with nothing changed, when
-        that would take the allocated memory above the budget."""
+        `write`; `int8`: in an int8 class), a move to a wider class of its kind when its row is
+        full. False, with nothing changed, when that would take the allocated memory above the budget."""
         if tokens > self.max_tokens:
             return False
         current = self.capacity_of.get(sequence_id)
+        kind = self.kind_of.get(sequence_id) or (INT8 if int8 else self.layout.dtype)
         if current is not None and current >= tokens:
             self.tokens[sequence_id] = max(tokens, self.tokens.get(sequence_id, 0))
             return True
         target = self.class_for(tokens)
-        moving = self.classes.get(current) if current is not None else None
+        moving = self._class_of(sequence_id)
         # Members of the source class as full as this one move this step too: one re-allocation.
         companions = 0
         if moving is not None and sequence_id in moving.members:
             companions = int((moving.lengths[: len(moving.members)] >= moving.capacity).sum()) - 1
-        destination = self._room(target, 1 + max(companions, 0))
+        destination = self._room(target, 1 + max(companions, 0), kind)
         if destination is None:
             self.trim(all_spare=True)
-            destination = self._room(target, 1 + max(companions, 0))
+            destination = self._room(target, 1 + max(companions, 0), kind)
             if destination is None:
                 return False
         destination.reserved.add(sequence_id)
-        source = self.classes.get(current) if current is not None else None  # trim may have re-made it
+        source = self._class_of(sequence_id)  # trim may have re-made it
         if source is not None:
             if sequence_id in source.members:  # a move: the row's cache goes with it, on the device
                 row = source.members.index(sequence_id)
@@ -410,59 +541,68 @@ class KVStore:
                 source.reserved.discard(sequence_id)
             self._release_if_empty(source)
         self.capacity_of[sequence_id] = target
+        self.kind_of[sequence_id] = kind
         self.tokens[sequence_id] = max(tokens, self.tokens.get(sequence_id, 0))
         return True
 
-    def _room(self, capacity: int, rows_needed: int) -> CapacityClass | None:
+    def _room(self, capacity: int, rows_needed: int, kind: str) -> CapacityClass | None:
         """The class with a free row, grown if it must be (`rows_needed` rows are about to be taken):
         with an eighth more rows of headroom if that fits, else exactly."""
-        existing = self.classes.get(capacity)
+        existing = self.kinds[kind].get(capacity)
         if existing is not None and existing.free_rows > 0:
             return existing
         held = 0 if existing is None else existing.rows - existing.free_rows
         wanted = held + rows_needed
         for rows in dict.fromkeys((wanted + wanted // 8, wanted, held + 1)):
-            grown = self._reallocate(capacity, rows)
+            grown = self._reallocate(capacity, rows, kind)
             if grown is not None:
                 return grown
         return None
 
-    def _reallocate(self, capacity: int, rows: int) -> CapacityClass | None:
+    def _reallocate(self, capacity: int, rows: int, kind: str) -> CapacityClass | None:
         """A new array for the class with `rows` rows, members copied over; None if the old and the
         new array together would exceed the budget."""
-        old = self.classes.get(capacity)
-        new_bytes = rows * capacity * self.layout.token_bytes
+        old = self.kinds[kind].get(capacity)
+        new_bytes = rows * capacity * self.layout.kind_token_bytes(kind)
         if self.physical_bytes + new_bytes > self.capacity_bytes:
             return None
         self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes + new_bytes)
-        fresh = CapacityClass(self.backend, self.layout, capacity, rows, self.rotary_inv_freq)
+        fresh = CapacityClass(self.backend, self.layout, capacity, rows, self.rotary_inv_freq, kind)
         if old is not None:
             fresh.copy_members_from(old)
             self.physical_bytes -= old.nbytes
-        self.classes[capacity] = fresh
+        self.kinds[kind][capacity] = fresh
         self.physical_bytes += fresh.nbytes
         return fresh
 
     def _release_if_empty(self, klass: CapacityClass) -> None:
         if not klass.members and not klass.reserved:
             self.physical_bytes -= klass.nbytes
-            del self.classes[klass.capacity]
+            del self.kinds[klass.kind][klass.capacity]
+
+    def all_classes(self) -> list[CapacityClass]:
+        return [klass for classes in self.kinds.values() for klass in classes.values()]
+
+    def has_class(self, key: tuple[int, str]) -> bool:
+        capacity, kind = key
+        return capacity in self.kinds[kind]
 
     def trim(self, all_spare: bool = False) -> None:
         """Give back spare rows where more than a quarter of a class is spare (`all_spare`: every
         spare row, when memory ran out), if the copy fits beside the old array."""
-        for klass in list(self.classes.values()):
+        for klass in self.all_classes():
             held = klass.rows - klass.free_rows
             if all_spare and held and klass.free_rows:
-                self._reallocate(klass.capacity, held)
+                self._reallocate(klass.capacity, held, klass.kind)
             elif held and klass.free_rows > max(1, klass.rows // 4):
-                self._reallocate(klass.capacity, held + held // 8)
+                self._reallocate(klass.capacity, held + held // 8, klass.kind)
 
     def free(self, sequence_id: str) -> None:
         """The sequence is done (finished, aborted or preempted): its row is free at once."""
-        capacity = self.capacity_of.pop(sequence_id, None)
+        klass = self._class_of(sequence_id)
+        self.capacity_of.pop(sequence_id, None)
+        self.kind_of.pop(sequence_id, None)
         self.tokens.pop(sequence_id, None)
-        klass = self.classes.get(capacity) if capacity is not None else None
         if klass is None:
             return
         if sequence_id in klass.members:
@@ -471,21 +611,24 @@ class KVStore:
         self._release_if_empty(klass)
 
     def write(self, sequence_id: str, kv: Array, length: int, policy: RowPolicy | None = None) -> None:
-        """A prefilled prompt's cache, (tensors, heads, length, head_dim), into its reserved row."""
-        capacity = self.capacity_of.get(sequence_id)
-        if capacity is None or sequence_id not in self.classes[capacity].reserved:
+        """A prefilled prompt's cache, (tensors, heads, length, head_dim), into its reserved row
+        (float K/V, quantized there for an int8 row; or an int8 row's own `Int8KV`)."""
+        klass = self._class_of(sequence_id)
+        if klass is None or sequence_id not in klass.reserved:
             raise KeyError(f"sequence {sequence_id!r} holds no reserved row")
-        if length > capacity:
-            raise ValueError(f"sequence {sequence_id!r}: {length} tokens exceed its row of {capacity}")
-        self.classes[capacity].write(sequence_id, kv, length, policy)
+        if length > klass.capacity:
+            raise ValueError(f"sequence {sequence_id!r}: {length} tokens exceed its row of {klass.capacity}")
+        klass.write(sequence_id, kv, length, policy)
 
     # ------------------------------------------------------------------ reading
 
     def batches(self) -> Iterator[CapacityClass]:
-        """Classes with members, narrowest first: one graph call each per decode step."""
-        for capacity in sorted(self.classes):
-            if self.classes[capacity].members:
-                yield self.classes[capacity]
+        """Classes with members, float ones then int8 ones, each narrowest first: one graph call
+        each per decode step."""
+        for classes in self.kinds.values():
+            for capacity in sorted(classes):
+                if classes[capacity].members:
+                    yield classes[capacity]
 
     def members(self) -> list[str]:
         return [sequence for klass in self.batches() for sequence in klass.members]
@@ -499,17 +642,21 @@ class KVStore:
         return list(self.capacity_of)
 
     def length(self, sequence_id: str) -> int:
-        klass = self.classes[self.capacity_of[sequence_id]]
+        klass = self._class_of(sequence_id)
+        assert klass is not None, f"sequence {sequence_id!r} holds no row"
         return int(klass.lengths[klass.members.index(sequence_id)])
 
     def stats(self) -> StoreStats:
-        used_blocks = sum(-(-tokens // self.block_size) for tokens in self.tokens.values())
+        used_bytes = sum(
+            -(-tokens // self.block_size) * self.block_size * self.layout.kind_token_bytes(self.kind_of[sequence])
+            for sequence, tokens in self.tokens.items()
+        )
         return StoreStats(
             used_tokens=sum(self.tokens.values()),
-            used_bytes=used_blocks * self.block_bytes,
+            used_bytes=used_bytes,
             physical_bytes=self.physical_bytes,
             peak_physical_bytes=self.peak_physical_bytes,
             capacity_bytes=self.capacity_bytes,
             sequences=len(self.capacity_of),
-            classes=len(self.classes),
+            classes=len(self.all_classes()),
         )

@@ -6,6 +6,11 @@ CI). Decode runs the in-place serving graph (float32, or float16 on a GPU) once 
 class of the store: the graph reads each class's cache where it lies and returns only the new
 token's K/V, which the store writes into the next column of each row on the same device.
 
+Rows of `+int8` cache policies live in int8 classes of the store and decode through the
+serving-int8 graph (int8 K/V and their per-token scales in, float32 out; a decode session of its
+own). Prompts run in float32 as any prompt; their cache is quantized as it is written into the row.
+A scored text goes through an int8 row one token at a time (each token sees the int8 cache).
+
 Prompts run in a second session (the prefill worker's, in its own thread) and touch no store
 state; their caches are written into the rows the scheduler reserved, on the engine thread.
 """
@@ -22,10 +27,19 @@ import numpy as np
 import onnxruntime as ort
 
 from contract.cache_policy import CachePolicy
-from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, left_pad_batch, new_kv_names, past_names
+from contract.graph import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LOGITS,
+    POSITION_IDS,
+    cache_input_names,
+    left_pad_batch,
+    new_kv_names,
+)
 from contract.graph import target_logprobs as log_probabilities
-from contract.manifest import NP_DTYPES, Manifest, serving_variant
+from contract.manifest import NP_DTYPES, SERVING_INT8, Manifest, serving_variant
 from service.engine.kv_store import (
+    INT8,
     Array,
     Backend,
     CapacityClass,
@@ -38,7 +52,7 @@ from service.engine.kv_store import (
 
 logger = logging.getLogger(__name__)
 
-ORT_DTYPES = {**NP_DTYPES, "int64": np.int64}
+ORT_DTYPES = {**NP_DTYPES, "int64": np.int64, "int8": np.int8}
 
 
 def choose_providers(device: str) -> list[str]:
@@ -114,6 +128,15 @@ class StreamedPrompt(PrefilledPrompt):
 STREAM_TOKENS_PER_YIELD = 64
 
 
+@dataclass(frozen=True)
+class CacheGraph:
+    """The serving graph that reads classes of one storage kind, and how their arrays feed it."""
+
+    variant: str
+    dtype: str  # of its activations and outputs (logits, new K/V)
+    cache_names: list[list[str]]  # input names per cache array of the class (K/V; INT8: also scales)
+
+
 @dataclass
 class _DecodeCall:
     """A class's decode call, bound once for its current arrays and batch size."""
@@ -178,18 +201,24 @@ class ModelRunner:
         self.eviction = manifest.cache_eviction
         rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
         self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)
+        # The graph of each storage kind: the float serving graph, and serving-int8 when exported.
+        self.graphs = {self.dtype: CacheGraph(self.variant, self.dtype, cache_input_names(manifest.n_layers))}
+        if manifest.has_int8_cache:
+            self.graphs[INT8] = CacheGraph(SERVING_INT8, "float32", cache_input_names(manifest.n_layers, int8=True))
         self.threads = threads or default_threads()
         self.prefill_threads = threads or os.cpu_count() or 1
-        self.session = self._session(self.threads, arena=True)  # the decode calls (engine thread)
+        # The decode calls (engine thread), one session per storage kind.
+        self.sessions = {kind: self._session(self.threads, True, graph.variant) for kind, graph in self.graphs.items()}
+        self.session = self.sessions[self.dtype]
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
+        self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
         if open_prefill_session:
             self.open_prefill_session()
-        self.past_names = past_names(manifest.n_layers)
         self.new_names = new_kv_names(manifest.n_layers)
         self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
         self.timings = RunnerTimings()
-        self._calls: dict[int, _DecodeCall] = {}  # by class capacity
+        self._calls: dict[tuple[int, str], _DecodeCall] = {}  # by class (capacity, kind)
         # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
@@ -197,24 +226,29 @@ class ModelRunner:
     def open_prefill_session(self) -> None:
         """(Re)create the prompt session from the calling thread: ONNX Runtime's pool threads
         inherit that thread's OS priority."""
-        self.prefill_session = self._session(self.prefill_threads, arena=False)
+        self.prefill_sessions = {
+            kind: self._session(self.prefill_threads, False, graph.variant) for kind, graph in self.graphs.items()
+        }
+        self.prefill_session = self.prefill_sessions[self.dtype]
 
-    def _session(self, threads: int, arena: bool) -> ModelSession:
-        path = str(self.manifest.onnx_path(self.variant))
+    def _session(self, threads: int, arena: bool, variant: str) -> ModelSession:
+        path = str(self.manifest.onnx_path(variant))
         return ModelSession(path, self.providers, threads, arena, self.backend)
 
     # ------------------------------------------------------------------ prompts (any thread)
 
     def _bind(
-        self, session: ModelSession, ids: Array, mask: Array, positions: Array, past: Array
+        self, session: ModelSession, ids: Array, mask: Array, positions: Array, past: list[Array], kind: str
     ) -> tuple[ort.IOBinding, Array, Array]:
-        """A graph call bound to these inputs (`past`: (2L, B, heads, P, hd)) and to new output
-        arrays for logits (B, T, vocab) and the new tokens' K/V (2L, B, heads, T, hd)."""
-        layout, batch, width = self.layout, ids.shape[0], ids.shape[1]
-        new_kv = self.backend.zeros((layout.tensors, batch, layout.n_heads, width, layout.head_dim), self.dtype)
-        logits = self.backend.zeros((batch, width, self.manifest.vocab_size), self.dtype)
+        """A graph call bound to these inputs (`past`: the cache arrays of a `kind` class, each
+        (2L, B, heads, P, hd or 1)) and to new output arrays for logits (B, T, vocab) and the new
+        tokens' K/V (2L, B, heads, T, hd)."""
+        layout, batch, width, graph = self.layout, ids.shape[0], ids.shape[1], self.graphs[kind]
+        new_kv = self.backend.zeros((layout.tensors, batch, layout.n_heads, width, layout.head_dim), graph.dtype)
+        logits = self.backend.zeros((batch, width, self.manifest.vocab_size), graph.dtype)
         inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
-        inputs.update(zip(self.past_names, past, strict=True))
+        for names, array in zip(graph.cache_names, past, strict=True):
+            inputs.update(zip(names, array, strict=True))
         outputs = {LOGITS: logits, **dict(zip(self.new_names, new_kv, strict=True))}
         return session.bind(inputs, outputs), logits, new_kv
 
@@ -229,7 +263,7 @@ class ModelRunner:
         if past is None:
             past = backend.zeros((layout.tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
-        binding, logits, new_kv = self._bind(session, *inputs, past)
+        binding, logits, new_kv = self._bind(session, *inputs, [past], self.dtype)
         session.run(binding)
         host_logits = backend.download(logits[:, -1:] if last_only else logits)
         return host_logits.astype(np.float32), new_kv
@@ -281,10 +315,12 @@ class ModelRunner:
     def score(self, token_ids: list[int], policy: CachePolicy | None = None) -> Scored:
         """Teacher-forced log-probabilities of token_ids[1:] and the greedy prediction at each
         position (one call, outside the store; a text longer than a bounded policy's budget
-        streams through it, one token at a time past the budget)."""
+        streams through it, one token at a time past the budget; under an int8 policy every token
+        after the first, so each sees the int8 cache of the ones before it)."""
         inputs = token_ids[:-1]
-        if policy is not None and policy.bounded and len(inputs) > policy.cached(len(inputs)):
-            *_, streamed = self.stream_through_policy("score", inputs, policy, len(inputs), keep_logits=True)
+        head = 1 if policy is not None and policy.int8 else None
+        if policy is not None and len(inputs) > (head or policy.cached(len(inputs))):
+            *_, streamed = self.stream_through_policy("score", inputs, policy, len(inputs), True, head)
             assert streamed is not None and streamed.all_logits is not None
             logits = streamed.all_logits
         else:
@@ -301,15 +337,24 @@ class ModelRunner:
         return RowPolicy(policy.budget or 0, policy.sinks, self.eviction.feeds_original_positions)
 
     def stream_through_policy(
-        self, request_id: str, token_ids: list[int], policy: CachePolicy, chunk_tokens: int, keep_logits: bool = False
+        self,
+        request_id: str,
+        token_ids: list[int],
+        policy: CachePolicy,
+        chunk_tokens: int,
+        keep_logits: bool = False,
+        head_tokens: int | None = None,
     ) -> Iterator[StreamedPrompt | None]:
         """A prompt longer than a bounded policy's budget B, as the policy sees it: its first B tokens
-        in chunks (nothing is evicted yet), then one token per graph call through a private row
-        that evicts as the store's rows do. Yields None between pieces of work (after every chunk,
-        and every STREAM_TOKENS_PER_YIELD tokens), then the result."""
-        budget = policy.budget
-        assert budget is not None and len(token_ids) > budget
-        session = self.prefill_session
+        (or `head_tokens`) in float32 chunks (nothing is evicted yet), then one token per graph call
+        through a private row of the policy's storage kind that evicts (and quantizes) as the store's
+        rows do. Yields None between pieces of work (after every chunk, and every
+        STREAM_TOKENS_PER_YIELD tokens), then the result."""
+        capacity = policy.cached(len(token_ids))
+        budget = capacity if head_tokens is None else min(head_tokens, capacity)
+        assert len(token_ids) > budget
+        kind = INT8 if policy.int8 else self.dtype
+        session = self.prefill_sessions.get(kind)
         assert session is not None, "open_prefill_session() first"
         head = token_ids[:budget]
         kept: list[np.ndarray] = []
@@ -327,9 +372,9 @@ class ModelRunner:
             past = new_kv if past is None else self.backend.concatenate([past, new_kv], axis=3)
             yield None
         assert past is not None
-        row = CapacityClass(self.backend, self.layout, budget, 1, self.store.rotary_inv_freq)
+        row = CapacityClass(self.backend, self.layout, capacity, 1, self.store.rotary_inv_freq, kind)
         row.write(request_id, past[:, 0], len(head), self.row_policy(policy))
-        binding, step_logits, new_kv = self._bind(session, row.input_ids, row.mask, row.positions, row.cache)
+        binding, step_logits, new_kv = self._bind(session, row.input_ids, row.mask, row.positions, row.arrays, kind)
         for done, token in enumerate(token_ids[budget:], start=1):
             self._set_ids(row.input_ids[:, 0], np.asarray([token], dtype=np.int64))
             session.run(binding)
@@ -362,7 +407,7 @@ class ModelRunner:
             started = time.perf_counter()
             call = self._decode_call(klass)
             self._set_ids(klass.input_ids[:batch, 0], fed)
-            self.session.run(call.binding)
+            self.sessions[klass.kind].run(call.binding)
             after_graph = time.perf_counter()
             klass.append_step(call.new_kv)
             logits = self.backend.download(call.logits[:, -1]).astype(np.float32)  # a copy: the buffer is reused
@@ -380,18 +425,20 @@ class ModelRunner:
     def _decode_call(self, klass: CapacityClass) -> _DecodeCall:
         """The class's decode call bound to the leading rows of its arrays and preallocated
         outputs, re-made only when the class is re-allocated or its membership changes."""
-        call = self._calls.get(klass.capacity)
+        call = self._calls.get(klass.key)
         if call is not None and call.version == klass.version:
             return call
         batch = len(klass.members)
+        past = [array[:, :batch] for array in klass.arrays]
+        session = self.sessions[klass.kind]
         binding, logits, new_kv = self._bind(
-            self.session, klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch], klass.cache[:, :batch]
+            session, klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch], past, klass.kind
         )
         call = _DecodeCall(klass.version, binding, new_kv, logits)
-        self._calls[klass.capacity] = call
+        self._calls[klass.key] = call
         return call
 
     def forget_calls(self, everything: bool = False) -> None:
         """Drop the bindings (and output buffers) of classes that no longer exist, or all of them."""
-        for capacity in [c for c in self._calls if everything or c not in self.store.classes]:
-            del self._calls[capacity]
+        for key in [key for key in self._calls if everything or not self.store.has_class(key)]:
+            del self._calls[key]

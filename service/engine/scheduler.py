@@ -23,7 +23,7 @@ class QueueFullError(RuntimeError):
 class KVAllocator(Protocol):
     """What the scheduler needs of the KV store: allocation that is the memory, and release."""
 
-    def reserve(self, sequence_id: str, tokens: int) -> bool: ...
+    def reserve(self, sequence_id: str, tokens: int, int8: bool = False) -> bool: ...
 
     def free(self, sequence_id: str) -> None: ...
 
@@ -89,7 +89,8 @@ class Scheduler:
         # 2. New requests (and preempted ones) in arrival order: a row for the prompt and its first token.
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
-            if not self.kv.reserve(request.request_id, request.cache_policy.cached(request.prefill_length + 1)):
+            policy = request.cache_policy
+            if not self.kv.reserve(request.request_id, policy.cached(request.prefill_length + 1), policy.int8):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

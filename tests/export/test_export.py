@@ -20,12 +20,19 @@ from contract.graph import (
     output_names,
     past_names,
 )
-from contract.manifest import SERVING, SERVING_FP16, Manifest, ManifestError, variant_dtype
+from contract.manifest import SERVING, SERVING_FP16, SERVING_INT8, Manifest, ManifestError, variant_dtype
 from export.__main__ import main
 from export.evaluate import bits_per_byte, evaluation_sequences
 from export.repository import GRAPH_FILES
 from export.runtime import OnnxCausalLM
-from export.verify import FP16_TOLERANCE, FP32_TOLERANCE, check_parity, default_prompts, tolerance
+from export.verify import (
+    FP16_TOLERANCE,
+    FP32_TOLERANCE,
+    check_int8_graph,
+    check_parity,
+    default_prompts,
+    tolerance,
+)
 from models.limits import PositionLimitError
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
@@ -63,7 +70,7 @@ def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
         "pad_token_id": 258,
         "add_bos": True,
     }
-    assert list(data["variants"]) == ["float32", SERVING, "float16", SERVING_FP16]
+    assert list(data["variants"]) == ["float32", SERVING, "float16", SERVING_FP16, SERVING_INT8]
     for variant, entry in data["variants"].items():  # type: ignore[union-attr]
         assert entry["file"] == GRAPH_FILES[variant]
     manifest.verify_all()
@@ -221,5 +228,15 @@ def test_export_command_prints_table(
     assert not [record for record in caplog.records if "torchvision" in record.getMessage()]
     table = capsys.readouterr().out
     assert "test bpb@64" in table and "parity fp32" in table
-    assert json.loads((tmp_path / "none" / "manifest.json").read_text())["variants"].keys() == {"float32", SERVING}
+    variants = json.loads((tmp_path / "none" / "manifest.json").read_text())["variants"]
+    assert variants.keys() == {"float32", SERVING, SERVING_INT8}
     assert (tmp_path / "none" / "genai_config.json").is_file()
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "rope"])
+def test_the_int8_graph_reads_its_cache_as_pytorch_does(repository: Path, scheme: str) -> None:
+    """serving-int8 dequantizes its int8 past and scales and runs the same layers: PyTorch fed the
+    same dequantized cache gives the same next-token logits."""
+    runtime = OnnxCausalLM(repository / scheme, SERVING_INT8)
+    model = Transformer.load(WEIGHTS_DIR / scheme)
+    assert check_int8_graph(model, runtime, default_prompts(TOKENIZER.bos_token_id)) <= FP32_TOLERANCE
