@@ -52,22 +52,41 @@ class FlatKeyValueModel(nn.Module):
         return (logits, *(t for pair in presents for t in pair))
 
 
+def attend_in_place_int8(
+    q: Tensor, k: Tensor, v: Tensor, past: tuple[Tensor, ...], score_bias: Tensor, scale: float
+) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """`attend_in_place` over an int8 past (keys, values, key scales, value scales): a per-token
+    scale is taken out of the products, q . (s k) = s (q . k) and w (s v) = (w s) v, so the int8
+    cache is only cast, and the scales multiply the (T, past) scores and weights, not the cache."""
+    keys, values, key_scales, value_scales = past
+    past_len = keys.shape[2]
+    past_scores = (q @ keys.to(q.dtype).transpose(-2, -1)) * key_scales.transpose(-2, -1)  # (B, nh, T, past)
+    scores = torch.cat((past_scores, q @ k.transpose(-2, -1)), dim=-1)
+    weights = torch.softmax(scores * scale + score_bias, dim=-1)
+    past_weights = weights[..., :past_len] * value_scales.transpose(-2, -1)
+    y = past_weights @ values.to(q.dtype) + weights[..., past_len:] @ v
+    return y, (k, v)
+
+
 class Int8KeyValueModel(nn.Module):
     """The serving model fed an int8 cache: int8 past K/V then their float32 per-token scales
-    (contract.graph.input_names(int8=True)), dequantized here (contract.kv_int8) and read by the
-    same in-place layers; outputs as the float32 serving graph's."""
+    (contract.graph.input_names(int8=True)), read by the same layers through
+    `attend_in_place_int8`; outputs as the float32 serving graph's."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model
+        for block in model.blocks:
+            block.attn.attend = attend_in_place_int8
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *cache: Tensor
     ) -> tuple[Tensor, ...]:
         half = len(cache) // 2
-        past = [q.to(torch.float32) * scale for q, scale in zip(cache[:half], cache[half:], strict=True)]
-        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(half // 2)]
-        logits, presents = self.model(input_ids, attention_mask, position_ids, pairs)
+        values, scales = cache[:half], cache[half:]
+        # Per layer (keys, values, key scales, value scales): the layers' `past`, read as is.
+        layers = [(values[2 * i], values[2 * i + 1], scales[2 * i], scales[2 * i + 1]) for i in range(half // 2)]
+        logits, presents = self.model(input_ids, attention_mask, position_ids, layers)  # type: ignore[arg-type]
         return (logits, *(t for pair in presents for t in pair))
 
 
