@@ -29,7 +29,7 @@ from service.process import ServerProcess, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 WEIGHTS = ROOT / "models" / "weights"
 SCHEMES = ("sinusoidal", "learned", "relative", "rope", "alibi", "none")
-FORMS = ["full", "window:W", "sinks:S+window:W"]
+FORMS = ["full", "window:W", "sinks:S+window:W", "int8", "window:W+int8", "sinks:S+window:W+int8"]
 EVICTION_POSITIONS = {"sinusoidal": "original", "learned": "original"}  # the others: "cache"
 BLOCK_SIZE = 16
 ATOL = 1e-4
