@@ -252,6 +252,9 @@ def headline_table(results: dict) -> str:  # type: ignore[type-arg]
     if top:
         header += [f"p99 s @{top} users", f"tokens/s @{top}", f"goodput req/s @{top}"]
     header += ["KV B/token", "copy @<=128 B", "copy @8x", "passkey @8x"]
+    cache = results.get("cache_budget") or {}
+    if cache:  # what a bounded or int8 cache keeps: bpb at the longest text under window:256, int8 at 1x
+        header += ["bpb@8x window:256", "bpb@8x sinks:4+window:252", "int8 bpb change @1x"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for scheme in results["schemes"]:
         quality = results["quality"].get(scheme, {})
@@ -270,6 +273,17 @@ def headline_table(results: dict) -> str:  # type: ignore[type-arg]
             _cell(_largest(probes.get("copy", {}))),
             _cell(_largest(probes.get("passkey", {}))),
         ]
+        if cache:
+            bpb = cache.get(scheme, {}).get("bpb", {})
+            longest = max((m for cells_ in bpb.values() for m in cells_), key=float, default="8")
+            int8 = cache.get(scheme, {}).get("int8", {})
+            full, quantized = int8.get("full", {}).get("1"), int8.get("int8", {}).get("1")
+            change = f"{(quantized / full - 1) * 100:+.2f}%" if full and quantized else "not measured"
+            cells += [
+                _fmt(bpb.get("window:256", {}).get(longest)),
+                _fmt(bpb.get("sinks:4+window:252", {}).get(longest)),
+                change,
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
