@@ -65,8 +65,9 @@ def offers_int8(info: pb.ModelInfo) -> bool:
     return any("int8" in form for form in info.cache_policies)
 
 
-def score_bpb(server: ServerProcess, model: str, texts: list[str], policy: str) -> float | None:
-    """Bits per byte over the texts streamed through `policy` (None: not servable)."""
+def score_bpb(server: ServerProcess, model: str, texts: list[str], policy: str = "") -> float | None:
+    """Bits per byte over the texts, streamed through `policy` (empty: the model's default;
+    None: not servable)."""
     total, count = 0.0, 0
     for text in texts:
         request = pb.ScoreRequest(model=model, text=text, cache_policy=policy)

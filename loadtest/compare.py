@@ -36,7 +36,7 @@ from tqdm import tqdm
 from contract.manifest import MANIFEST
 from export.repository import ExportOptions, rope_scaled_name
 from export.repository import run as export_run
-from loadtest.cache_budget import CacheBudgetPlan, measure_cache_budgets
+from loadtest.cache_budget import CacheBudgetPlan, measure_cache_budgets, score_bpb
 from loadtest.probes import Scorer, copy_text, depth_text, passkey_text
 from loadtest.streaming import timed_stream
 from models.cli import HelpFormatter
@@ -318,20 +318,6 @@ def per_step_extra_bytes(scheme: str, context: int = 2048) -> dict[str, int]:
         "attention_bias_bytes": 0 if bias is None else bias.numel() * 4,
         "rotary_bytes": int(tables),
     }
-
-
-def score_bpb(server: ServerProcess, model: str, texts: list[str]) -> float | None:
-    total, count = 0.0, 0
-    for text in texts:
-        try:
-            response = server.stub.Score(pb.ScoreRequest(model=model, text=text), timeout=300)
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                return None  # beyond the model's positions: not servable
-            raise
-        total += response.total_logprob
-        count += response.tokens
-    return -total / count / np.log(2)
 
 
 def measure_retrieval(

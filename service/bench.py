@@ -27,7 +27,7 @@ import numpy as np
 import onnxruntime as ort
 from prometheus_client import CollectorRegistry
 
-from contract.cache_policy import CachePolicy, parse_cache_policy
+from contract.cache_policy import FULL_POLICY, CachePolicy, parse_cache_policy
 from contract.manifest import NP_DTYPES, Manifest
 from export.runtime import OnnxCausalLM
 from models.cli import HelpFormatter
@@ -273,28 +273,22 @@ def batch_runner(
     folder: Path, batch: int, context: int, threads: int, device: str = "cpu", backend: str = "auto"
 ) -> ModelRunner:
     """A runner whose store holds `batch` sequences of `context` tokens of random K/V."""
-    store = StoreConfig(1 << 34, 16, max(4096, context + 64))
-    runner = ModelRunner(Manifest.load(folder), store, device, threads, backend)
-    layout = runner.layout
-    rng = np.random.default_rng(0)
-    shape = (layout.tensors, layout.n_heads, context, layout.head_dim)
-    logits = np.zeros(runner.manifest.vocab_size, dtype=np.float32)
-    prompts = []
-    for i in range(batch):
-        cache = runner.backend.upload((rng.standard_normal(shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
-        runner.store.reserve(f"r{i}", context + 1)
-        prompts.append(PrefilledPrompt(f"r{i}", logits, cache, context))
-    runner.join(prompts)
-    return runner
+    return policy_runner(folder, batch, context, FULL_POLICY, threads, device, backend)
 
 
 def policy_runner(
-    folder: Path, batch: int, history: int, policy: CachePolicy, threads: int, device: str = "cpu"
+    folder: Path,
+    batch: int,
+    history: int,
+    policy: CachePolicy,
+    threads: int,
+    device: str = "cpu",
+    backend: str = "auto",
 ) -> ModelRunner:
     """A runner whose store holds `batch` sequences that have seen `history` tokens under `policy`
     (random K/V): a bounded row holds its budget and has evicted the rest."""
     store = StoreConfig(1 << 34, 16, max(4096, history + 64))
-    runner = ModelRunner(Manifest.load(folder), store, device, threads)
+    runner = ModelRunner(Manifest.load(folder), store, device, threads, backend)
     layout = runner.layout
     rng = np.random.default_rng(0)
     cached = policy.cached(history)

@@ -368,9 +368,12 @@ class CapacityClass:
         self.policies.pop()
         self._changed()
 
-    def _changed(self) -> None:
+    def _update_uniform(self) -> None:
         batch = len(self.members)
         self.uniform = batch == 0 or bool((self.lengths[:batch] == self.lengths[0]).all())
+
+    def _changed(self) -> None:
+        self._update_uniform()
         self.bounded = any(policy.budget for policy in self.policies)
         self.version = next(_VERSIONS)
 
@@ -409,8 +412,7 @@ class CapacityClass:
                 self._put(keys, self._rotate(policy.anchor, policy.evicted + 1))
             policy.evicted += 1
         if full:
-            batch = len(self.members)
-            self.uniform = bool((self.lengths[:batch] == self.lengths[0]).all())
+            self._update_uniform()
         return bool(full)
 
     def _rotate(self, keys: Array, offset: int) -> Array:
