@@ -72,6 +72,23 @@ SPAN_LENGTHS = (6, 16)
 SPAN_GAP = 4
 
 
+# Fields that say how a run is carried out, not what it trains: they may differ between the pieces
+# of one resumed run.
+RUN_CONTROL_FIELDS = (
+    "scheme",
+    "resume",
+    "stop_at",
+    "threads",
+    "checkpoint_interval",
+    "eval_interval",
+    "probe_trials",
+    "out",
+)
+# Copy-probe distances logged at every evaluation: the emergence curves.
+PROBE_DISTANCES = (32, 128)
+CHECKPOINT = "checkpoint.pt"
+
+
 @dataclass
 class TrainConfig:
     scheme: str = "all"
@@ -99,12 +116,22 @@ class TrainConfig:
     copy_spans: int = 3
     corpus: str | None = None
     out: str = str(WEIGHTS_DIR)
+    probe_trials: int = 48  # copy-probe trials per distance at every evaluation (0: no probe)
+    checkpoint_interval: int = 250  # steps between resumable checkpoints (0: none)
+    stop_at: int | None = None  # end this piece after this step (the schedule still spans `steps`)
+    resume: bool = False
+
+    def recipe(self) -> dict[str, object]:
+        """The fields that define what is trained: a resumed piece must match its checkpoint's."""
+        return {k: v for k, v in asdict(self).items() if k not in RUN_CONTROL_FIELDS}
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be at least 1, got {self.grad_accum}")
+        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
+            raise ValueError(f"stop_at must lie in 1..steps ({self.steps}), got {self.stop_at}")
         for share in (self.copy_share, self.copy_share_start):
             if share is not None and not 0.0 <= share <= 1.0:
                 raise ValueError(f"copy shares are fractions of the batch, got {share}")
@@ -265,9 +292,58 @@ def earlier_runs(folder: Path) -> tuple[list[dict[str, object]], str]:
     return summary.get("runs") or [{key: summary.get(key) for key in fields}], log
 
 
+def batch_generator(cfg: TrainConfig, rank: int, step: int) -> np.random.Generator:
+    """The batches of one optimizer step on one rank, seeded by (seed, rank, step): a resumed run
+    draws exactly the batches an uninterrupted one would, with no generator state to carry."""
+    return np.random.default_rng([cfg.seed, rank, step])
+
+
+def save_checkpoint(path: Path, state: dict[str, object]) -> None:
+    """Written beside the old one and renamed over it: a run killed mid-write keeps the last good one."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
+def load_checkpoint(out: Path, cfg: TrainConfig) -> dict[str, object] | None:
+    """The checkpoint to resume from, or None; refuses one written under another recipe."""
+    path = out / CHECKPOINT
+    if not path.exists():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    recipe, saved = cfg.recipe(), state["recipe"]
+    differing = sorted(key for key in recipe if saved.get(key) != recipe[key])
+    if differing:
+        shown = ", ".join(f"{key}={saved.get(key)!r} there, {recipe[key]!r} now" for key in differing)
+        raise SystemExit(f"--resume: {path} belongs to another recipe ({shown}); use another --out or remove it")
+    return state
+
+
+def finished_run(out: Path, cfg: TrainConfig) -> dict[str, object] | None:
+    """The summary in `out` if its last run is this recipe carried to the end (nothing to resume)."""
+    summary_path = out / "training.json"
+    if (out / CHECKPOINT).exists() or not summary_path.exists():
+        return None
+    summary = json.loads(summary_path.read_text())
+    last = (summary.get("runs") or [{}])[-1]
+    return summary if last.get("recipe") == cfg.recipe() else None
+
+
+def kept_log(log_text: str, run_index: int, last_step: int) -> str:
+    """The log's lines up to `last_step` of run `run_index` (a resumed piece redoes the rest)."""
+    lines = [line for line in log_text.splitlines() if line.strip()]
+    kept = [
+        line for line in lines if json.loads(line).get("run", 0) != run_index or json.loads(line)["step"] <= last_step
+    ]
+    return "".join(line + "\n" for line in kept)
+
+
 def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, runtime: Runtime) -> dict[str, object]:
+    out = Path(cfg.out) / scheme
+    if cfg.resume and (summary := finished_run(out, cfg)) is not None:
+        tqdm.write(f"{scheme}: {out} already holds this recipe's {cfg.steps} steps")
+        return summary
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    generator = np.random.default_rng(cfg.seed + runtime.rank)  # but each rank its own batches
     runs: list[dict[str, object]] = []
     log_text = ""
     if cfg.init_from:
@@ -292,20 +368,43 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
     autocast = torch.autocast(
         runtime.device.type, dtype=runtime.autocast_dtype, enabled=runtime.autocast_dtype is not None
     )
+    first_step, seconds_before, val_bpb = 0, 0.0, float("nan")
+    checkpoint = load_checkpoint(out, cfg) if cfg.resume else None
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])  # type: ignore[arg-type]
+        optimizer.load_state_dict(checkpoint["optimizer"])  # type: ignore[arg-type]
+        scaler.load_state_dict(checkpoint["scaler"])  # type: ignore[arg-type]
+        torch.set_rng_state(checkpoint["torch_rng"])  # type: ignore[arg-type]
+        runs = checkpoint["runs"]  # type: ignore[assignment]
+        first_step, seconds_before = int(checkpoint["step"]), float(checkpoint["train_seconds"])  # type: ignore[arg-type]
+        val_bpb = float(checkpoint["val_bpb"])  # type: ignore[arg-type]
+        log_path = out / "train_log.jsonl"
+        log_text = kept_log(log_path.read_text() if log_path.exists() else "", len(runs), first_step)
     val_inputs, val_targets = evaluation_windows(corpus.splits["validation"], cfg.eval_windows, cfg.context)
-    out = Path(cfg.out) / scheme
+    probe_text = corpus.text_bytes("validation")
     log_path = out / "train_log.jsonl"
     if runtime.main:
         out.mkdir(parents=True, exist_ok=True)
         log_path.write_text(log_text)
+        if checkpoint is None:
+            (out / CHECKPOINT).unlink(missing_ok=True)  # another run's: it must not be resumed into this log
     run_index = len(runs)
+    last_step = cfg.stop_at or cfg.steps
     started = time.time()
-    progress = tqdm(range(cfg.steps), desc=f"train {scheme}", unit="step", dynamic_ncols=True, disable=not runtime.main)
-    val_bpb = float("nan")
+    progress = tqdm(
+        range(first_step, last_step),
+        initial=first_step,
+        total=cfg.steps,
+        desc=f"train {scheme}",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not runtime.main,
+    )
     for step in progress:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
         planted = round(cfg.copy_share_at(step) * cfg.batch_size)
+        generator = batch_generator(cfg, runtime.rank, step)
         # bits and bytes over all targets, then over the targets only copying predicts
         totals = torch.zeros(4, dtype=torch.float64, device=runtime.device)
         for micro in range(cfg.grad_accum):
@@ -344,11 +443,32 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
         if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
             val_bpb = bits_per_byte(model, val_inputs, val_targets)
             record["val_bpb"] = val_bpb
-            record["elapsed_s"] = round(time.time() - started, 1)
+            record |= copy_curve_point(model, probe_text, cfg.probe_trials)
+            record["elapsed_s"] = round(seconds_before + time.time() - started, 1)
             progress.set_postfix(val_bpb=f"{val_bpb:.3f}")
         with log_path.open("a") as log:
             log.write(json.dumps(record) + "\n")
-    train_seconds = round(time.time() - started, 1)
+        piece_ends = step + 1 == last_step < cfg.steps
+        if piece_ends or (
+            cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step + 1 < cfg.steps
+        ):
+            checkpoint_state = {
+                "step": step + 1,
+                "recipe": cfg.recipe(),
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "runs": runs,
+                "train_seconds": seconds_before + time.time() - started,
+                "val_bpb": val_bpb,
+            }
+            save_checkpoint(out / CHECKPOINT, checkpoint_state)
+    train_seconds = round(seconds_before + time.time() - started, 1)
+    if last_step < cfg.steps:
+        if runtime.world > 1:
+            dist.barrier()
+        return {"scheme": scheme, "stopped_at": last_step, "val_bpb": val_bpb, "train_seconds": train_seconds}
     if os.environ.get(RANK_STATE_ENV):
         state_dir = Path(os.environ[RANK_STATE_ENV])
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -362,6 +482,7 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
         "tokens_seen": tokens,
         "train_seconds": train_seconds,
         "train_config": asdict(cfg) | {"scheme": scheme} | shape,
+        "recipe": cfg.recipe(),
         "processes": runtime.world,
         "effective_batch": cfg.batch_size * cfg.grad_accum * runtime.world,
         "device": runtime.device.type,
@@ -382,9 +503,23 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
     if runtime.main:
         model.cpu().save(out)
         (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / CHECKPOINT).unlink(missing_ok=True)
     if runtime.world > 1:
         dist.barrier()
     return summary
+
+
+def copy_curve_point(model: Transformer, text: bytes, trials: int) -> dict[str, float]:
+    """Copy accuracy at PROBE_DISTANCES on held-out (validation) text: one point of the emergence
+    curves. The probe module imports this one, hence the import here."""
+    if not trials or len(text) <= max(PROBE_DISTANCES) + 64:
+        return {}
+    from models.copy_probe import copy_accuracy
+
+    model.eval()
+    point = {f"copy_{d}": copy_accuracy(model, text, d, trials) for d in PROBE_DISTANCES}
+    model.train()
+    return point
 
 
 # What each TrainConfig field means, as --help says it.
@@ -414,6 +549,10 @@ FIELD_HELP = {
     "copy_spans": "spans of 6-16 bytes planted per window with repeats",
     "corpus": "text file or folder to train on (default: the installed standard library's .py files)",
     "out": "folder that gets one <scheme>/ folder of weights each (env POSENC_WEIGHTS_DIR)",
+    "probe_trials": f"copy-probe trials at D = {', '.join(map(str, PROBE_DISTANCES))} at every evaluation (0: none)",
+    "checkpoint_interval": f"steps between resumable checkpoints, <out>/<scheme>/{CHECKPOINT} (0: none)",
+    "stop_at": "end this piece after this step, with a checkpoint; the schedule still spans --steps",
+    "resume": f"continue each scheme from its {CHECKPOINT} (same recipe), skip schemes already trained to --steps",
 }
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {"preset": tuple(PRESETS), "device": ("auto", "cpu", "cuda")}
 
@@ -432,6 +571,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     )
     for name, value in asdict(defaults).items():
         if name == "scheme":
+            continue
+        if isinstance(value, bool):
+            parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=FIELD_HELP[name])
             continue
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -461,6 +603,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"{'scheme':<12}{'parameters':>12}{'val bpb':>10}{'seconds':>10}")
     for result in results:
+        if "stopped_at" in result:
+            print(f"{result['scheme']:<12}{'stopped at step ' + str(result['stopped_at']):>22}"
+                  f"{result['train_seconds']:>10.0f}  (--resume continues)")  # fmt: skip
+            continue
         print(
             f"{result['scheme']:<12}{result['parameters']:>12,}{result['val_bpb']:>10.3f}{result['train_seconds']:>10.0f}"
         )

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from models.train import TrainConfig, main, parse_args, sample_batch
@@ -92,3 +93,42 @@ def test_continuing_records_every_run_and_keeps_the_log(tmp_path: Path) -> None:
     first = Transformer.load(tmp_path / "first" / "relative").state_dict()
     second = Transformer.load(tmp_path / "second" / "relative").state_dict()
     assert not torch.equal(first["positional.bias.weight"], second["positional.bias.weight"])
+
+
+def test_a_run_resumed_from_its_checkpoint_equals_one_uninterrupted_run(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 400)
+    common = ["--scheme", "rope", "--steps", "16", "--batch-size", "4", "--context", "32", "--d-model", "32",
+              "--n-layers", "1", "--eval-interval", "6", "--eval-windows", "4", "--warmup-steps", "3",
+              "--copy-share", "0.5", "--probe-trials", "4", "--threads", "1", "--corpus", str(corpus)]  # fmt: skip
+    main([*common, "--out", str(tmp_path / "whole")])
+    pieces = ["--out", str(tmp_path / "pieces"), "--checkpoint-interval", "5"]
+    main([*common, *pieces, "--stop-at", "8"])
+    folder = tmp_path / "pieces" / "rope"
+    assert (folder / "checkpoint.pt").exists() and not (folder / "training.json").exists()
+    # A killed piece: its log ran past the last checkpoint (step 8); resuming redoes those steps.
+    with (folder / "train_log.jsonl").open("a") as log:
+        log.write(json.dumps({"step": 9, "train_bpb": 0.0}) + "\n")
+    main([*common, *pieces, "--resume"])
+    assert not (folder / "checkpoint.pt").exists()
+    whole = Transformer.load(tmp_path / "whole" / "rope").state_dict()
+    resumed = Transformer.load(folder).state_dict()
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+
+    def lines(path: Path) -> list[dict[str, object]]:
+        entries = [json.loads(line) for line in path.read_text().splitlines()]
+        return [{k: v for k, v in entry.items() if k != "elapsed_s"} for entry in entries]
+
+    log = lines(folder / "train_log.jsonl")
+    assert log == lines(tmp_path / "whole" / "rope" / "train_log.jsonl")
+    assert [entry["step"] for entry in log] == list(range(1, 17))
+    assert {"copy_32", "copy_128", "val_bpb"} <= set(log[5]) and "copy_32" not in log[6]
+    summary = json.loads((folder / "training.json").read_text())
+    assert summary["tokens_seen"] == 16 * 4 * 32 and summary["runs"][-1]["recipe"]["steps"] == 16
+    # Resuming a finished recipe trains nothing; resuming under another recipe is refused.
+    before = (folder / "model.safetensors").read_bytes()
+    main([*common, *pieces, "--resume"])
+    assert (folder / "model.safetensors").read_bytes() == before
+    main([*common, *pieces, "--stop-at", "4", "--lr", "0.01"])
+    with pytest.raises(SystemExit, match="another recipe.*lr"):
+        main([*common, *pieces, "--resume"])
