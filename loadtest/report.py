@@ -1,20 +1,27 @@
 """Tables and plots from a comparison's results.json: `python -m loadtest.report reports/<run-id>`.
 
-Everything is drawn from results.json, so a report can be redrawn without measuring again.
+Everything is drawn from results.json, so a report can be redrawn without measuring again. Every
+series takes its colour and marker from loadtest/palette.py (one per scheme, rope's scaling
+variants as shades of rope's), so a scheme looks the same in every figure.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
 
-from loadtest.cache_budget import policy_budget
+from contract.cache_policy import parse_cache_policy
+from loadtest.cache_budget import COST_HISTORY, policy_budget
+from loadtest.palette import HEATMAP, REFERENCE, TEXT_ON_DARK, TEXT_ON_LIGHT, policy_style, style
 from loadtest.probes import wilson
 
 PLOTS = {
@@ -23,7 +30,7 @@ PLOTS = {
     "ttft_vs_prompt.png": "Time to first token versus prompt length",
     "throughput_vs_concurrency.png": "Throughput versus concurrency",
     "goodput_vs_users.png": "Goodput versus users, without and with admission control",
-    "kv_bytes.png": "KV-cache bytes",
+    "kv_bytes.png": "KV bytes per sequence by cache policy and context length",
     "retrieval.png": "Retrieval probes with 95% intervals",
     "retrieval_depth.png": "Copy accuracy by context length and depth of the first copy",
     "cache_budget.png": "Quality against KV bytes per sequence, per cache policy",
@@ -39,19 +46,22 @@ def _series(data: dict[str, float | None]) -> tuple[list[float], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot(results: dict, out: Path) -> None:  # type: ignore[type-arg]
-    schemes = results["schemes"]
-    train = next(iter(results["models"].values()))["train_context"] if results["models"] else 256
+def _train(results: dict) -> int:  # type: ignore[type-arg]
+    return next(iter(results["models"].values()))["train_context"] if results["models"] else 256
 
+
+def figure_bpb(results: dict) -> Figure:  # type: ignore[type-arg]
+    """Bits per byte against context: the schemes as lines, rope's scaling variants as points."""
+    train = _train(results)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for scheme in schemes:
+    for scheme in results["schemes"]:
         xs, ys = _series(results["quality"].get(scheme, {}))
-        ax.plot([x * train for x in xs], ys, marker="o", label=scheme)
+        ax.plot([x * train for x in xs], ys, label=scheme, **style(scheme).kwargs())
     for name, data in results["quality"].items():
-        if name.startswith("rope-"):
+        if name not in results["schemes"]:  # scaling variants (rope-ntk-x4, ...)
             xs, ys = _series(data)
-            ax.scatter([x * train for x in xs], ys, marker="x", label=name)
-    ax.axvline(train, color="grey", linestyle=":", label="training context")
+            ax.scatter([x * train for x in xs], ys, label=name, **style(name).kwargs())
+    ax.axvline(train, color=REFERENCE, linestyle=":", label="training context")
     ax.set(
         xscale="log",
         xlabel="context length (bytes)",
@@ -59,55 +69,55 @@ def plot(results: dict, out: Path) -> None:  # type: ignore[type-arg]
         title=PLOTS["bpb_vs_context.png"],
     )
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "bpb_vs_context.png", dpi=110)
-    plt.close(fig)
+    return fig
 
-    for key, name, xlabel in (
-        ("itl", "itl_vs_context.png", "context length (bytes)"),
-        ("ttft", "ttft_vs_prompt.png", "prompt length (bytes)"),
-    ):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for scheme in schemes:
-            xs, ys = _series(results[key].get(scheme, {}))
-            ax.plot(xs, [y * 1000 for y in ys], marker="o", label=scheme)
-        ax.set(xscale="log", xlabel=xlabel, ylabel="milliseconds (median)", title=PLOTS[name])
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
 
+def figure_latency(results: dict, key: str, name: str, xlabel: str) -> Figure:  # type: ignore[type-arg]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for scheme in schemes:
+    for scheme in results["schemes"]:
+        xs, ys = _series(results[key].get(scheme, {}))
+        ax.plot(xs, [y * 1000 for y in ys], label=scheme, **style(scheme).kwargs())
+    ax.set(xscale="log", xlabel=xlabel, ylabel="milliseconds (median)", title=PLOTS[name])
+    ax.legend(fontsize=8)
+    return fig
+
+
+def figure_throughput(results: dict) -> Figure:  # type: ignore[type-arg]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for scheme in results["schemes"]:
         load = results["load"].get(scheme, {})
         users = sorted(load, key=int)
-        ax.plot([int(u) for u in users], [load[u]["tokens_per_s"] for u in users], marker="o", label=scheme)
+        ax.plot([int(u) for u in users], [load[u]["tokens_per_s"] for u in users], label=scheme,
+                **style(scheme).kwargs())  # fmt: skip
     ax.set(xlabel="concurrent users", ylabel="generated tokens/s", title=PLOTS["throughput_vs_concurrency.png"])
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "throughput_vs_concurrency.png", dpi=110)
-    plt.close(fig)
+    return fig
 
+
+def figures(results: dict) -> dict[str, Figure]:  # type: ignore[type-arg]
+    """Every figure the results allow, by file name (built, not saved: tests inspect them)."""
+    builders: dict[str, Callable[[], Figure]] = {
+        "bpb_vs_context.png": lambda: figure_bpb(results),
+        "itl_vs_context.png": lambda: figure_latency(results, "itl", "itl_vs_context.png", "context length (bytes)"),
+        "ttft_vs_prompt.png": lambda: figure_latency(results, "ttft", "ttft_vs_prompt.png", "prompt length (bytes)"),
+        "throughput_vs_concurrency.png": lambda: figure_throughput(results),
+        "retrieval.png": lambda: figure_retrieval(results),
+        "retrieval_depth.png": lambda: figure_retrieval_depth(results),
+    }
     if results.get("load_admission"):
-        plot_goodput(results, out)
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    per_token = [results["models"].get(s, {}).get("kv_bytes_per_token", 0) for s in schemes]
-    peak = [results["memory"].get(s, {}).get("kv_peak_bytes", 0) / 1e6 for s in schemes]
-    axes[0].bar(schemes, per_token)
-    axes[0].set(ylabel="bytes per token", title="KV bytes per token")
-    axes[1].bar(schemes, peak)
-    axes[1].set(ylabel="MB", title="KV bytes in use at peak load")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(out / "kv_bytes.png", dpi=110)
-    plt.close(fig)
-
-    plot_retrieval(results, out)
-    plot_retrieval_depth(results, out)
+        builders["goodput_vs_users.png"] = lambda: figure_goodput(results)
     if results.get("cache_budget"):
-        plot_cache_budget(results, out)
+        builders["kv_bytes.png"] = lambda: figure_kv_bytes(results)
+        builders["cache_budget.png"] = lambda: figure_cache_budget(results)
+    return {name: build() for name, build in builders.items()}
+
+
+def plot(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+    for name, fig in figures(results).items():
+        if not fig.get_layout_engine():
+            fig.tight_layout()
+        fig.savefig(out / name, dpi=110, bbox_inches="tight")
+        plt.close(fig)
 
 
 def _cells(cells: dict[str, dict[str, float] | None]) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -120,8 +130,8 @@ def _cells(cells: dict[str, dict[str, float] | None]) -> tuple[list[float], list
     return xs, values, below, above
 
 
-def plot_retrieval(results: dict, out: Path) -> None:  # type: ignore[type-arg]
-    train = next(iter(results["models"].values()))["train_context"] if results["models"] else 256
+def figure_retrieval(results: dict) -> Figure:  # type: ignore[type-arg]
+    train = _train(results)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     panels = (
         ("copy", "filler between the two copies (bytes)", "share of the copy predicted"),
@@ -133,8 +143,9 @@ def plot_retrieval(results: dict, out: Path) -> None:  # type: ignore[type-arg]
             cells = results["retrieval"].get(scheme, {}).get(probe, {})
             xs, values, below, above = _cells(cells)
             shift = 1 + (index - len(results["schemes"]) / 2) * 0.03  # side by side on a log axis
-            ax.errorbar([x * shift for x in xs], values, yerr=[below, above], marker="o", capsize=2, label=scheme)
-        ax.axvline(train, color="grey", linestyle=":", label="training context")
+            ax.errorbar([x * shift for x in xs], values, yerr=[below, above], capsize=2, label=scheme,
+                        **style(scheme).kwargs())  # fmt: skip
+        ax.axvline(train, color=REFERENCE, linestyle=":", label="training context")
         ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel, title=probe)
         ticks = sorted({float(k) for c in results["retrieval"].values() for k in c.get(probe, {}) if k != "all"})
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=7)
@@ -143,12 +154,10 @@ def plot_retrieval(results: dict, out: Path) -> None:  # type: ignore[type-arg]
             ax.set_ylim(-0.02, 1.02)
     axes[0].legend(fontsize=7)
     fig.suptitle(PLOTS["retrieval.png"])
-    fig.tight_layout()
-    fig.savefig(out / "retrieval.png", dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def plot_retrieval_depth(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+def figure_retrieval_depth(results: dict) -> Figure:  # type: ignore[type-arg]
     schemes = results["schemes"]
     columns = min(3, max(1, len(schemes)))
     rows = -(-len(schemes) // columns)
@@ -159,12 +168,13 @@ def plot_retrieval_depth(results: dict, out: Path) -> None:  # type: ignore[type
         contexts = sorted(grid, key=int)
         depths = sorted(next(iter(grid.values()), {}), key=float)
         values = [[(grid[c][d] or {}).get("value", float("nan")) for c in contexts] for d in depths]
-        image = ax.imshow(values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        image = ax.imshow(values, vmin=0, vmax=1, cmap=HEATMAP, aspect="auto")
         for row, d in enumerate(depths):
             for column, c in enumerate(contexts):
                 cell = grid[c][d]
+                dark = cell is None or cell["value"] < 0.6
                 ax.text(column, row, "n/a" if cell is None else f"{cell['value']:.2f}", ha="center", va="center",
-                        fontsize=8, color="white" if cell is None or cell["value"] < 0.6 else "black")  # fmt: skip
+                        fontsize=8, color=TEXT_ON_DARK if dark else TEXT_ON_LIGHT)  # fmt: skip
         ax.set_xticks(range(len(contexts)), contexts, fontsize=7)
         ax.set_yticks(range(len(depths)), depths, fontsize=7)
         ax.set(title=scheme, xlabel="context (bytes)", ylabel="depth of the first copy")
@@ -173,23 +183,21 @@ def plot_retrieval_depth(results: dict, out: Path) -> None:  # type: ignore[type
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="share of the copy predicted")
     fig.suptitle(PLOTS["retrieval_depth.png"])
-    fig.savefig(out / "retrieval_depth.png", dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def plot_goodput(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+def figure_goodput(results: dict) -> Figure:  # type: ignore[type-arg]
     """Goodput (solid: admit everything; dashed: --ttft-slo-seconds) and refusals per second."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for index, scheme in enumerate(results["schemes"]):
-        color = f"C{index}"
-        for key, style, label in (("load", "-", scheme), ("load_admission", "--", f"{scheme}, admission")):
+    for scheme in results["schemes"]:
+        for key, line, label in (("load", "-", scheme), ("load_admission", "--", f"{scheme}, admission")):
             load = results.get(key, {}).get(scheme, {})
             users = sorted(load, key=int)
-            axes[0].plot([int(u) for u in users], [load[u]["goodput_per_s"] for u in users], style, color=color,
-                         marker="o", label=label)  # fmt: skip
+            axes[0].plot([int(u) for u in users], [load[u]["goodput_per_s"] for u in users], line, label=label,
+                         **style(scheme).kwargs())  # fmt: skip
             if key == "load_admission":
-                axes[1].plot([int(u) for u in users], [load[u].get("refused_per_s", 0.0) for u in users], style,
-                             color=color, marker="o", label=scheme)  # fmt: skip
+                axes[1].plot([int(u) for u in users], [load[u].get("refused_per_s", 0.0) for u in users], line,
+                             label=scheme, **style(scheme).kwargs())  # fmt: skip
     axes[0].set(
         xlabel="concurrent users", ylabel="goodput (requests/s within targets)", title=PLOTS["goodput_vs_users.png"]
     )
@@ -197,9 +205,7 @@ def plot_goodput(results: dict, out: Path) -> None:  # type: ignore[type-arg]
                 title="Requests refused by admission control")  # fmt: skip
     axes[0].legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "goodput_vs_users.png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    return fig
 
 
 def goodput_section(results: dict) -> str:  # type: ignore[type-arg]
@@ -398,7 +404,178 @@ def _policy_tokens(policy: str, full_tokens: int) -> int:
     return full_tokens if budget is None else min(budget, full_tokens)
 
 
-def plot_cache_budget(results: dict, out: Path) -> None:  # type: ignore[type-arg]
+# ----------------------------------------------------------------------------------------- memory
+
+WITHIN = 0.05  # quality kept: bits per byte at most 5% above the full cache's on the same texts
+PANELS = (("window", "window:W (the last W tokens)"), ("sinks", "sinks:4+window:W-4 (StreamingLLM)"))
+
+
+def measured_bpb(figures: dict) -> dict[str, dict[str, float | None]]:  # type: ignore[type-arg]
+    """One scheme's bits per byte by policy and multiple of the training context: the bpb tables
+    and the int8 table (its `full` row, fp32 at the int8 table's lengths, joins `full`)."""
+    merged = {policy: dict(cells) for policy, cells in figures["bpb"].items()}
+    for policy, cells in figures.get("int8", {}).items():
+        merged.setdefault(policy, {}).update({k: v for k, v in cells.items() if "@" not in k})
+    return merged
+
+
+def int8_ratio(data: dict) -> float | None:  # type: ignore[type-arg]
+    """int8 K/V bytes over float32's per token, from the allocations measured for `int8` and `full`
+    (the same tokens in the same capacity classes; per-token scales included)."""
+    for figures in data.values():
+        full, quantized = figures["cost"].get("full"), figures["cost"].get("int8")
+        if full and quantized:
+            return float(quantized["kv_physical_bytes"] / full["kv_physical_bytes"])
+    return None
+
+
+def sequence_bytes(policy: str, tokens: int, bytes_per_token: float, ratio: float | None) -> float:
+    """KV bytes one sequence of `tokens` tokens holds under `policy` (the tokens it keeps, whole)."""
+    parsed = parse_cache_policy(policy)
+    per_token = bytes_per_token * (ratio if parsed.int8 and ratio else 1.0)
+    return parsed.cached(tokens) * per_token
+
+
+def _in_panel(policy: str, kind: str | None) -> bool:
+    """Unbounded policies (full, int8) belong to every panel; a bounded one to its own form's."""
+    parsed = parse_cache_policy(policy)
+    return kind is None or not parsed.bounded or parsed.form.removesuffix("+int8") == kind
+
+
+def cheapest_within(
+    figures: dict,  # type: ignore[type-arg]
+    multiple: str,
+    train: int,
+    ratio: float | None,
+    kind: str | None = None,
+) -> tuple[str, float, float] | None:
+    """The policy keeping the fewest KV bytes whose bits per byte at `multiple` stay within WITHIN of
+    the full cache's: (policy, bytes per sequence, bpb change); None where the full cache is not
+    servable. Ties go to the first measured (full before the bounded policies)."""
+    bpb = measured_bpb(figures)
+    full = bpb.get("full", {}).get(multiple)
+    if full is None:
+        return None
+    tokens = round(float(multiple) * train)
+    candidates = [
+        (sequence_bytes(policy, tokens, figures["bytes_per_token"], ratio), policy, cells[multiple] / full - 1)
+        for policy, cells in bpb.items()
+        if cells.get(multiple) is not None
+        and cells[multiple] <= full * (1 + WITHIN)
+        and _in_panel(policy, kind)
+        and (ratio or not parse_cache_policy(policy).int8)
+    ]
+    nbytes, policy, change = min(candidates, key=lambda c: c[0])
+    return policy, nbytes, change
+
+
+def _multiples(data: dict) -> list[str]:  # type: ignore[type-arg]
+    return sorted({m for f in data.values() for cells in measured_bpb(f).values() for m in cells}, key=float)
+
+
+def figure_kv_bytes(results: dict) -> Figure:  # type: ignore[type-arg]
+    """KV bytes per sequence against context length, one line per cache policy measured (full,
+    window, sinks, int8), and per scheme a marker at each measured length on the cheapest policy
+    whose bits per byte stay within 5% of its full cache: the memory each scheme needs."""
+    data = results["cache_budget"]
+    train = _train(results)
+    ratio = int8_ratio(data)
+    per_token = next(iter(data.values()))["bytes_per_token"]
+    policies = list(dict.fromkeys(p for f in data.values() for p in measured_bpb(f)))
+    policies = [p for p in policies if ratio or not parse_cache_policy(p).int8]
+    budgets = sorted({b for p in policies if (b := parse_cache_policy(p).budget) is not None})
+    multiples = _multiples(data)
+    longest = max(COST_HISTORY, round(float(multiples[-1]) * train))
+    contexts = np.geomspace(min(budgets, default=train) / 2, longest * 1.1, 200)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, (kind, title) in zip(axes, PANELS, strict=True):
+        for policy in (p for p in policies if _in_panel(p, kind)):
+            parsed = parse_cache_policy(policy)
+            rank = None if parsed.budget is None else budgets.index(parsed.budget)
+            xs = [t for t in contexts if t >= (parsed.budget or 0)]  # below its budget a policy is its full form
+            ys = [sequence_bytes(policy, round(t), per_token, ratio) for t in xs]
+            ax.plot(xs, ys, label=policy, linewidth=1.2, **policy_style(parsed.int8, rank))
+        allocated = [
+            (sequence_bytes(policy, COST_HISTORY, per_token, ratio), cost["kv_physical_bytes"])
+            for policy in policies
+            if _in_panel(policy, kind)
+            for cost in [next((f["cost"].get(policy) for f in data.values() if f["cost"].get(policy)), None)]
+            if cost
+        ]
+        if allocated:
+            ax.scatter([COST_HISTORY] * len(allocated), [a for _, a in allocated], marker="_", s=120,
+                       color=REFERENCE, label=f"allocated at {COST_HISTORY} tokens (measured)")  # fmt: skip
+        for index, scheme in enumerate(results["schemes"]):
+            shift = 1 + (index - len(results["schemes"]) / 2) * 0.05  # side by side on a log axis
+            points = [
+                (float(m) * train * shift, chosen[1])
+                for m in multiples
+                if (chosen := cheapest_within(data.get(scheme, {"bpb": {}}), m, train, ratio, kind)) is not None
+            ]
+            ax.plot([x for x, _ in points], [y for _, y in points], linestyle="none", markersize=8, label=scheme,
+                    markeredgecolor=TEXT_ON_LIGHT, markeredgewidth=0.5, **style(scheme).kwargs())  # fmt: skip
+        ax.set(xscale="log", yscale="log", xlabel="context length (tokens = bytes)", title=title)
+        ticks = [t for t in (2**k for k in range(4, 16)) if contexts[0] <= t <= longest]
+        ax.set_xticks(ticks, [f"{t}" for t in ticks])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
+    yticks = [v for v in (2**k * 1024 for k in range(4, 16)) if axes[0].get_ylim()[0] <= v <= axes[0].get_ylim()[1]]
+    axes[0].set_yticks(yticks, [_bytes(v) for v in yticks])
+    axes[0].set_ylabel("KV bytes per sequence")
+    fig.suptitle(
+        f"{PLOTS['kv_bytes.png']}: markers, each scheme's cheapest policy whose bits per byte stay within "
+        f"{WITHIN:.0%} of its full cache at that length",
+        fontsize=10,
+    )
+    return fig
+
+
+def _bytes(value: float) -> str:
+    return f"{value / 2**20:g} MiB" if value >= 2**20 else f"{value / 1024:g} KiB"
+
+
+def memory_section(results: dict) -> str:  # type: ignore[type-arg]
+    """The figure and, per scheme and length, the cheapest policy within WITHIN of the full cache."""
+    data = results.get("cache_budget") or {}
+    if not data:
+        return "The cache-budget section was not measured in this run (`--sections cache`): no memory figure.\n"
+    train, ratio = _train(results), int8_ratio(data)
+    multiples = _multiples(data)
+    lines = [f"| scheme | {' | '.join(f'{round(float(m) * train)} tokens ({m}x)' for m in multiples)} |",
+             "|---|" + "---|" * len(multiples)]  # fmt: skip
+    for scheme in results["schemes"]:
+        cells = []
+        for m in multiples:
+            chosen = cheapest_within(data.get(scheme, {"bpb": {}}), m, train, ratio)
+            cells.append("not servable" if chosen is None else f"{chosen[0]}: {_bytes(chosen[1])} ({chosen[2]:+.1%})")
+        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    int8_lengths = sorted(
+        {
+            m
+            for f in data.values()
+            for p, cells in f.get("int8", {}).items()
+            if p != "full"
+            for m in cells
+            if "@" not in m
+        },
+        key=float,
+    )
+    if int8_lengths:
+        lines.append(f"\nThe int8 forms were measured at {', '.join(f'{m}x' for m in int8_lengths)} only.")
+    return (
+        "![KV bytes per sequence](kv_bytes.png)\n\n"
+        f"The least KV memory per sequence that keeps bits per byte within {WITHIN:.0%} of the full cache "
+        "(policy: bytes per sequence (bpb change against the full cache)), from the cache-budget "
+        "measurements below. Bytes are the tokens a policy keeps times the model's K/V bytes per token "
+        "(int8: times the measured int8/float32 allocation ratio"
+        + (f", {ratio:.3f}" if ratio else "")
+        + "); the store allocates rows in capacity classes, so what it holds is up to one class more "
+        f"(the dashes at {COST_HISTORY} tokens: allocations measured from /metrics).\n\n" + "\n".join(lines) + "\n"
+    )
+
+
+def figure_cache_budget(results: dict) -> Figure:  # type: ignore[type-arg]
     """bpb at the longest text against KV bytes per sequence, one line per scheme, a panel per eviction kind."""
     data = results["cache_budget"]
     train = next(iter(results["models"].values()))["train_context"]
@@ -416,7 +593,7 @@ def plot_cache_budget(results: dict, out: Path) -> None:  # type: ignore[type-ar
                 points.append((tokens * figures["bytes_per_token"], value))
             if points:
                 points.sort()
-                ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], marker="o", label=scheme)
+                ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], label=scheme, **style(scheme).kwargs())
         ax.set(xscale="log", xlabel="KV bytes per sequence (tokens kept; rightmost: the full cache)", title=title)
         per_token = next(iter(data.values()))["bytes_per_token"]
         kept = sorted({_policy_tokens(p, int(longest * train)) for f in data.values() for p in f["bpb"]})
@@ -428,9 +605,7 @@ def plot_cache_budget(results: dict, out: Path) -> None:  # type: ignore[type-ar
     fig.suptitle(
         PLOTS["cache_budget.png"] + f" ({longest * train:.0f}-byte held-out texts, streamed through the cache)"
     )
-    fig.tight_layout()
-    fig.savefig(out / "cache_budget.png", dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def cache_budget_section(results: dict) -> str:  # type: ignore[type-arg]
@@ -630,8 +805,7 @@ mean inter-token latency <= {results["config"]["goodput_targets"]["itl_s"] * 100
 {goodput_section(results)}
 ## Memory
 
-![KV bytes](kv_bytes.png)
-
+{memory_section(results)}
 {chr(10).join(memory_rows)}
 
 Per-step extras are per sequence for one decode step over 2048 keys, measured from each scheme's
