@@ -35,6 +35,16 @@ _SINKS = re.compile(r"sinks:(\d+)\+window:(\d+)")
 INT8 = "int8"
 _INT8_SUFFIX = "+" + INT8
 POLICY_FORMS = "full, window:W or sinks:S+window:W, each optionally +int8 (int8 alone: full in int8)"
+# A policy's form, its numbers left out: a metric label of bounded cardinality, and the syntax
+# ListModels shows for it.
+FORM_SYNTAX = {
+    FULL: FULL,
+    "window": "window:W",
+    "sinks": "sinks:S+window:W",
+    INT8: INT8,
+    "window" + _INT8_SUFFIX: "window:W" + _INT8_SUFFIX,
+    "sinks" + _INT8_SUFFIX: "sinks:S+window:W" + _INT8_SUFFIX,
+}
 
 
 class CachePolicyError(ValueError):
@@ -55,6 +65,15 @@ class CachePolicy:
     def budget(self) -> int | None:
         """Most tokens the cache holds (None: unbounded)."""
         return None if self.window is None else self.sinks + self.window
+
+    @property
+    def form(self) -> str:
+        """The policy without its numbers (a key of FORM_SYNTAX): what a metric's `policy` label
+        carries, so the label has six values however many budgets clients ask for."""
+        if self.window is None:
+            return INT8 if self.int8 else FULL
+        tokens = "sinks" if self.sinks else "window"
+        return tokens + _INT8_SUFFIX if self.int8 else tokens
 
     def cached(self, tokens: int) -> int:
         """Tokens in the cache once `tokens` tokens have gone through it."""

@@ -1,7 +1,10 @@
 """Every Prometheus metric of the service, defined in one place.
 
 Names follow Prometheus rules: base units (seconds, bytes), `_total` on counters, and the
-`posenc_` namespace; every series is labelled by `model` and `scheme`.
+`posenc_` namespace; every series is labelled by `model` and `scheme`. Series whose values depend
+on a request's cache policy (token latencies, tokens, KV bytes held, refusals) carry `policy` too:
+the policy's form (contract.cache_policy.FORM_SYNTAX: full, window, sinks, each +int8), never its
+numbers, so a model has at most six of each.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ INTER_TOKEN_BUCKETS = (
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LABELS = ("model", "scheme")
+POLICY_LABELS = (*LABELS, "policy")  # policy: the form of the request's cache policy (CachePolicy.form)
 
 
 class ServiceMetrics:
@@ -53,25 +57,26 @@ class ServiceMetrics:
             "posenc_requests_shed",
             "Requests refused at once with RESOURCE_EXHAUSTED: reason=ttft_slo (would miss --ttft-slo-seconds) "
             "or queue (--max-queue full).",
-            [*LABELS, "reason"], **kw,
+            [*POLICY_LABELS, "reason"], **kw,
         )  # fmt: skip
         self.request_duration = Histogram(
             "posenc_request_duration_seconds", "Request latency from arrival to last token.", [*LABELS, "method"],
             buckets=LATENCY_BUCKETS, **kw,
         )  # fmt: skip
         self.time_to_first_token = Histogram(
-            "posenc_time_to_first_token_seconds", "Arrival to first generated token.", LABELS,
+            "posenc_time_to_first_token_seconds", "Arrival to first generated token.", POLICY_LABELS,
             buckets=LATENCY_BUCKETS, **kw,
         )  # fmt: skip
         self.inter_token_latency = Histogram(
-            "posenc_inter_token_latency_seconds", "Time between consecutive generated tokens.", LABELS,
+            "posenc_inter_token_latency_seconds", "Time between consecutive generated tokens.", POLICY_LABELS,
             buckets=INTER_TOKEN_BUCKETS, **kw,
         )  # fmt: skip
-        self.prompt_tokens = Counter("posenc_prompt_tokens", "Prompt tokens admitted.", LABELS, **kw)
-        self.generated_tokens = Counter("posenc_generated_tokens", "Tokens generated.", LABELS, **kw)
+        self.prompt_tokens = Counter("posenc_prompt_tokens", "Prompt tokens admitted.", POLICY_LABELS, **kw)
+        self.generated_tokens = Counter("posenc_generated_tokens", "Tokens generated.", POLICY_LABELS, **kw)
         self.kv_cache_used = Gauge(
-            "posenc_kv_cache_used_bytes", "KV-cache bytes held by sequences (their tokens, in whole blocks).",
-            LABELS, **kw,
+            "posenc_kv_cache_used_bytes",
+            "KV-cache bytes held by sequences (their tokens, in whole blocks), by the form of their cache policy.",
+            POLICY_LABELS, **kw,
         )  # fmt: skip
         self.kv_cache_capacity = Gauge(
             "posenc_kv_cache_capacity_bytes", "KV-cache budget (--kv-cache-bytes, in whole blocks).", LABELS, **kw

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from contract.cache_policy import CachePolicyError
+from contract.cache_policy import FORM_SYNTAX, CachePolicyError
 from contract.manifest import Manifest, ManifestError
 from service.engine.admission import AdmissionControl, Backlog
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput, InputLimits, InputProcessor
 from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
-from service.engine.output_processor import Finished, OutputProcessor
+from service.engine.output_processor import Finished, OutputProcessor, TokenMetrics
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
 from service.engine.request import Request, RequestStatus
 from service.engine.runner import ModelRunner, Scored, StoreConfig
@@ -125,26 +125,40 @@ class ModelEngine:
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.metrics = metrics
         labels = self.labels
+        # Children per cache-policy form this model accepts, created up front: at most six each,
+        # and every form's series exists (at zero) before its first request.
+        by_form = {form: {**labels, "policy": form} for form in self.policy_forms}
         self.outputs = OutputProcessor(
             self.inputs.eos_token_id,
-            metrics.time_to_first_token.labels(**labels),
-            metrics.inter_token_latency.labels(**labels),
-            metrics.generated_tokens.labels(**labels),
+            {
+                form: TokenMetrics(
+                    metrics.time_to_first_token.labels(**form_labels),
+                    metrics.inter_token_latency.labels(**form_labels),
+                    metrics.generated_tokens.labels(**form_labels),
+                )
+                for form, form_labels in by_form.items()
+            },
         )
         self._steps = {phase: metrics.step_duration.labels(**labels, phase=phase) for phase in ("prefill", "decode")}
         self._batches = {phase: metrics.batch_size.labels(**labels, phase=phase) for phase in ("prefill", "decode")}
         self._cancel_latency = metrics.cancellation_latency.labels(**labels)
         self._gauges = {
-            "used": metrics.kv_cache_used.labels(**labels),
             "physical": metrics.kv_cache_physical.labels(**labels),
             "peak": metrics.kv_cache_physical_peak.labels(**labels),
             "classes": metrics.kv_cache_classes.labels(**labels),
             "running": metrics.running.labels(**labels),
             "queued": metrics.queued.labels(**labels),
         }
-        self._prompt_tokens = metrics.prompt_tokens.labels(**labels)
+        self._used = {form: metrics.kv_cache_used.labels(**form_labels) for form, form_labels in by_form.items()}
+        self._prompt_tokens = {
+            form: metrics.prompt_tokens.labels(**form_labels) for form, form_labels in by_form.items()
+        }
         self._preemptions = metrics.preemptions.labels(**labels)
-        self._shed = {reason: metrics.requests_shed.labels(**labels, reason=reason) for reason in ("ttft_slo", "queue")}
+        self._shed = {
+            (reason, form): metrics.requests_shed.labels(**form_labels, reason=reason)
+            for reason in ("ttft_slo", "queue")
+            for form, form_labels in by_form.items()
+        }
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
         self._gauges_due = 0.0
@@ -164,12 +178,17 @@ class ModelEngine:
         return self.store.max_tokens
 
     @property
-    def cache_policy_forms(self) -> list[str]:
-        """The policies this model accepts, as ListModels shows them."""
-        forms = ["full"] if self.manifest.cache_eviction is None else ["full", "window:W", "sinks:S+window:W"]
+    def policy_forms(self) -> list[str]:
+        """The cache-policy forms this model accepts (CachePolicy.form: the `policy` metric label)."""
+        forms = ["full"] if self.manifest.cache_eviction is None else ["full", "window", "sinks"]
         if self.manifest.has_int8_cache:
             forms += ["int8", *(f"{form}+int8" for form in forms[1:])]
         return forms
+
+    @property
+    def cache_policy_forms(self) -> list[str]:
+        """The policies this model accepts, as ListModels shows them."""
+        return [FORM_SYNTAX[form] for form in self.policy_forms]
 
     @property
     def eviction_positions(self) -> str:
@@ -184,7 +203,7 @@ class ModelEngine:
                 raise RequestError(ErrorKind.UNAVAILABLE, "server is shutting down")
             waiting = len(self.scheduler.waiting) + len(self._inbox)
             if waiting >= self.config.max_queue:
-                self._shed["queue"].inc()
+                self._shed["queue", request.cache_policy.form].inc()
                 raise RequestError(
                     ErrorKind.RESOURCE_EXHAUSTED,
                     f"queue: {waiting} requests waiting for model {self.manifest.name!r} "
@@ -195,7 +214,7 @@ class ModelEngine:
                 try:
                     self.admission.check(request, self._backlog, inbox_tokens, len(self._inbox), self.manifest.name)
                 except RequestError:
-                    self._shed["ttft_slo"].inc()
+                    self._shed["ttft_slo", request.cache_policy.form].inc()
                     raise
             self._inbox.append(request)
             self._wake.notify()
@@ -299,7 +318,7 @@ class ModelEngine:
         for request in admitted:
             if request.attempt == 0:
                 request.scheduled_time = now
-                self._prompt_tokens.inc(len(request.prompt_ids))
+                self._prompt_tokens[request.cache_policy.form].inc(len(request.prompt_ids))
         self.prefill_worker.submit([PrefillJob(r, r.attempt, r.prefill_ids) for r in admitted])
 
     def _join(self, results: list[PrefillResult]) -> int:
@@ -373,7 +392,12 @@ class ModelEngine:
 
     def _update_gauges(self) -> None:
         stats = self.store.stats()
-        self._gauges["used"].set(stats.used_bytes)
+        forms = {request.request_id: request.cache_policy.form for request in self.scheduler.requests()}
+        held = dict.fromkeys(self._used, 0)
+        for sequence, nbytes in self.store.held_bytes().items():
+            held[forms[sequence]] += nbytes
+        for form, gauge in self._used.items():
+            gauge.set(held[form])
         self._gauges["physical"].set(stats.physical_bytes)
         self._gauges["peak"].set(stats.peak_physical_bytes)
         self._gauges["classes"].set(stats.classes)

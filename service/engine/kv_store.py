@@ -648,14 +648,19 @@ class KVStore:
         assert klass is not None, f"sequence {sequence_id!r} holds no row"
         return int(klass.lengths[klass.members.index(sequence_id)])
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes each sequence holds or is promised (its tokens in whole blocks of its storage kind):
+        the engine sums them by cache-policy form for the `policy` label."""
+        blocks = {sequence: -(-tokens // self.block_size) for sequence, tokens in self.tokens.items()}
+        return {
+            sequence: count * self.block_size * self.layout.kind_token_bytes(self.kind_of[sequence])
+            for sequence, count in blocks.items()
+        }
+
     def stats(self) -> StoreStats:
-        used_bytes = sum(
-            -(-tokens // self.block_size) * self.block_size * self.layout.kind_token_bytes(self.kind_of[sequence])
-            for sequence, tokens in self.tokens.items()
-        )
         return StoreStats(
             used_tokens=sum(self.tokens.values()),
-            used_bytes=used_bytes,
+            used_bytes=sum(self.held_bytes().values()),
             physical_bytes=self.physical_bytes,
             peak_physical_bytes=self.peak_physical_bytes,
             capacity_bytes=self.capacity_bytes,

@@ -27,19 +27,28 @@ class Finished:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class TokenMetrics:
+    """One model's labelled metric children for one cache-policy form, resolved once (cheap per token)."""
+
+    ttft: Any
+    itl: Any
+    generated: Any
+
+
 class OutputProcessor:
-    def __init__(self, eos_token_id: int, ttft: Any, itl: Any, generated: Any) -> None:
-        """`ttft`, `itl`, `generated`: the model's labelled metric children, resolved once (cheap per token)."""
+    def __init__(self, eos_token_id: int, metrics: dict[str, TokenMetrics]) -> None:
+        """`metrics`: by cache-policy form (CachePolicy.form), each request's tokens counted under its own."""
         self.sampler = Sampler()
         self.eos_token_id = eos_token_id
-        self._ttft, self._itl, self._generated = ttft, itl, generated
+        self._metrics = metrics
 
     def process(self, requests: list[Request], logits: np.ndarray) -> list[Finished]:
         """Sample one token per request (rows of logits), stream the new text; the requests now done."""
         tokens = self.sampler.sample_batch(requests, logits)
         now = time.monotonic()
         finished: list[Finished] = []
-        generated = 0
+        generated: dict[str, int] = {}  # by policy form: one increment per form and step
         for request, token in zip(requests, tokens, strict=True):
             if request.status.finished:
                 continue
@@ -47,14 +56,15 @@ class OutputProcessor:
                 logger.error("sampling failed for %s: %s", request.request_id, token)
                 finished.append(Finished(request, RequestStatus.FINISHED_ERROR, f"sampling failed: {token}"))
                 continue
+            form = request.cache_policy.form
             if request.first_token_time is None:
                 request.first_token_time = now
-                self._ttft.observe(now - request.arrival_time)
+                self._metrics[form].ttft.observe(now - request.arrival_time)
             else:
-                self._itl.observe(now - request.last_token_time)
+                self._metrics[form].itl.observe(now - request.last_token_time)
             request.last_token_time = now
             request.output_ids.append(token)
-            generated += 1
+            generated[form] = generated.get(form, 0) + 1
             if token == self.eos_token_id:
                 finished.append(Finished(request, RequestStatus.FINISHED_EOS))
                 continue
@@ -65,7 +75,8 @@ class OutputProcessor:
                 finished.append(Finished(request, RequestStatus.FINISHED_STOP))
             elif len(request.output_ids) >= request.params.max_new_tokens:
                 finished.append(Finished(request, RequestStatus.FINISHED_LENGTH))
-        self._generated.inc(generated)
+        for form, count in generated.items():
+            self._metrics[form].generated.inc(count)
         return finished
 
     def forget(self, request: Request) -> None:
