@@ -46,6 +46,8 @@ class ModelConfig:
     relative_num_buckets: int = 32
     relative_max_distance: int = 128
     rope_base: float = 10000.0
+    # Rotated dimensions of each head (None = all); the rest pass through (GPT-NeoX's partial rotary).
+    rope_rotary_dims: int | None = None
     rope_scaling: RopeScaling | None = None
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02

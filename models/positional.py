@@ -155,21 +155,36 @@ ROPE_INIT_FUNCTIONS: dict[str, Callable[[int, float, RopeScaling | None], tuple[
 
 
 def rope_inverse_frequencies(
-    head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+    head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None, rotary_dims: int | None = None
 ) -> tuple[Tensor, float]:
-    """(inv_freq [head_dim/2], attention_factor) for the chosen rotary variant."""
+    """(inv_freq [head_dim/2], attention_factor) for the chosen rotary variant.
+
+    Partial rotary (`rotary_dims` < head_dim, GPT-NeoX's rotary_pct, transformers'
+    partial_rotary_factor): the variant's frequencies are those of a `rotary_dims`-wide head and
+    the remaining pairs get frequency 0, i.e. they pass through unrotated. In the rotate-half
+    layout that is NeoX's partial rotary up to a fixed permutation of the head's dimensions.
+    """
     kind = "default" if scaling is None else scaling.kind
-    return ROPE_INIT_FUNCTIONS[kind](head_dim, base, scaling)
+    dims = head_dim if rotary_dims is None else rotary_dims
+    if dims % 2 or not 0 < dims <= head_dim:
+        raise ValueError(f"rotary_dims must be even and within 2..{head_dim}, got {dims}")
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](dims, base, scaling)
+    unrotated = torch.zeros((head_dim - dims) // 2, dtype=inv_freq.dtype)
+    return torch.cat((inv_freq, unrotated)), attention_factor
 
 
 def rope_angles(
-    positions: ArrayT, head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+    positions: ArrayT,
+    head_dim: int,
+    base: float = 10000.0,
+    scaling: RopeScaling | None = None,
+    rotary_dims: int | None = None,
 ) -> tuple[ArrayT, ArrayT]:
     """Rotary (cos, sin), each [*positions.shape, head_dim], in the rotate-half layout.
 
     (Su et al. 2021, https://arxiv.org/abs/2104.09864; layout as in Llama/transformers.)
     """
-    inv_freq, attention_factor = rope_inverse_frequencies(head_dim, base, scaling)
+    inv_freq, attention_factor = rope_inverse_frequencies(head_dim, base, scaling, rotary_dims)
     pos = _to_torch(positions).to(torch.float32)
     freqs = pos.unsqueeze(-1) * inv_freq.to(pos.device)  # (..., head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., head_dim)
@@ -181,7 +196,9 @@ def rope_rotation_frequencies(config: ModelConfig) -> Tensor:
     """The inverse frequencies [head_dim/2] (float32) of the config's rotary variant, without the
     attention factor: what moving a cached key needs (`RotaryPositions.move_keys`). The export
     writes them into the manifest so the service can move sink keys the same way in numpy."""
-    inv_freq, _ = rope_inverse_frequencies(config.head_dim, config.rope_base, config.rope_scaling)
+    inv_freq, _ = rope_inverse_frequencies(
+        config.head_dim, config.rope_base, config.rope_scaling, config.rope_rotary_dims
+    )
     return inv_freq
 
 
@@ -334,7 +351,10 @@ class RotaryPositions(PositionalScheme):
     rotates_keys = True
 
     def rotation(self, position_ids: Tensor) -> QueryKeyRotation:
-        cos, sin = rope_angles(position_ids, self.config.head_dim, self.config.rope_base, self.config.rope_scaling)
+        config = self.config
+        cos, sin = rope_angles(
+            position_ids, config.head_dim, config.rope_base, config.rope_scaling, config.rope_rotary_dims
+        )
         return RotaryRotation(cos.unsqueeze(1), sin.unsqueeze(1))  # (B, 1, T, hs)
 
     def move_keys(self, keys: Tensor, offset: int) -> Tensor:

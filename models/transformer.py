@@ -48,6 +48,13 @@ class Transformer(nn.Module):
             block.attn.attend = attend_in_place
         return self
 
+    def attend_with_fused_kernel(self) -> Transformer:
+        """Switch to PyTorch's fused attention (training): the same mathematics in one kernel,
+        ~1.2x faster a step on 2 CPU cores. Export keeps the explicit graph."""
+        for block in self.blocks:
+            block.attn.attend = attend_fused
+        return self
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -148,6 +155,15 @@ def attend_concatenated(
     v = torch.cat((past[1], v), dim=2)  # (B, nh, past+T, hs)
     weights = torch.softmax((q @ k.transpose(-2, -1)) * scale + score_bias, dim=-1)  # (B, nh, T, past+T)
     return weights @ v, (k, v)
+
+
+def attend_fused(
+    q: Tensor, k: Tensor, v: Tensor, past: KeyValue, score_bias: Tensor, scale: float
+) -> tuple[Tensor, KeyValue]:
+    """`attend_concatenated` through `F.scaled_dot_product_attention` (the bias is its float mask)."""
+    k = torch.cat((past[0], k), dim=2)  # (B, nh, past+T, hs)
+    v = torch.cat((past[1], v), dim=2)  # (B, nh, past+T, hs)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=score_bias.to(q.dtype), scale=scale), (k, v)
 
 
 def attend_in_place(

@@ -11,11 +11,13 @@ from models.limits import PositionLimitError, check_positions
 from models.positional import (
     alibi_slopes,
     apply_rope,
+    matched_config,
     relative_position_bucket,
     rope_angles,
+    rope_inverse_frequencies,
     sinusoidal_table,
 )
-from models.transformer import CausalSelfAttention
+from models.transformer import CausalSelfAttention, Transformer
 
 
 def test_sinusoidal_bounded_and_row_zero_alternates() -> None:
@@ -151,3 +153,24 @@ def test_check_positions_names_the_limit() -> None:
     check_positions(np.array([[0, 10_000]]), None)
     with pytest.raises(PositionLimitError, match="max_positions=256"):
         check_positions(torch.tensor([[255, 256]]), 256)
+
+
+def test_partial_rotary_rotates_the_first_pairs_and_passes_the_rest() -> None:
+    """rotary_dims=8 of 32: NeoX's partial rotary (frequencies of an 8-wide head), the other pairs unrotated."""
+    partial, _ = rope_inverse_frequencies(32, rotary_dims=8)
+    narrow, _ = rope_inverse_frequencies(8)
+    assert partial.shape == (16,)
+    torch.testing.assert_close(partial[:4], narrow)
+    assert not partial[4:].any()
+    x = torch.randn(3, 32)
+    cos, sin = rope_angles(torch.tensor([0, 7, 300]), 32, rotary_dims=8)
+    rotated = apply_rope(x, cos, sin)
+    unrotated = [i for i in range(32) if i % 16 >= 4]  # pair j is (j, j + 16); pairs 4..15 pass
+    torch.testing.assert_close(rotated[:, unrotated], x[:, unrotated])
+    assert not torch.allclose(rotated[1:], x[1:])
+    full, _ = rope_inverse_frequencies(32, rotary_dims=32)
+    torch.testing.assert_close(full, rope_inverse_frequencies(32)[0])
+    with pytest.raises(ValueError, match="rotary_dims"):
+        rope_inverse_frequencies(32, rotary_dims=7)
+    model = Transformer(matched_config("rope", rope_rotary_dims=8))
+    assert model.positional.move_keys(torch.ones(1, 32), 5)[0, unrotated].eq(1).all()

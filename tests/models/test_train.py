@@ -102,7 +102,7 @@ def test_a_run_resumed_from_its_checkpoint_equals_one_uninterrupted_run(tmp_path
               "--n-layers", "1", "--eval-interval", "6", "--eval-windows", "4", "--warmup-steps", "3",
               "--copy-share", "0.5", "--probe-trials", "4", "--threads", "1", "--corpus", str(corpus)]  # fmt: skip
     main([*common, "--out", str(tmp_path / "whole")])
-    pieces = ["--out", str(tmp_path / "pieces"), "--checkpoint-interval", "5"]
+    pieces = ["--checkpoint-interval", "5", "--out", str(tmp_path / "pieces")]
     main([*common, *pieces, "--stop-at", "8"])
     folder = tmp_path / "pieces" / "rope"
     assert (folder / "checkpoint.pt").exists() and not (folder / "training.json").exists()
@@ -125,10 +125,16 @@ def test_a_run_resumed_from_its_checkpoint_equals_one_uninterrupted_run(tmp_path
     assert {"copy_32", "copy_128", "val_bpb"} <= set(log[5]) and "copy_32" not in log[6]
     summary = json.loads((folder / "training.json").read_text())
     assert summary["tokens_seen"] == 16 * 4 * 32 and summary["runs"][-1]["recipe"]["steps"] == 16
+    # The recorded command trains these weights in one go; the pieces that did are listed.
+    whole_command = json.loads((tmp_path / "whole" / "rope" / "training.json").read_text())["command"]
+    assert summary["command"].replace("pieces", "whole") == whole_command
+    assert "--resume" not in summary["command"] and "--stop-at" not in summary["command"]
+    assert [piece["steps"] for piece in summary["runs"][-1]["pieces"]] == [[0, 8], [8, 16]]
+    assert "--resume" in summary["runs"][-1]["pieces"][1]["command"]
     # Resuming a finished recipe trains nothing; resuming under another recipe is refused.
     before = (folder / "model.safetensors").read_bytes()
     main([*common, *pieces, "--resume"])
     assert (folder / "model.safetensors").read_bytes() == before
     main([*common, *pieces, "--stop-at", "4", "--lr", "0.01"])
-    with pytest.raises(SystemExit, match="another recipe.*lr"):
+    with pytest.raises(SystemExit, match=r"another recipe.*lr"):
         main([*common, *pieces, "--resume"])
