@@ -234,6 +234,13 @@ image_smoke() {
 }
 
 # ---- the compose stack on the host network ---------------------------------------------------------
+targets_health() {  # URL of /api/v1/targets: "instance=health ..." of the active targets, sorted
+  curl -fsS --max-time 5 "$1" 2> /dev/null | python3 -c '
+import json, sys
+targets = json.load(sys.stdin)["data"]["activeTargets"]
+print(" ".join(sorted(t["labels"]["instance"] + "=" + t["health"] for t in targets)))' 2> /dev/null || true
+}
+
 compose_smoke() {
   local compose project=posenc-smoke prometheus_port started t n up
   if [ -n "${COMPOSE:-}" ]; then read -ra compose <<< "$COMPOSE"
@@ -271,10 +278,7 @@ compose_smoke() {
   step "prometheus: http://127.0.0.1:$prometheus_port/api/v1/targets"
   t=$(date +%s)
   while true; do
-    up=$(curl -fsS --max-time 5 "http://127.0.0.1:$prometheus_port/api/v1/targets" 2> /dev/null | python3 -c '
-import json, sys
-targets = json.load(sys.stdin)["data"]["activeTargets"]
-print(" ".join(sorted(f"{t[\"labels\"][\"instance\"]}={t[\"health\"]}" for t in targets)))' 2> /dev/null || true)
+    up=$(targets_health "http://127.0.0.1:$prometheus_port/api/v1/targets")
     [ "$up" = "127.0.0.1:9465=up 127.0.0.1:9466=up" ] && break
     (( $(date +%s) - t < 60 )) || fail "targets: '$up'"
     sleep 1
