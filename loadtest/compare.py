@@ -39,6 +39,7 @@ from export.repository import run as export_run
 from loadtest.cache_budget import CacheBudgetPlan, measure_cache_budgets, score_bpb
 from loadtest.probes import Scorer, copy_text, depth_text, passkey_text
 from loadtest.streaming import timed_stream
+from models import emergence
 from models.cli import HelpFormatter
 from models.config import RopeScaling
 from models.corpus import load_corpus
@@ -138,6 +139,8 @@ class Results:
     retrieval: dict[str, dict[str, object]] = field(default_factory=dict)
     # scheme -> the cache-budget comparison (loadtest/cache_budget.py)
     cache_budget: dict[str, dict[str, object]] = field(default_factory=dict)
+    # The served weights' copy-emergence curves, from their training logs (models/emergence.py).
+    training: dict[str, dict[str, object]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -429,6 +432,7 @@ def run(args: argparse.Namespace) -> Path:
             raise SystemExit(f"--sections {' '.join(sorted(sections))}: {existing} has no earlier full run to update")
         results = Results(**json.loads(existing.read_text()))
     results.config.setdefault("runs", []).append(measured)  # type: ignore[union-attr]
+    results.training = emergence.curves(WEIGHTS_DIR)
     held_out = HeldOut()
     steps = len(schemes) * 6 + len(rope_variants)
     with tqdm(total=steps, desc="compare", unit="task") as progress:

@@ -23,6 +23,7 @@ from contract.cache_policy import parse_cache_policy
 from loadtest.cache_budget import COST_HISTORY, policy_budget
 from loadtest.palette import HEATMAP, REFERENCE, TEXT_ON_DARK, TEXT_ON_LIGHT, policy_style, style
 from loadtest.probes import wilson
+from models import emergence
 
 PLOTS = {
     "bpb_vs_context.png": "Bits per byte versus context length",
@@ -34,6 +35,7 @@ PLOTS = {
     "retrieval.png": "Retrieval probes with 95% intervals",
     "retrieval_depth.png": "Copy accuracy by context length and depth of the first copy",
     "cache_budget.png": "Quality against KV bytes per sequence, per cache policy",
+    "copy_emergence.png": "Copy accuracy and validation bits per byte against training tokens",
 }
 
 
@@ -106,6 +108,8 @@ def figures(results: dict) -> dict[str, Figure]:  # type: ignore[type-arg]
     }
     if results.get("load_admission"):
         builders["goodput_vs_users.png"] = lambda: figure_goodput(results)
+    if results.get("training"):
+        builders["copy_emergence.png"] = lambda: figure_emergence(results["training"])
     if results.get("cache_budget"):
         builders["kv_bytes.png"] = lambda: figure_kv_bytes(results)
         builders["cache_budget.png"] = lambda: figure_cache_budget(results)
@@ -206,6 +210,55 @@ def figure_goodput(results: dict) -> Figure:  # type: ignore[type-arg]
     axes[0].legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     axes[1].legend(fontsize=7)
     return fig
+
+
+def figure_emergence(training: dict) -> Figure:  # type: ignore[type-arg]
+    """Copy accuracy at each probed distance and validation bpb against training tokens, one line per
+    scheme; the copying bar, each scheme's first copying point (dotted) and the cap where one never copies."""
+    panels = len(emergence.DISTANCES) + 1
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.2))
+    for scheme, entry in training.items():
+        points = entry["points"]
+        tokens = [p["tokens"] / 1e6 for p in points]
+        kwargs = style(scheme).kwargs() | {"markersize": 3}
+        for ax, distance in zip(axes, emergence.DISTANCES, strict=False):
+            ax.plot(tokens, [p[str(distance)] for p in points], label=scheme, **kwargs)
+        axes[-1].plot(tokens, [p["val_bpb"] for p in points], label=scheme, **kwargs)
+        if entry["copies_at"] is not None:
+            for ax in axes[:-1]:
+                ax.axvline(entry["copies_at"]["tokens"] / 1e6, linestyle=":", color=style(scheme).color)
+        elif entry["finished"]:
+            for ax in axes[:-1]:
+                ax.annotate("cap", (tokens[-1], points[-1][str(emergence.DISTANCES[0])]), color=style(scheme).color)
+    for ax, distance in zip(axes, emergence.DISTANCES, strict=False):
+        ax.axhline(emergence.COPIES, linestyle="--", color=REFERENCE, linewidth=0.8)
+        ax.set(xlabel="training tokens (M)", ylabel=f"copy accuracy, D = {distance} bytes", ylim=(-0.02, 1.02),
+               title=f"Copying at D = {distance}")  # fmt: skip
+    axes[-1].set(xlabel="training tokens (M)", ylabel="validation bits per byte", title="Validation bpb @ 256")
+    axes[-1].set_ylim(top=min(3.5, axes[-1].get_ylim()[1]))
+    axes[0].legend(fontsize=7)
+    fig.suptitle(PLOTS["copy_emergence.png"])
+    return fig
+
+
+def training_section(results: dict) -> str:  # type: ignore[type-arg]
+    """When each scheme starts to copy under the one recipe behind the served weights."""
+    training = results.get("training")
+    if not training:
+        return "The served weights' training logs carry no copy-probe points (trained before they were logged).\n"
+    commands = sorted({str(entry["command"]) for entry in training.values() if entry.get("command")})
+    recipe = "\n".join(f"    {command}" for command in commands) or "    (runs still going: no training.json yet)"
+    return f"""Copy accuracy (`models.copy_probe` on validation text, at every evaluation of the training run) and
+validation bits per byte against training tokens. A scheme copies once its accuracy is at least
+{emergence.COPIES} at D = {" and ".join(map(str, emergence.DISTANCES))} bytes; one that never does is marked at the
+recipe's cap. The weights come from one recipe:
+
+{recipe}
+
+![copy emergence](copy_emergence.png)
+
+{emergence.table(training)}
+"""
 
 
 def goodput_section(results: dict) -> str:  # type: ignore[type-arg]
@@ -831,6 +884,9 @@ standard error over windows). Chance for a digit is 0.1, for a span character 1/
 ## What each scheme buys
 
 {what_each_scheme_buys(results)}
+## Training: when each scheme starts to copy
+
+{training_section(results)}
 ## Cache budgets: what each scheme keeps when its cache is bounded
 
 {cache_budget_section(results)}

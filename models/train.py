@@ -413,6 +413,8 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
             (out / CHECKPOINT).unlink(missing_ok=True)  # another run's: it must not be resumed into this log
     run_index = len(runs)
     last_step = cfg.stop_at or cfg.steps
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * runtime.world * cfg.context
+    tokens_before = sum(int(r.get("tokens_seen") or 0) for r in runs)  # type: ignore[call-overload]
     started = time.time()
     progress = tqdm(
         range(first_step, last_step),
@@ -473,6 +475,7 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
             val_bpb = bits_per_byte(model, val_inputs, val_targets)
             record["val_bpb"] = val_bpb
             record |= copy_curve_point(model, probe_text, cfg.probe_trials)
+            record["tokens"] = tokens_before + (step + 1) * tokens_per_step
             record["elapsed_s"] = round(seconds_before + time.time() - started, 1)
             progress.set_postfix(val_bpb=f"{val_bpb:.3f}")
         with log_path.open("a") as log:
@@ -504,7 +507,7 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
         state_dir = Path(os.environ[RANK_STATE_ENV])
         state_dir.mkdir(parents=True, exist_ok=True)
         (state_dir / f"{scheme}.rank{runtime.rank}.sha256").write_text(state_sha256(model) + "\n")
-    tokens = cfg.steps * cfg.batch_size * cfg.grad_accum * runtime.world * cfg.context
+    tokens = cfg.steps * tokens_per_step
     shape = {key: getattr(model.config, key) for key in ("d_model", "n_layers", "n_heads")}
     final_piece = {
         "command": command,
@@ -530,7 +533,7 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
         "command": run["command"],
         "parameters": model.num_parameters(),
         "val_bpb": val_bpb,
-        "tokens_seen": tokens + sum(int(r.get("tokens_seen") or 0) for r in runs),  # type: ignore[call-overload]
+        "tokens_seen": tokens_before + tokens,
         "train_seconds": train_seconds,
         "train_config": run["train_config"],
         "corpus": corpus.describe(),
