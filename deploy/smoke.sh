@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Smoke test of the images on a machine with a Docker engine (README, "Deploy: the smoke test").
 #
-#   bash deploy/smoke.sh             build the CPU image, run one container, check it
+#   bash deploy/smoke.sh             build the cpu and locust images, run one container, check it
 #   bash deploy/smoke.sh --compose   build it, run the compose stack on the host network
 #                                    (deploy/compose.host.yml: two replicas, proxy, Prometheus)
 #
@@ -11,7 +11,8 @@
 # cannot be reached, a folder of wheels holding the pinned torch (POSENC_TORCH_WHEELS, else pip's
 # configured find-links) is offered to the build as a simple index on 127.0.0.1.
 # Environment: DOCKER (docker), COMPOSE (docker-compose, else `docker compose`), POSENC_IMAGE
-# (posenc-serve:cpu), POSENC_DEBIAN_MIRROR (http://deb.debian.org/debian), POSENC_TORCH_WHEELS.
+# (posenc-serve:cpu), POSENC_DEBIAN_MIRROR (http://deb.debian.org/debian), POSENC_TORCH_WHEELS,
+# POSENC_TORCH_INDEX_PORT (47651).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -127,7 +128,10 @@ torch_index() {  # sets INDEX_URL
   ln -s "$wheel" "$index/files/"
   printf '<!DOCTYPE html><html><body><a href="../../files/%s#sha256=%s">%s</a></body></html>\n' \
     "$(basename "$wheel")" "$(sha256sum "$wheel" | cut -d' ' -f1)" "$(basename "$wheel")" > "$index/simple/torch/index.html"
-  port=$(free_port)
+  # A fixed port where it is free: the URL is a build arg of the export stage, so a new one each
+  # run would rebuild torch's layer and the export every time.
+  port=${POSENC_TORCH_INDEX_PORT:-47651}
+  port_free "$port" || port=$(free_port)
   python3 -m http.server --bind 127.0.0.1 --directory "$index" "$port" > "$WORK/index.log" 2>&1 &
   CLEANUP+=("kill $!")
   for _ in $(seq 50); do curl -fs -o /dev/null "http://127.0.0.1:$port/simple/torch/" && break; sleep 0.1; done
