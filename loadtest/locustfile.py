@@ -23,6 +23,7 @@ import random
 import time
 from functools import cache
 
+import gevent
 import grpc
 import grpc.experimental.gevent as grpc_gevent
 from gevent import GreenletExit
@@ -34,6 +35,7 @@ from loadtest.token_latency import LATENCY
 from models.corpus import load_corpus
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
+from service.engine.admission import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
 
 grpc_gevent.init_gevent()  # grpcio's blocking calls must yield to gevent
 
@@ -125,10 +127,20 @@ class GenerationUser(User):
             self._fire("cancel", f"Stopped {model}", time.perf_counter() - started, 0, None)
             raise
         self._fire("grpc", f"GenerateStream {model}", timing.seconds, timing.received_bytes, timing.error)
+        if timing.error is not None and timing.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._back_off(timing.error)
+            return
         if timing.time_to_first_token is not None and timing.error is None:
             LATENCY.record("TTFT", model, timing.time_to_first_token)
             if timing.mean_inter_token is not None:
                 LATENCY.record("ITL", model, timing.mean_inter_token)
+
+    def _back_off(self, error: grpc.RpcError) -> None:
+        """Wait as long as the server's `retry-after-ms` asks (up to its longest hint): coming back
+        sooner only buys another refusal, at the cost of a round trip on both sides."""
+        hint = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)  # type: ignore[attr-defined]
+        if hint:
+            gevent.sleep(min(MAX_RETRY_AFTER_SECONDS, int(hint) / 1000))
 
     def _cancelled_stream(self, model: str, request: pb.GenerateRequest, started: float) -> None:
         """Read a few chunks (maybe none), then cancel, as an impatient client does."""

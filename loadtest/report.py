@@ -269,7 +269,10 @@ def goodput_section(results: dict) -> str:  # type: ignore[type-arg]
         return "No admission-control series in this run.\n"
     rows = ["| scheme | users | goodput req/s | with admission | refused/s with admission | TTFT p50 ms | "
             "with admission |", "|" + "---|" * 7]  # fmt: skip
-    ratios = ["| scheme | without admission | with admission |", "|---|---|---|"]
+    top = max((u for load in admission.values() for u in load), key=int, default="?")
+    ratios = [f"| scheme | goodput ratio without admission | with admission (goal >= {GOODPUT_RATIO_GOAL:g}) | "
+              f"goodput req/s @{top} | refused/s @{top} | refusals per good request @{top} "
+              f"(goal <= {REFUSALS_PER_GOOD_GOAL:g}) |", "|" + "---|" * 6]  # fmt: skip
     for scheme in results["schemes"]:
         plain, shed = results["load"].get(scheme, {}), admission.get(scheme, {})
         users = sorted(set(plain) | set(shed), key=int)
@@ -280,18 +283,34 @@ def goodput_section(results: dict) -> str:  # type: ignore[type-arg]
                 f"{_fmt(b.get('goodput_per_s'), 2, missing='-')} | {_fmt(b.get('refused_per_s'), 1, missing='-')} | "
                 f"{_fmt(a.get('ttft_p50_s'), 0, 1000, '-')} | {_fmt(b.get('ttft_p50_s'), 0, 1000, '-')} |"
             )
+        last = shed.get(top, {})
         ratios.append(f"| {scheme} | {_fmt(goodput_ratio(plain), 2, missing='-')} | "
-                      f"{_fmt(goodput_ratio(shed), 2, missing='-')} |")  # fmt: skip
+                      f"{_fmt(goodput_ratio(shed), 2, missing='-')} | "
+                      f"{_fmt(last.get('goodput_per_s'), 2, missing='-')} | "
+                      f"{_fmt(last.get('refused_per_s'), 1, missing='-')} | "
+                      f"{_fmt(refusals_per_good(last), 2, missing='-')} |")  # fmt: skip
     slo = results["config"].get("admission_ttft_slo_s")
     return (
         f"The same closed-loop load against a server started with `--ttft-slo-seconds {slo}`: a request\n"
-        "estimated to miss it is refused at once (RESOURCE_EXHAUSTED, `retry-after-ms` hint; the load\n"
-        "clients wait as asked, up to 2 s), so the requests it admits stay within the goodput targets.\n\n"
+        "estimated to miss it is refused at once (RESOURCE_EXHAUSTED, `retry-after-ms` hint: when it\n"
+        "would meet the target, behind the requests refused before it; the load clients wait as asked),\n"
+        "so the requests it admits stay within the goodput targets.\n\n"
         "![goodput](goodput_vs_users.png)\n\n" + "\n".join(rows) + "\n\n"
-        "Goodput at the most users over the best goodput at fewer users (1.0: no collapse):\n\n"
+        "Goodput at the most users over the best goodput at fewer users (1.0: no collapse), and refusals\n"
+        "per good request there (each refusal is a round trip of the CPU the admitted requests need):\n\n"
         + "\n".join(ratios)
         + "\n"
     )
+
+
+GOODPUT_RATIO_GOAL = 0.8  # issue 22: goodput at the most users over the best at fewer, with admission
+REFUSALS_PER_GOOD_GOAL = 3.0  # issue 22: refusals/s at the most users over goodput/s there
+
+
+def refusals_per_good(load: dict[str, float]) -> float | None:
+    """Refusals per second over goodput per second at one load (None without goodput)."""
+    good = load.get("goodput_per_s")
+    return load.get("refused_per_s", 0.0) / good if good else None
 
 
 def goodput_ratio(load: dict[str, dict[str, float]]) -> float | None:

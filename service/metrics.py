@@ -42,6 +42,8 @@ INTER_TOKEN_BUCKETS = (
 )
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Realised minus estimated time to first token: negative when admission control was pessimistic.
+ESTIMATE_ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 LABELS = ("model", "scheme")
 POLICY_LABELS = (*LABELS, "policy")  # policy: the form of the request's cache policy (CachePolicy.form)
 
@@ -107,3 +109,16 @@ class ServiceMetrics:
             LABELS, buckets=LATENCY_BUCKETS, **kw,
         )  # fmt: skip
         self.preemptions = Counter("posenc_preemptions", "Sequences preempted for cache space.", LABELS, **kw)
+        # Admission control's estimate beside what happened (--ttft-slo-seconds; admitted requests only).
+        self.admission_estimated_ttft = Histogram(
+            "posenc_admission_estimated_ttft_seconds",
+            "Time to first token admission control expected for each request it admitted (calibrated estimate; "
+            "same buckets as posenc_time_to_first_token_seconds).",
+            LABELS, buckets=LATENCY_BUCKETS, **kw,
+        )  # fmt: skip
+        self.admission_ttft_error = Histogram(
+            "posenc_admission_ttft_error_seconds",
+            "Realised minus estimated time to first token of admitted requests (negative: the estimate was "
+            "pessimistic).",
+            LABELS, buckets=ESTIMATE_ERROR_BUCKETS, **kw,
+        )  # fmt: skip

@@ -74,6 +74,12 @@ ENGINE_FLAGS = {
         "time-to-first-token target: a request estimated to miss it (from measured prefill throughput and "
         "the queue ahead) is refused at once with RESOURCE_EXHAUSTED and a retry-after-ms hint (0: off)",
     ),
+    "admission_trace": (
+        "--admission-trace",
+        str,
+        "folder: write each model's admission measurements, decisions and realised times to first token to "
+        "<folder>/<model>.jsonl (replayed by service.engine.admission.replay; empty: off)",
+    ),
 }
 SERVER_FLAGS = {
     "host": ("--host", str, "address to bind the gRPC port"),

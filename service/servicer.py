@@ -11,6 +11,7 @@ import grpc
 
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
+from service.engine.admission import RETRY_AFTER_KEY
 from service.engine.engine import Engine
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput
@@ -33,9 +34,6 @@ ABORT_CODES = {
     RequestStatus.FINISHED_ERROR: grpc.StatusCode.INTERNAL,
     RequestStatus.FINISHED_SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
 }
-
-
-RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on load-shedding refusals
 
 
 class _Aborted(Exception):

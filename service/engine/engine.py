@@ -23,7 +23,7 @@ import numpy as np
 
 from contract.cache_policy import FORM_SYNTAX, CachePolicyError
 from contract.manifest import Manifest, ManifestError
-from service.engine.admission import AdmissionControl, Backlog
+from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput, InputLimits, InputProcessor
 from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
@@ -57,6 +57,7 @@ class EngineConfig:
     threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
     ttft_slo_seconds: float = 0.0  # refuse requests estimated to miss this time to first token (0: off)
+    admission_trace: str = ""  # folder: admission's measurements, decisions and outcomes per model (JSON lines)
     # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
     default_cache_policies: tuple[str, ...] = ()
 
@@ -114,7 +115,9 @@ class ModelEngine:
         )
         self.store = self.runner.store
         self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)
-        self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size)
+        trace = open_trace(Path(config.admission_trace), manifest.folder.name) if config.admission_trace else None
+        self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size, trace)
+        self._admission_trace = trace
         self._backlog = Backlog()  # what is ahead of a new request, as of the last step
         limits = InputLimits(config.max_new_tokens_limit, config.default_max_new_tokens, self.store.max_tokens)
         self.inputs = InputProcessor(manifest, limits)
@@ -154,6 +157,8 @@ class ModelEngine:
             form: metrics.prompt_tokens.labels(**form_labels) for form, form_labels in by_form.items()
         }
         self._preemptions = metrics.preemptions.labels(**labels)
+        self._estimated_ttft = metrics.admission_estimated_ttft.labels(**labels)
+        self._estimate_error = metrics.admission_ttft_error.labels(**labels)
         self._shed = {
             (reason, form): metrics.requests_shed.labels(**form_labels, reason=reason)
             for reason in ("ttft_slo", "queue")
@@ -204,15 +209,19 @@ class ModelEngine:
             waiting = len(self.scheduler.waiting) + len(self._inbox)
             if waiting >= self.config.max_queue:
                 self._shed["queue", request.cache_policy.form].inc()
+                retry_after = self.admission.queue_retry_after(waiting)
                 raise RequestError(
                     ErrorKind.RESOURCE_EXHAUSTED,
                     f"queue: {waiting} requests waiting for model {self.manifest.name!r} "
-                    f"(max_queue={self.config.max_queue})",
+                    f"(max_queue={self.config.max_queue}); retry after {retry_after:.2f} s",
+                    retry_after=retry_after,
                 )
             if self.admission.enabled:  # the inbox's prompt tokens are summed only when they are used
                 inbox_tokens = sum(len(r.prefill_ids) for r in self._inbox)
                 try:
-                    self.admission.check(request, self._backlog, inbox_tokens, len(self._inbox), self.manifest.name)
+                    request.admission_estimate = self.admission.check(
+                        request, self._backlog, inbox_tokens, len(self._inbox), self.manifest.name
+                    )
                 except RequestError:
                     self._shed["ttft_slo", request.cache_policy.form].inc()
                     raise
@@ -247,6 +256,8 @@ class ModelEngine:
             self._wake.notify()
         self._thread.join(timeout=5)
         self.prefill_worker.stop()
+        if self._admission_trace is not None:
+            self._admission_trace.close()
         cut = sum(1 for r in in_flight if r.status is RequestStatus.FINISHED_SHUTDOWN)
         return DrainReport(len(in_flight) - cut, cut)
 
@@ -351,7 +362,20 @@ class ModelEngine:
         if fresh:
             logits = np.stack([ready[row].prompt.logits for row in fresh])  # type: ignore[union-attr]
             self._finish_all(self.outputs.process([requests[row] for row in fresh], logits))
+            self._observe_first_tokens([requests[row] for row in fresh])
         return len(ready)
+
+    def _observe_first_tokens(self, requests: list[Request]) -> None:
+        """Admission learns from each first token: the drain rate, and its estimate against what happened."""
+        for request in requests:
+            if request.first_token_time is None:
+                continue  # its sampling failed
+            realised = request.first_token_time - request.arrival_time
+            estimate = request.admission_estimate
+            self.admission.observe_first_token(request.request_id, estimate, realised)
+            if estimate is not None:
+                self._estimated_ttft.observe(estimate.seconds)
+                self._estimate_error.observe(realised - estimate.seconds)
 
     def _decode(self, requests: list[Request]) -> None:
         tokens = {r.request_id: r.output_ids[-1] for r in requests}

@@ -6,9 +6,13 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from service.engine.admission import Estimate
 
 
 class RequestStatus(enum.IntEnum):
@@ -107,6 +111,9 @@ class Request:
     last_token_time: float = 0.0
     cancel_time: float | None = None  # when a cancel was asked for
     scheduled_time: float | None = None
+    # Admission control's expected time to first token (None: not estimated), set when admitted and
+    # checked against the realised one when the first token is sampled.
+    admission_estimate: Estimate | None = None
     finish_time: float | None = None
     error: str | None = None
     text: str = ""

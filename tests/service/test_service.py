@@ -274,6 +274,8 @@ def test_full_queue_answers_resource_exhausted_at_once(repository: Path) -> None
                 codes.append(error.code())
                 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     assert "max_queue=1" in error.details()
+                    hint = dict(error.trailing_metadata() or ())["retry-after-ms"]  # when the queue will have drained
+                    assert 0 < int(hint) <= 5000
         assert codes.count(grpc.StatusCode.OK) >= 2
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
         assert wait_for(lambda: server.metric("posenc_kv_cache_used_bytes", model="alibi") == 0)
