@@ -192,7 +192,7 @@ image_smoke() {
   step "run: $name on the host network, gRPC 127.0.0.1:$port, /metrics 127.0.0.1:$metrics"
   started=$(now)
   "$DOCKER" run -d --name "$name" --network host -e POSENC_HOST=127.0.0.1 -e POSENC_METRICS_HOST=127.0.0.1 \
-    -e "POSENC_PORT=$port" -e "POSENC_METRICS_PORT=$metrics" "$IMAGE" > /dev/null
+    -e "POSENC_PORT=$port" -e "POSENC_METRICS_PORT=$metrics" -e POSENC_MAX_NEW_TOKENS_LIMIT=2048 "$IMAGE" > /dev/null
   CLEANUP+=("$DOCKER rm -f $name")
   step "health: waiting for the image's own HEALTHCHECK (python -m service.healthcheck, every 10 s)"
   healthy=$(wait_healthy "$started" "$name" 300)
@@ -214,8 +214,10 @@ image_smoke() {
   line=$(grep -E '^ *Aggregated' "$WORK/locust.out" | head -n 1 | tr -s ' ')
   ok "${line# } (requests, failures, ...)"
 
-  step "drain: docker stop while 4 streams of 1024 tokens run (grace $GRACE s)"
-  rpc streams "127.0.0.1:$port" --streams 4 --max-new-tokens 1024 > "$WORK/stream.out" 2>&1 &
+  # Streams long enough (a few seconds here) to be running when SIGTERM arrives: 1024 tokens
+  # once ended before it did.
+  step "drain: docker stop while 4 streams of 2048 tokens run (grace $GRACE s)"
+  rpc streams "127.0.0.1:$port" --streams 4 --max-new-tokens 2048 > "$WORK/stream.out" 2>&1 &
   local client=$!
   for _ in $(seq 600); do grep -q "streaming" "$WORK/stream.out" && break; sleep 0.1; done
   grep -q "streaming" "$WORK/stream.out" || fail "the streams never started: $(cat "$WORK/stream.out")"
@@ -289,20 +291,29 @@ compose_smoke() {
   done
   ok "$up"
 
-  step "down: ${compose[*]} -p $project ... down"
+  step "stop: ${compose[*]} -p $project ... stop, then down -v"
   t=$(now)
-  logged "${dc[@]}" down -v --remove-orphans || fail "compose down"
-  local down_seconds left
+  logged "${dc[@]}" stop || fail "compose stop"
+  local down_seconds left container exits=""
   down_seconds=$(seconds_since "$t")
+  for container in $("$DOCKER" ps -aq --filter "label=com.docker.compose.project=$project"); do
+    exits+=" $("$DOCKER" inspect -f '{{index .Config.Labels "com.docker.compose.service"}}={{.State.ExitCode}}' "$container")"
+  done
+  [[ ! $exits =~ =[1-9] ]] || fail "a container did not exit cleanly (137: killed after its grace period):$exits"
+  for service in replica-1 replica-2; do
+    "${dc[@]}" logs "$service" 2>&1 | grep -q "stopped after" || fail "$service: no 'stopped after' line in its log"
+  done
+  ok "stopped in $down_seconds s, exit codes:$exits; both replicas logged 'stopped after'"
+  logged "${dc[@]}" down -v --remove-orphans || fail "compose down"
   left=$("$DOCKER" ps -aq --filter "label=com.docker.compose.project=$project")
   [ -z "$left" ] || fail "containers left: $left"
   left=$("$DOCKER" network ls -q --filter "label=com.docker.compose.project=$project")
   [ -z "$left" ] || fail "networks left: $left"
   left=$("$DOCKER" volume ls -q --filter "label=com.docker.compose.project=$project")
   [ -z "$left" ] || fail "volumes left: $left"
-  ok "no container, network or volume of $project left (down took $down_seconds s)"
+  ok "no container, network or volume of $project left"
   step "PASS in $(( $(date +%s) - STARTED )) s"
-  echo "compose (host network): 2 replicas of $IMAGE ($SIZE), proxy $proxy_base, prometheus $prometheus_base; down in $down_seconds s"
+  echo "compose (host network): 2 replicas of $IMAGE ($SIZE), proxy $proxy_base, prometheus $prometheus_base; stopped in $down_seconds s"
 }
 
 main() {
