@@ -1,8 +1,10 @@
 """Build the model repository: `python -m export`.
 
-For every scheme with shipped weights: export float32 and float16 graphs with a KV cache (each
-also as an in-place serving graph), write manifest.json and genai_config.json, check parity and
-print an evaluation table. The work itself is `export.repository`; this is its command line.
+For every scheme with shipped weights: export the graphs this device serves with a KV cache
+(float32, its in-place serving graph and the int8 cache's serving graph; float16 ones too where CUDA
+ONNX Runtime is installed, or with --fp16), models side by side in --workers processes, write
+manifest.json and genai_config.json, check parity and print an evaluation table. The work itself
+is `export.repository`; this is its command line.
 """
 
 from __future__ import annotations
@@ -13,14 +15,25 @@ import sys
 import time
 from pathlib import Path
 
-from export.repository import ExportOptions, ExportResult, run
+from contract.manifest import SERVING, SERVING_FP16, SERVING_INT8
+from export.repository import GRAPH_FILES, ExportOptions, ExportResult, run
 from models.cli import HelpFormatter
 from models.positional import SCHEMES
 
+# Short names of the graph variants for the table's size column.
+SHORT_NAMES = {
+    "float32": "fp32",
+    SERVING: "serving",
+    "float16": "fp16",
+    SERVING_FP16: "serving-fp16",
+    SERVING_INT8: "int8",
+}
+
 
 def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
+    sizes = "/".join(SHORT_NAMES[v] for v in results[0].onnx_bytes) if results else ""
     header = ["model", "params", "val bpb@256"] + [f"test bpb@{c}" for c in contexts]
-    header += ["parity fp32", "parity fp16", "cached=full", "onnx MB fp32/serving/fp16/serving", "export s"]
+    header += ["parity fp32", "parity fp16", "cached=full", f"onnx MB {sizes}", "export s"]
     rows = [header]
 
     def fmt(value: float | None, digits: int = 3) -> str:
@@ -57,7 +70,15 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
         "--schemes", nargs="+", choices=SCHEMES, default=list(defaults.schemes), metavar="SCHEME",
         help=f"schemes to export, from {', '.join(SCHEMES)}",
     )  # fmt: skip
-    parser.add_argument("--no-fp16", dest="fp16", action="store_false", help="skip the float16 graphs")
+    graphs = parser.add_mutually_exclusive_group()
+    graphs.add_argument(
+        "--fp16", action=argparse.BooleanOptionalAction, default=None,
+        help="float16 graphs (float16, serving-float16) too; default: only where CUDA ONNX Runtime is installed",
+    )  # fmt: skip
+    graphs.add_argument(
+        "--graphs", nargs="+", choices=list(GRAPH_FILES), default=None, metavar="VARIANT",
+        help=f"exactly these graph variants (float32 always), from {', '.join(GRAPH_FILES)}",
+    )  # fmt: skip
     parser.add_argument(
         "--rope-scaling", nargs="*", default=[], metavar="KIND:FACTOR",
         help="extra rope models with inference-time scaling, e.g. ntk:4 yarn:8 linear:2",
@@ -73,17 +94,23 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
     parser.add_argument(
         "--corpus", type=Path, default=None, help="evaluation text file or folder (default: the stdlib's test split)"
     )
+    parser.add_argument(
+        "--workers", type=int, default=defaults.workers,
+        help="processes exporting models side by side (0: one per available core, at most one per model)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     return ExportOptions(
         weights=args.weights,
         out=args.out,
         schemes=tuple(args.schemes),
         fp16=args.fp16,
+        graphs=None if args.graphs is None else tuple(args.graphs),
         rope_scaling=tuple(args.rope_scaling),
         verify=args.verify,
         eval_windows=args.eval_windows,
         eval_contexts=tuple(args.eval_contexts),
         corpus=args.corpus,
+        workers=args.workers,
     )
 
 

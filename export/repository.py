@@ -1,30 +1,49 @@
 """Building the model repository, as a library: `python -m export` is its command line.
 
-For every scheme with shipped weights: export the float32 graph and the in-place serving
-graph (and both again in float16) and the int8 cache's serving graph, write manifest.json and
-genai_config.json, then optionally check parity against PyTorch and evaluate bits per byte.
+For every scheme with shipped weights: export the graphs this device serves (float32 and its
+in-place serving graph, the int8 cache's serving graph, and both float16 graphs where CUDA ONNX
+Runtime is present or when asked), write manifest.json and genai_config.json, then optionally check
+parity against PyTorch and evaluate bits per byte. Models are exported side by side in worker
+processes (tracing is single-threaded Python, so one process per core is what makes it fast); rope
+scaling variants are derived from the exported rope graphs by rewriting constants
+(`export.rope_variants`), not traced again.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import multiprocessing
+import os
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
+import onnxruntime
 import torch
 from tqdm import tqdm
 
-from contract.manifest import GENAI_CONFIG, MANIFEST, SERVING, SERVING_FP16, SERVING_INT8, serving_variant
+from contract.manifest import GENAI_CONFIG, MANIFEST, SERVING, SERVING_FP16, SERVING_INT8, variant_dtype
 from export.evaluate import bits_per_byte, evaluation_sequences
 from export.manifest import build_manifest, genai_config, write_json
 from export.onnx import OPSET, export_onnx
+from export.rope_variants import derive_rope_variant
 from export.runtime import OnnxCausalLM
-from export.verify import FP32_TOLERANCE, ParityReport, check_int8_graph, check_parity, default_prompts, tolerance
-from models.config import RopeScaling
+from export.verify import (
+    FP32_TOLERANCE,
+    ParityReport,
+    check_int8_graph,
+    check_parity,
+    default_prompts,
+    tolerance,
+    torch_reference,
+)
+from models.config import ModelConfig, RopeScaling
 from models.corpus import load_corpus
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
@@ -33,7 +52,7 @@ from models.transformer import Transformer
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPOSITORY_ROOT / "model_repository"
-# The file of each manifest variant. Variant names are the contract; file names are ours.
+# The file of each manifest variant, in export order. Variant names are the contract; file names are ours.
 GRAPH_FILES = {
     "float32": "model.onnx",
     SERVING: "model.serving.onnx",
@@ -41,7 +60,17 @@ GRAPH_FILES = {
     SERVING_FP16: "model.serving.fp16.onnx",
     SERVING_INT8: "model.serving.int8.onnx",
 }
+FP16_GRAPHS = ("float16", SERVING_FP16)
+# The graphs whose parity against PyTorch export checks (serving graphs are held to these in tests).
+PARITY_GRAPHS = ("float32", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# The scheme whose models take inference-time rope scaling (see model_variants).
+ROPE_SCHEME = "rope"
+
+
+def cuda_onnxruntime() -> bool:
+    """True where the installed ONNX Runtime can run CUDA: the only place float16 graphs are served."""
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 
 
 @dataclass
@@ -49,12 +78,29 @@ class ExportOptions:
     weights: Path = WEIGHTS_DIR
     out: Path = DEFAULT_OUT
     schemes: tuple[str, ...] = SCHEMES
-    fp16: bool = True
+    # Float16 graphs: None = only where CUDA ONNX Runtime is present (CPUs serve float32).
+    fp16: bool | None = None
+    # Manifest variants to write (float32 always: the manifest's main graph); None = by `fp16`.
+    graphs: tuple[str, ...] | None = None
     rope_scaling: tuple[str, ...] = ()
     verify: bool = True
     eval_windows: int = 16
     eval_contexts: tuple[int, ...] = (256, 512)
     corpus: Path | None = None
+    # Processes exporting models side by side: 0 = one per available core, at most one per model.
+    workers: int = 0
+
+    def graph_variants(self) -> tuple[str, ...]:
+        """The variants every model gets, in GRAPH_FILES order."""
+        if self.graphs is not None:
+            unknown = sorted(set(self.graphs) - set(GRAPH_FILES))
+            if unknown:
+                raise ValueError(f"unknown graph variants {unknown}; choose from {', '.join(GRAPH_FILES)}")
+            wanted = {"float32", *self.graphs}
+        else:
+            fp16 = cuda_onnxruntime() if self.fp16 is None else self.fp16
+            wanted = set(GRAPH_FILES) - (set() if fp16 else set(FP16_GRAPHS))
+        return tuple(variant for variant in GRAPH_FILES if variant in wanted)
 
 
 @dataclass
@@ -63,7 +109,7 @@ class ExportResult:
     parameters: int
     val_bpb: float | None
     onnx_bytes: dict[str, int]  # per manifest variant, in export order
-    export_seconds: float
+    export_seconds: float  # tracing (or, for a derived rope variant, rewriting) its graphs
     parity: list[ParityReport] = field(default_factory=list)
     test_bpb: dict[int, float | None] = field(default_factory=dict)
     int8_max_abs: float | None = None  # serving-int8 against PyTorch fed the same dequantized cache
@@ -76,24 +122,41 @@ class ExportResult:
         return failures
 
 
+@dataclass
+class Verification:
+    """What `verify_model` measures of one exported model."""
+
+    parity: list[ParityReport]
+    int8_max_abs: float | None
+    test_bpb: dict[int, float | None]
+
+
 def rope_scaled_name(scaling: RopeScaling) -> str:
     """Model name of a rope model with inference-time scaling, e.g. rope-ntk-x4."""
     return f"rope-{scaling.kind}-x{scaling.factor:g}"
 
 
-def export_model(name: str, model: Transformer, options: ExportOptions, training: dict[str, object]) -> ExportResult:
-    """Every graph of one model, then its manifest (which hashes them) and genai config."""
+def export_model(
+    name: str,
+    model: Transformer,
+    options: ExportOptions,
+    training: dict[str, object],
+    graphs: tuple[str, ...] | None = None,
+) -> ExportResult:
+    """Every graph of one model (`graphs`, default options.graph_variants()), then its manifest
+    (which hashes them) and genai config."""
     folder = options.out / name
     folder.mkdir(parents=True, exist_ok=True)
     started = time.time()
     variants: dict[str, Path] = {}
-    for dtype in ("float32", "float16") if options.fp16 else ("float32",):
-        for variant, new_only in ((dtype, False), (serving_variant(dtype), True)):
-            variants[variant] = folder / GRAPH_FILES[variant]
-            # A copy each time: export casts the model and the serving layout rewires its layers.
-            export_onnx(copy.deepcopy(model), variants[variant], TORCH_DTYPES[dtype], new_only=new_only)
-    variants[SERVING_INT8] = folder / GRAPH_FILES[SERVING_INT8]
-    export_onnx(copy.deepcopy(model), variants[SERVING_INT8], int8=True)
+    for variant in graphs or options.graph_variants():
+        variants[variant] = folder / GRAPH_FILES[variant]
+        # A copy each time: export casts the model and the serving layout rewires its layers.
+        if variant == SERVING_INT8:
+            export_onnx(copy.deepcopy(model), variants[variant], int8=True)
+        else:
+            dtype = TORCH_DTYPES[variant_dtype(variant)]
+            export_onnx(copy.deepcopy(model), variants[variant], dtype, new_only=variant != variant_dtype(variant))
     seconds = time.time() - started
     versions = {"torch": torch.__version__, "onnx": onnx.__version__, "python": sys.version.split()[0]}
     extra = {
@@ -127,33 +190,190 @@ def model_variants(options: ExportOptions) -> list[tuple[str, str, RopeScaling |
     variants: list[tuple[str, str, RopeScaling | None]] = [(scheme, scheme, None) for scheme in options.schemes]
     for spec in options.rope_scaling:
         scaling = RopeScaling.parse(spec)
-        variants.append((rope_scaled_name(scaling), "rope", scaling))
+        variants.append((rope_scaled_name(scaling), ROPE_SCHEME, scaling))
     return variants
 
 
+def reference_model(options: ExportOptions, scheme: str, scaling: RopeScaling | None) -> Transformer:
+    """The PyTorch model an export is checked against: the scheme's weights with `scaling`."""
+    model = Transformer.load(options.weights / scheme)
+    if scaling is not None:
+        model.config.rope_scaling = RopeScaling(scaling.kind, scaling.factor, model.config.train_context)
+    return model
+
+
+def verify_model(
+    folder: Path,
+    reference: Transformer,
+    graphs: tuple[str, ...],
+    sequences: dict[int, list[list[int]]],
+    threads: int = 0,
+) -> Verification:
+    """Parity of the float32 (and float16) graphs against one PyTorch run, the int8 graph against
+    PyTorch fed its dequantized cache, and bits per byte of the float32 graph per context."""
+    prompts = default_prompts(TOKENIZER.bos_token_id)
+    torch_run = torch_reference(reference, prompts, TOKENIZER.pad_token_id)
+    parity = [
+        check_parity(torch_run, OnnxCausalLM(folder, variant, threads=threads), prompts)
+        for variant in PARITY_GRAPHS
+        if variant in graphs
+    ]
+    int8 = None
+    if SERVING_INT8 in graphs:
+        int8 = check_int8_graph(reference, OnnxCausalLM(folder, SERVING_INT8, threads=threads), prompts)
+    runtime = OnnxCausalLM(folder, threads=threads)
+    test_bpb = {context: bits_per_byte(runtime, windows) for context, windows in sequences.items()}
+    return Verification(parity, int8, test_bpb)
+
+
+@dataclass
+class _Job:
+    """One model for a worker: export its graphs (and verify them when `sequences` is given)."""
+
+    name: str
+    scheme: str
+    options: ExportOptions
+    graphs: tuple[str, ...]
+    sequences: dict[int, list[list[int]]] | None
+
+
+def _export_job(job: _Job) -> ExportResult:
+    model, training = load_weights(job.options, job.scheme)
+    result = export_model(job.name, model, job.options, training, job.graphs)
+    if job.sequences is not None:
+        _attach(
+            result, _verify_job(job.options.out / job.name, job.options, job.scheme, None, job.graphs, job.sequences)
+        )
+    return result
+
+
+def _verify_job(
+    folder: Path,
+    options: ExportOptions,
+    scheme: str,
+    scaling: RopeScaling | None,
+    graphs: tuple[str, ...],
+    sequences: dict[int, list[list[int]]],
+) -> Verification:
+    threads = 1 if multiprocessing.parent_process() is not None else 0
+    return verify_model(folder, reference_model(options, scheme, scaling), graphs, sequences, threads)
+
+
+def _attach(result: ExportResult, verification: Verification) -> ExportResult:
+    result.parity, result.int8_max_abs, result.test_bpb = (
+        verification.parity,
+        verification.int8_max_abs,
+        verification.test_bpb,
+    )
+    return result
+
+
+def _one_thread() -> None:
+    """Worker initializer: the cores are shared out as processes, so each uses one thread."""
+    torch.set_num_threads(1)
+
+
+class _InProcess(Executor):
+    """An executor that runs each call at submission: one worker needs no process pool."""
+
+    def submit(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Future:  # type: ignore[override]
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as error:  # handed to whoever reads the result, as a pool would
+            future.set_exception(error)
+        return future
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _executor(workers: int) -> Executor:
+    if workers <= 1:
+        return _InProcess()
+    # spawn: a fork of a process that has run torch can deadlock in its thread pools.
+    context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread)
+
+
+def _evaluation_windows(options: ExportOptions) -> dict[int, list[list[int]]]:
+    corpus = load_corpus(options.corpus)
+    stream = corpus.splits["test"]
+    return {
+        context: evaluation_sequences(stream, context, options.eval_windows, TOKENIZER.bos_token_id)
+        for context in options.eval_contexts
+    }
+
+
+def derive_scaled(
+    rope_base: Path, options: ExportOptions, name: str, scaling: RopeScaling, graphs: tuple[str, ...]
+) -> ExportResult:
+    """One rope scaling variant from the base rope model's graphs (`export.rope_variants`)."""
+    started = time.time()
+    base = ModelConfig.load(options.weights / ROPE_SCHEME / "config.json")
+    paths = derive_rope_variant(rope_base, options.out / name, name, base, scaling, graphs)
+    manifest = json.loads((options.out / name / MANIFEST).read_text())
+    return ExportResult(
+        name,
+        int(manifest.get("parameters", 0)),
+        manifest.get("training", {}).get("val_bpb"),
+        {variant: path.stat().st_size for variant, path in paths.items()},
+        time.time() - started,
+    )
+
+
 def run(options: ExportOptions) -> list[ExportResult]:
-    """Export every model; with `verify`, check the float32/float16 graphs' parity and evaluate float32."""
-    results = []
-    corpus = load_corpus(options.corpus) if options.verify else None
-    for name, scheme, scaling in tqdm(model_variants(options), desc="export", unit="model"):
-        model, training = load_weights(options, scheme)
-        model.config.rope_scaling = scaling
-        if scaling is not None:
-            scaling.original_max_positions = model.config.train_context
-        result = export_model(name, model, options, training)
-        if options.verify and corpus is not None:
-            reference = Transformer.load(options.weights / scheme)
-            reference.config.rope_scaling = scaling
-            for dtype in ("float32", "float16")[: 1 + options.fp16]:
-                runtime = OnnxCausalLM(options.out / name, dtype)
-                result.parity.append(check_parity(reference, runtime, default_prompts(TOKENIZER.bos_token_id)))
-            int8_runtime = OnnxCausalLM(options.out / name, SERVING_INT8)
-            result.int8_max_abs = check_int8_graph(reference, int8_runtime, default_prompts(TOKENIZER.bos_token_id))
-            runtime = OnnxCausalLM(options.out / name)
-            for context in options.eval_contexts:
-                sequences = evaluation_sequences(
-                    corpus.splits["test"], context, options.eval_windows, TOKENIZER.bos_token_id
-                )
-                result.test_bpb[context] = bits_per_byte(runtime, sequences)
-        results.append(result)
-    return results
+    """Export every model; with `verify`, check the float32/float16 graphs' parity and the int8 graph,
+    and evaluate float32. Results come back in model_variants order, whatever order workers finish in."""
+    graphs = options.graph_variants()
+    variants = model_variants(options)
+    for scheme in dict.fromkeys(scheme for _, scheme, _ in variants):
+        if not (options.weights / scheme / "model.safetensors").is_file():
+            load_weights(options, scheme)  # raises SystemExit naming the missing file
+    sequences = _evaluation_windows(options) if options.verify else None
+    scaled = [(name, scaling) for name, _, scaling in variants if scaling is not None]
+    results: dict[str, ExportResult] = {}
+    pending: dict[Future, str] = {}
+    with tempfile.TemporaryDirectory(prefix="rope-base-") as scratch:
+        jobs = [_Job(name, scheme, options, graphs, sequences) for name, scheme, scaling in variants if scaling is None]
+        # Rope variants need a base rope model: this run's, the repository's, or one exported aside.
+        rope_base = options.out / ROPE_SCHEME
+        if scaled and ROPE_SCHEME not in options.schemes and not (rope_base / MANIFEST).is_file():
+            rope_base = Path(scratch) / ROPE_SCHEME
+            jobs.append(_Job(ROPE_SCHEME, ROPE_SCHEME, replace(options, out=Path(scratch)), graphs, None))
+        base_ready = not any(job.options.out / job.name == rope_base for job in jobs)
+        workers = options.workers or min(len(jobs), available_cores())
+        with _executor(workers) as pool, tqdm(total=len(variants), desc="export", unit="model") as progress:
+
+            def derive_all() -> None:
+                for name, scaling in scaled:
+                    assert scaling is not None
+                    results[name] = derive_scaled(rope_base, options, name, scaling, graphs)
+                    if sequences is None:
+                        progress.update()
+                        continue
+                    check = pool.submit(
+                        _verify_job, options.out / name, options, ROPE_SCHEME, scaling, graphs, sequences
+                    )
+                    pending[check] = name
+
+            if scaled and base_ready:
+                derive_all()
+            pending.update({pool.submit(_export_job, job): job.name for job in jobs})
+            jobs_by_name = {job.name: job for job in jobs}
+            while pending:
+                done = next(as_completed(pending))
+                name = pending.pop(done)
+                outcome = done.result()
+                if isinstance(outcome, Verification):
+                    _attach(results[name], outcome)
+                    progress.update()
+                    continue
+                job = jobs_by_name[name]
+                if job.options.out == options.out:
+                    results[name] = outcome
+                    progress.update()
+                if scaled and job.options.out / job.name == rope_base:
+                    derive_all()  # the base is written: its variants follow while other models export
+    return [results[name] for name, _, _ in variants]

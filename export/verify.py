@@ -53,45 +53,79 @@ def default_prompts(bos_token_id: int) -> list[list[int]]:
     return [[bos_token_id, *prompt] for prompt in PARITY_PROMPTS]
 
 
+@dataclass
+class TorchReference:
+    """PyTorch's side of a parity check, computed once per model and replayed against each graph:
+    the left-padded prefill, then `steps` greedy tokens (PyTorch's own choice) and their logits."""
+
+    prompts: list[list[int]]
+    ids: np.ndarray
+    mask: np.ndarray
+    positions: np.ndarray
+    prefill_logits: np.ndarray  # (B, P, V)
+    tokens: list[np.ndarray]  # per step (B, 1)
+    step_logits: list[np.ndarray]  # per step (B, 1, V)
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens)
+
+
 @torch.no_grad()
-def check_parity(model: Transformer, runtime: OnnxCausalLM, prompts: list[list[int]], steps: int = 32) -> ParityReport:
-    """Batched left-padded prefill, then `steps` cached decode steps fed the same tokens.
-
-    PyTorch runs in float32 as the reference; the ONNX graph may be float16 or a serving graph
-    (whose new K/V the runtime appends to the past).
-    """
+def torch_reference(model: Transformer, prompts: list[list[int]], pad_token_id: int, steps: int = 32) -> TorchReference:
+    """Run PyTorch (float32) once: prefill, then `steps` cached greedy steps."""
     model = model.float().eval()
-    ids, mask, positions = left_pad_batch(prompts, runtime.pad_token_id)
-    torch_logits, torch_past = model(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(positions))
-    onnx_logits, onnx_past = runtime.forward(ids, mask, positions, runtime.empty_past(len(prompts)))
-    real = mask.astype(bool)
-    prefill = float(np.abs(onnx_logits.astype(np.float32) - torch_logits.numpy())[real].max())
-
-    decode, cached_steps, tokens = 0.0, [], []
-    last = torch_logits[:, -1]
+    ids, mask, positions = left_pad_batch(prompts, pad_token_id)
+    logits, past = model(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(positions))
+    reference = TorchReference(prompts, ids, mask, positions, logits.numpy(), [], [])
+    last = logits[:, -1]
     for _ in range(steps):
         next_ids = last.argmax(-1).numpy().astype(np.int64)[:, None]  # (B, 1)
-        tokens.append(next_ids)
         mask = np.concatenate([mask, np.ones_like(next_ids)], axis=1)
         positions = positions[:, -1:] + 1
-        torch_logits, torch_past = model(
-            torch.from_numpy(next_ids), torch.from_numpy(mask), torch.from_numpy(positions), torch_past
-        )
+        logits, past = model(torch.from_numpy(next_ids), torch.from_numpy(mask), torch.from_numpy(positions), past)
+        reference.tokens.append(next_ids)
+        reference.step_logits.append(logits.numpy())
+        last = logits[:, -1]
+    return reference
+
+
+def check_parity(
+    model: Transformer | TorchReference, runtime: OnnxCausalLM, prompts: list[list[int]], steps: int = 32
+) -> ParityReport:
+    """Batched left-padded prefill, then `steps` cached decode steps fed the same tokens.
+
+    PyTorch runs in float32 as the reference (pass a `TorchReference` to reuse one across graphs);
+    the ONNX graph may be float16 or a serving graph (whose new K/V the runtime appends to the past).
+    """
+    reference = (
+        model if isinstance(model, TorchReference) else torch_reference(model, prompts, runtime.pad_token_id, steps)
+    )
+    ids, mask, positions = reference.ids, reference.mask, reference.positions
+    onnx_logits, onnx_past = runtime.forward(ids, mask, positions, runtime.empty_past(len(reference.prompts)))
+    real = mask.astype(bool)
+    prefill = float(np.abs(onnx_logits.astype(np.float32) - reference.prefill_logits)[real].max())
+
+    decode, cached_steps = 0.0, []
+    for next_ids, torch_logits in zip(reference.tokens, reference.step_logits, strict=True):
+        mask = np.concatenate([mask, np.ones_like(next_ids)], axis=1)
+        positions = positions[:, -1:] + 1
         onnx_logits, onnx_past = runtime.forward(next_ids, mask, positions, onnx_past)
-        decode = max(decode, float(np.abs(onnx_logits.astype(np.float32) - torch_logits.numpy()).max()))
+        decode = max(decode, float(np.abs(onnx_logits.astype(np.float32) - torch_logits).max()))
         cached_steps.append(onnx_logits[:, -1].astype(np.float32))
-        last = torch_logits[:, -1]
 
     # The same sequences recomputed from scratch in one ONNX call.
-    full_ids = np.concatenate([ids, *tokens], axis=1)
+    full_ids = np.concatenate([ids, *reference.tokens], axis=1)
     full_positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    full_logits, _ = runtime.forward(full_ids, mask, full_positions, runtime.empty_past(len(prompts)))
+    full_logits, _ = runtime.forward(full_ids, mask, full_positions, runtime.empty_past(len(reference.prompts)))
     # Decode step k fed the token at index P + k, so its logits sit there in the full pass.
     recomputed = full_logits[:, ids.shape[1] :].astype(np.float32)  # (B, steps, V)
     cached = np.stack(cached_steps, axis=1)  # (B, steps, V)
     cached_vs_full = float(np.abs(cached - recomputed).max())
     greedy_equal = bool((cached.argmax(-1) == recomputed.argmax(-1)).all())
-    return ParityReport(runtime.manifest.name, runtime.dtype, prefill, decode, cached_vs_full, greedy_equal, steps)
+    return ParityReport(
+        runtime.manifest.name, runtime.dtype, prefill, decode, cached_vs_full, greedy_equal, reference.steps
+    )
 
 
 @torch.no_grad()
