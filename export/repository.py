@@ -174,12 +174,18 @@ def export_model(
     )
 
 
-def load_weights(options: ExportOptions, scheme: str) -> tuple[Transformer, dict[str, object]]:
+def weights_folder(options: ExportOptions, scheme: str) -> Path:
+    """The scheme's weights folder; a missing weights file stops the export, named."""
     folder = options.weights / scheme
     if not (folder / "model.safetensors").is_file():
         raise SystemExit(
             f"{folder / 'model.safetensors'}: no weights for scheme {scheme!r}; train with python -m models.train"
         )
+    return folder
+
+
+def load_weights(options: ExportOptions, scheme: str) -> tuple[Transformer, dict[str, object]]:
+    folder = weights_folder(options, scheme)
     training_file = folder / "training.json"
     training = json.loads(training_file.read_text()) if training_file.is_file() else {}
     return Transformer.load(folder), training
@@ -228,23 +234,17 @@ def verify_model(
 
 @dataclass
 class _Job:
-    """One model for a worker: export its graphs (and verify them when `sequences` is given)."""
+    """One model for a worker to export (its verification is a task of its own, `_verify_job`)."""
 
     name: str
     scheme: str
     options: ExportOptions
     graphs: tuple[str, ...]
-    sequences: dict[int, list[list[int]]] | None
 
 
 def _export_job(job: _Job) -> ExportResult:
     model, training = load_weights(job.options, job.scheme)
-    result = export_model(job.name, model, job.options, training, job.graphs)
-    if job.sequences is not None:
-        _attach(
-            result, _verify_job(job.options.out / job.name, job.options, job.scheme, None, job.graphs, job.sequences)
-        )
-    return result
+    return export_model(job.name, model, job.options, training, job.graphs)
 
 
 def _verify_job(
@@ -325,55 +325,59 @@ def derive_scaled(
 
 def run(options: ExportOptions) -> list[ExportResult]:
     """Export every model; with `verify`, check the float32/float16 graphs' parity and the int8 graph,
-    and evaluate float32. Results come back in model_variants order, whatever order workers finish in."""
+    and evaluate float32. Results come back in model_variants order, whatever order workers finish in.
+
+    Each model's export is a worker task; its verification is another, submitted when the export is
+    written (so the evaluation corpus loads here while the first exports run), and rope scaling
+    variants are derived here as soon as the base rope graphs exist.
+    """
     graphs = options.graph_variants()
     variants = model_variants(options)
     for scheme in dict.fromkeys(scheme for _, scheme, _ in variants):
-        if not (options.weights / scheme / "model.safetensors").is_file():
-            load_weights(options, scheme)  # raises SystemExit naming the missing file
-    sequences = _evaluation_windows(options) if options.verify else None
-    scaled = [(name, scaling) for name, _, scaling in variants if scaling is not None]
+        weights_folder(options, scheme)  # before any worker starts
+    scaling_of = {name: scaling for name, _, scaling in variants}
     results: dict[str, ExportResult] = {}
-    pending: dict[Future, str] = {}
     with tempfile.TemporaryDirectory(prefix="rope-base-") as scratch:
-        jobs = [_Job(name, scheme, options, graphs, sequences) for name, scheme, scaling in variants if scaling is None]
+        jobs = [_Job(name, scheme, options, graphs) for name, scheme, scaling in variants if scaling is None]
         # Rope variants need a base rope model: this run's, the repository's, or one exported aside.
+        scaled = [name for name, scaling in scaling_of.items() if scaling is not None]
         rope_base = options.out / ROPE_SCHEME
         if scaled and ROPE_SCHEME not in options.schemes and not (rope_base / MANIFEST).is_file():
             rope_base = Path(scratch) / ROPE_SCHEME
-            jobs.append(_Job(ROPE_SCHEME, ROPE_SCHEME, replace(options, out=Path(scratch)), graphs, None))
-        base_ready = not any(job.options.out / job.name == rope_base for job in jobs)
+            jobs.append(_Job(ROPE_SCHEME, ROPE_SCHEME, replace(options, out=Path(scratch)), graphs))
         workers = options.workers or min(len(jobs), available_cores())
         with _executor(workers) as pool, tqdm(total=len(variants), desc="export", unit="model") as progress:
+            pending: dict[Future, _Job | str] = {pool.submit(_export_job, job): job for job in jobs}
+            sequences = _evaluation_windows(options) if options.verify else None
+
+            def written(name: str, result: ExportResult) -> None:
+                results[name] = result
+                if sequences is None:
+                    progress.update()
+                    return
+                scheme = ROPE_SCHEME if scaling_of[name] is not None else name
+                check = _verify_job, options.out / name, options, scheme, scaling_of[name], graphs, sequences
+                pending[pool.submit(*check)] = name
 
             def derive_all() -> None:
-                for name, scaling in scaled:
+                for name in scaled:
+                    scaling = scaling_of[name]
                     assert scaling is not None
-                    results[name] = derive_scaled(rope_base, options, name, scaling, graphs)
-                    if sequences is None:
-                        progress.update()
-                        continue
-                    check = pool.submit(
-                        _verify_job, options.out / name, options, ROPE_SCHEME, scaling, graphs, sequences
-                    )
-                    pending[check] = name
+                    written(name, derive_scaled(rope_base, options, name, scaling, graphs))
 
-            if scaled and base_ready:
-                derive_all()
-            pending.update({pool.submit(_export_job, job): job.name for job in jobs})
-            jobs_by_name = {job.name: job for job in jobs}
+            if scaled and not any(job.options.out / job.name == rope_base for job in jobs):
+                derive_all()  # from the rope model already in the repository
             while pending:
                 done = next(as_completed(pending))
-                name = pending.pop(done)
-                outcome = done.result()
-                if isinstance(outcome, Verification):
-                    _attach(results[name], outcome)
+                task, outcome = pending.pop(done), done.result()
+                if isinstance(task, str):  # a verification
+                    assert isinstance(outcome, Verification)
+                    _attach(results[task], outcome)
                     progress.update()
                     continue
-                job = jobs_by_name[name]
-                if job.options.out == options.out:
-                    results[name] = outcome
-                    progress.update()
-                if scaled and job.options.out / job.name == rope_base:
+                assert isinstance(outcome, ExportResult)
+                if task.options.out == options.out:
+                    written(task.name, outcome)
+                if scaled and task.options.out / task.name == rope_base:
                     derive_all()  # the base is written: its variants follow while other models export
     return [results[name] for name, _, _ in variants]
