@@ -38,7 +38,8 @@ WORKDIR /app
 COPY contract contract
 COPY models models
 COPY export export
-RUN python -m export --out /models --no-verify
+# --fp16: the gpu image copies this folder and serves the float16 graphs (a CPU server uses float32)
+RUN python -m export --out /models --no-verify --fp16
 
 # ---- what the cpu and locust images share: the user, the environment, the service's code --------
 FROM ${PYTHON_IMAGE} AS runtime
