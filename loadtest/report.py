@@ -218,7 +218,9 @@ def figure_emergence(training: dict) -> Figure:  # type: ignore[type-arg]
     panels = len(emergence.DISTANCES) + 1
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.2))
     for scheme, entry in training.items():
-        points = entry["points"]
+        points = [p for p in entry["points"] if p["tokens"] is not None]  # a log from before tokens were logged
+        if not points:
+            continue
         tokens = [p["tokens"] / 1e6 for p in points]
         kwargs = style(scheme).kwargs() | {"markersize": 3}
         for ax, distance in zip(axes, emergence.DISTANCES, strict=False):

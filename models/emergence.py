@@ -55,6 +55,9 @@ def curve(folder: Path, fallback_tokens_per_step: int | None = None) -> dict[str
     config, processes, tokens_before, command = _config(folder)
     finished = bool(config) and int(config.get("steps", -1)) == entries[-1]["step"]  # type: ignore[call-overload]
     per_step = _tokens_per_step(config, processes) if config else fallback_tokens_per_step
+    if per_step is None:  # a run still going: its points that carry tokens give the rate
+        counted = next((entry for entry in entries if "tokens" in entry), None)
+        per_step = None if counted is None else (counted["tokens"] - tokens_before) // counted["step"]
     keys = [f"copy_{d}" for d in DISTANCES]
     points = [
         {
