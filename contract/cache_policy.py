@@ -25,6 +25,7 @@ Positions after eviction are the scheme's own decision (`eviction_positions` in 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -66,10 +67,11 @@ class CachePolicy:
         """Most tokens the cache holds (None: unbounded)."""
         return None if self.window is None else self.sinks + self.window
 
-    @property
+    @functools.cached_property
     def form(self) -> str:
         """The policy without its numbers (a key of FORM_SYNTAX): what a metric's `policy` label
-        carries, so the label has six values however many budgets clients ask for."""
+        carries, so the label has six values however many budgets clients ask for. Cached: the
+        output processor asks for it once per token."""
         if self.window is None:
             return INT8 if self.int8 else FULL
         tokens = "sinks" if self.sinks else "window"

@@ -333,10 +333,8 @@ def finished_run(out: Path, cfg: TrainConfig) -> dict[str, object] | None:
 
 def kept_log(log_text: str, run_index: int, last_step: int) -> str:
     """The log's lines up to `last_step` of run `run_index` (a resumed piece redoes the rest)."""
-    lines = [line for line in log_text.splitlines() if line.strip()]
-    kept = [
-        line for line in lines if json.loads(line).get("run", 0) != run_index or json.loads(line)["step"] <= last_step
-    ]
+    entries = [(line, json.loads(line)) for line in log_text.splitlines() if line.strip()]
+    kept = [line for line, entry in entries if entry.get("run", 0) != run_index or entry["step"] <= last_step]
     return "".join(line + "\n" for line in kept)
 
 
@@ -390,6 +388,7 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
     autocast = torch.autocast(
         runtime.device.type, dtype=runtime.autocast_dtype, enabled=runtime.autocast_dtype is not None
     )
+    log_path = out / "train_log.jsonl"
     first_step, seconds_before, val_bpb = 0, 0.0, float("nan")
     pieces: list[dict[str, object]] = []  # the commands that carried this run, with the steps of each
     checkpoint = load_checkpoint(out, cfg) if cfg.resume else None
@@ -402,11 +401,9 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
         pieces = checkpoint["pieces"]  # type: ignore[assignment]
         first_step, seconds_before = int(checkpoint["step"]), float(checkpoint["train_seconds"])  # type: ignore[arg-type]
         val_bpb = float(checkpoint["val_bpb"])  # type: ignore[arg-type]
-        log_path = out / "train_log.jsonl"
         log_text = kept_log(log_path.read_text() if log_path.exists() else "", len(runs), first_step)
     val_inputs, val_targets = evaluation_windows(corpus.splits["validation"], cfg.eval_windows, cfg.context)
     probe_text = corpus.text_bytes("validation")
-    log_path = out / "train_log.jsonl"
     if runtime.main:
         out.mkdir(parents=True, exist_ok=True)
         log_path.write_text(log_text)
@@ -553,9 +550,10 @@ def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, ru
 def copy_curve_point(model: Transformer, text: bytes, trials: int) -> dict[str, float]:
     """Copy accuracy at PROBE_DISTANCES on held-out (validation) text: one point of the emergence
     curves. The probe module imports this one, hence the import here."""
-    if not trials or len(text) <= max(PROBE_DISTANCES) + 64:
+    from models.copy_probe import PREFIX, copy_accuracy
+
+    if not trials or len(text) <= PREFIX + max(PROBE_DISTANCES):  # too short to plant a trial in
         return {}
-    from models.copy_probe import copy_accuracy
 
     model.eval()
     point = {f"copy_{d}": copy_accuracy(model, text, d, trials) for d in PROBE_DISTANCES}
