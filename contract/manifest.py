@@ -25,6 +25,9 @@ SERVING_FP16 = "serving-float16"
 # float32 activations and outputs, like SERVING.
 SERVING_INT8 = "serving-int8"
 INT8_SCALE_BYTES = 4  # one float32 scale per token, head and K or V
+# The fused decode graph (export/fused.py): one GroupQueryAttention per layer, float32, writing each
+# new token's K/V into the cache buffer itself; `Manifest.fused_attention` says how it is fed.
+SERVING_FUSED = "serving-fused"
 _SERVING_PREFIX = "serving-"
 # A manifest without any of these is refused (manifest.json may carry more).
 REQUIRED_KEYS = (
@@ -42,6 +45,8 @@ def serving_variant(dtype: str) -> str:
 
 def variant_dtype(variant: str) -> str:
     """The storage dtype of a variant's cache and activations ("serving-float16" -> "float16")."""
+    if variant == SERVING_FUSED:
+        return "float32"
     dtype = variant.removeprefix(_SERVING_PREFIX)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"{variant!r} is not a graph variant (float32, float16 or serving-<dtype>)")
@@ -78,6 +83,23 @@ class CacheEviction:
         """Query positions count from the sequence start: absolute schemes, and RoPE, whose window
         keys keep their rotation (only differences matter) while its sinks are moved."""
         return self.positions == "original" or self.rotary_inv_freq is not None
+
+
+@dataclass(frozen=True)
+class FusedAttention:
+    """How the fused decode graph is fed (manifest key `fused_attention`).
+
+    `variant`: its graph. `dtype`: of its cache. `shares_cache_buffer`: present.{i}.* must be bound
+    to the past buffers, and the graph writes the new token's K/V at column `length` of each row (the
+    caller appends nothing). `policies`: the cache policies whose rows it can decode (the others keep
+    the explicit serving graph). Rows must be left-aligned: length = sum(attention_mask) - 1.
+    """
+
+    variant: str
+    dtype: str
+    op: str
+    shares_cache_buffer: bool
+    policies: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -140,6 +162,20 @@ class Manifest:
         return CacheEviction(
             positions=str(raw["positions"]),
             rotary_inv_freq=None if inv_freq is None else np.asarray(inv_freq, dtype=np.float64),
+        )
+
+    @property
+    def fused_attention(self) -> FusedAttention | None:
+        """The fused decode graph's contract, or None where the export has none."""
+        raw = self.data.get("fused_attention")
+        if not isinstance(raw, dict) or raw.get("variant") not in self.data["variants"]:  # type: ignore[operator]
+            return None
+        return FusedAttention(
+            str(raw["variant"]),
+            str(raw["dtype"]),
+            str(raw["op"]),
+            bool(raw["shares_cache_buffer"]),
+            tuple(raw["policies"]),
         )
 
     @property

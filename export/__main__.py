@@ -1,10 +1,10 @@
 """Build the model repository: `python -m export`.
 
 For every scheme with shipped weights: export the graphs this device serves with a KV cache
-(float32, its in-place serving graph and the int8 cache's serving graph; float16 ones too where CUDA
-ONNX Runtime is installed, or with --fp16), models side by side in --workers processes, write
-manifest.json and genai_config.json, check parity and print an evaluation table. The work itself
-is `export.repository`; this is its command line.
+(float32, its in-place serving graph, the int8 cache's serving graph and the fused decode graph of
+export/fused.py; float16 ones too where CUDA ONNX Runtime is installed, or with --fp16), models side
+by side in --workers processes, write manifest.json and genai_config.json, check parity and print an
+evaluation table. The work itself is `export.repository`; this is its command line.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from contract.manifest import SERVING, SERVING_FP16, SERVING_INT8
+from contract.manifest import SERVING, SERVING_FP16, SERVING_FUSED, SERVING_INT8
 from export.repository import GRAPH_FILES, ExportOptions, ExportResult, run
 from models.cli import HelpFormatter
 from models.positional import SCHEMES
@@ -27,13 +27,14 @@ SHORT_NAMES = {
     "float16": "fp16",
     SERVING_FP16: "serving-fp16",
     SERVING_INT8: "int8",
+    SERVING_FUSED: "fused",
 }
 
 
 def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
     sizes = "/".join(SHORT_NAMES[v] for v in results[0].onnx_bytes) if results else ""
     header = ["model", "params", "val bpb@256"] + [f"test bpb@{c}" for c in contexts]
-    header += ["parity fp32", "parity fp16", "cached=full", f"onnx MB {sizes}", "export s"]
+    header += ["parity fp32", "parity fp16", "parity fused", "cached=full", f"onnx MB {sizes}", "export s"]
     rows = [header]
 
     def fmt(value: float | None, digits: int = 3) -> str:
@@ -50,6 +51,7 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
                 *[fmt(r.test_bpb.get(c)) if c in r.test_bpb else "-" for c in contexts],
                 f"{parity['float32'].max_abs:.1e}" if "float32" in parity else "-",
                 f"{parity['float16'].max_abs:.1e}" if "float16" in parity else "-",
+                f"{r.fused_max_abs:.1e}" if r.fused_max_abs is not None else "-",
                 f"{cached:.1e}" if cached is not None else "-",
                 "/".join(f"{size / 1e6:.1f}" for size in r.onnx_bytes.values()),
                 f"{r.export_seconds:.1f}",

@@ -22,7 +22,7 @@ from contract.graph import (
     PRESENT,
     kv_name,
 )
-from contract.manifest import DTYPE_BYTES, sha256_file
+from contract.manifest import DTYPE_BYTES, SERVING_FUSED, sha256_file
 from models.config import ModelConfig
 from models.positional import build_positional, rope_rotation_frequencies
 from models.tokenizer import TOKENIZER
@@ -67,6 +67,7 @@ def build_manifest(
         "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *_kv_patterns(PAST_KEY_VALUES, "{i}")],
         "outputs": [LOGITS, *_kv_patterns(PRESENT, "{i}")],
         "cache_eviction": cache_eviction(config),
+        **({"fused_attention": fused_attention()} if SERVING_FUSED in variants else {}),
         "tokenizer": TOKENIZER.manifest(),
         "versions": versions,
         **extra,
@@ -80,6 +81,23 @@ def cache_eviction(config: ModelConfig) -> dict[str, object]:
     if scheme.rotates_keys:
         inv_freq = [float(f) for f in rope_rotation_frequencies(config)]
     return {"positions": scheme.eviction_positions, "rotary_inv_freq": inv_freq}
+
+
+def fused_attention() -> dict[str, object]:
+    """The fused decode graph's contract (contract.manifest.FusedAttention; export/fused.py)."""
+    return {
+        "variant": SERVING_FUSED,
+        "dtype": "float32",
+        "op": "com.microsoft.GroupQueryAttention",
+        # present.{i}.* alias past_key_values.{i}.*: the kernel writes the new token's K/V at each
+        # row's length (sum(attention_mask) - 1) itself, so the caller appends nothing.
+        "shares_cache_buffer": True,
+        "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *_kv_patterns(PAST_KEY_VALUES, "{i}")],
+        "outputs": [LOGITS, *_kv_patterns(PRESENT, "{i}")],
+        # Decode only (one token per row), rows left-aligned; bounded and int8 policies keep the
+        # explicit serving graph (the kernel cannot shift rows by one token or use per-token scales).
+        "policies": ["full"],
+    }
 
 
 def _kv_patterns(prefix: str, placeholder: str) -> list[str]:

@@ -1,12 +1,12 @@
 """Building the model repository, as a library: `python -m export` is its command line.
 
 For every scheme with shipped weights: export the graphs this device serves (float32 and its
-in-place serving graph, the int8 cache's serving graph, and both float16 graphs where CUDA ONNX
-Runtime is present or when asked), write manifest.json and genai_config.json, then optionally check
-parity against PyTorch and evaluate bits per byte. Models are exported side by side in worker
-processes (tracing is single-threaded Python, so one process per core is what makes it fast); rope
-scaling variants are derived from the exported rope graphs by rewriting constants
-(`export.rope_variants`), not traced again.
+in-place serving graph, the int8 cache's serving graph, the fused decode graph (`export.fused`), and
+both float16 graphs where CUDA ONNX Runtime is present or when asked), write manifest.json and
+genai_config.json, then optionally check parity against PyTorch and evaluate bits per byte. Models
+are exported side by side in worker processes (tracing is single-threaded Python, so one process per
+core is what makes it fast); rope scaling variants are derived from the exported rope graphs by
+rewriting constants (`export.rope_variants`), not traced again.
 """
 
 from __future__ import annotations
@@ -28,8 +28,17 @@ import onnxruntime
 import torch
 from tqdm import tqdm
 
-from contract.manifest import GENAI_CONFIG, MANIFEST, SERVING, SERVING_FP16, SERVING_INT8, variant_dtype
+from contract.manifest import (
+    GENAI_CONFIG,
+    MANIFEST,
+    SERVING,
+    SERVING_FP16,
+    SERVING_FUSED,
+    SERVING_INT8,
+    variant_dtype,
+)
 from export.evaluate import bits_per_byte, evaluation_sequences
+from export.fused import export_fused
 from export.manifest import build_manifest, genai_config, write_json
 from export.onnx import OPSET, export_onnx
 from export.rope_variants import derive_rope_variant
@@ -37,6 +46,7 @@ from export.runtime import OnnxCausalLM
 from export.verify import (
     FP32_TOLERANCE,
     ParityReport,
+    check_fused_graph,
     check_int8_graph,
     check_parity,
     default_prompts,
@@ -59,6 +69,7 @@ GRAPH_FILES = {
     "float16": "model.fp16.onnx",
     SERVING_FP16: "model.serving.fp16.onnx",
     SERVING_INT8: "model.serving.int8.onnx",
+    SERVING_FUSED: "model.serving.fused.onnx",
 }
 FP16_GRAPHS = ("float16", SERVING_FP16)
 # The graphs whose parity against PyTorch export checks (serving graphs are held to these in tests).
@@ -113,12 +124,15 @@ class ExportResult:
     parity: list[ParityReport] = field(default_factory=list)
     test_bpb: dict[int, float | None] = field(default_factory=dict)
     int8_max_abs: float | None = None  # serving-int8 against PyTorch fed the same dequantized cache
+    fused_max_abs: float | None = None  # serving-fused decode steps against PyTorch (nan: greedy differed)
 
     def parity_failures(self) -> list[str]:
         """`name variant` of every graph whose parity is outside its dtype's tolerance."""
         failures = [f"{p.name} {p.dtype}" for p in self.parity if not p.passed(tolerance(p.dtype))]
         if self.int8_max_abs is not None and not self.int8_max_abs <= FP32_TOLERANCE:
             failures.append(f"{self.name} {SERVING_INT8}")
+        if self.fused_max_abs is not None and not self.fused_max_abs <= FP32_TOLERANCE:
+            failures.append(f"{self.name} {SERVING_FUSED}")
         return failures
 
 
@@ -129,6 +143,7 @@ class Verification:
     parity: list[ParityReport]
     int8_max_abs: float | None
     test_bpb: dict[int, float | None]
+    fused_max_abs: float | None = None
 
 
 def rope_scaled_name(scaling: RopeScaling) -> str:
@@ -154,6 +169,8 @@ def export_model(
         # A copy each time: export casts the model and the serving layout rewires its layers.
         if variant == SERVING_INT8:
             export_onnx(copy.deepcopy(model), variants[variant], int8=True)
+        elif variant == SERVING_FUSED:
+            export_fused(copy.deepcopy(model), variants[variant])
         else:
             dtype = TORCH_DTYPES[variant_dtype(variant)]
             export_onnx(copy.deepcopy(model), variants[variant], dtype, new_only=variant != variant_dtype(variant))
@@ -227,9 +244,13 @@ def verify_model(
     int8 = None
     if SERVING_INT8 in graphs:
         int8 = check_int8_graph(reference, OnnxCausalLM(folder, SERVING_INT8, threads=threads), prompts)
+    fused = None
+    if SERVING_FUSED in graphs:
+        report = check_fused_graph(reference, folder, prompts, threads=threads)
+        fused = report.max_abs if report.greedy_equal else float("nan")
     runtime = OnnxCausalLM(folder, threads=threads)
     test_bpb = {context: bits_per_byte(runtime, windows) for context, windows in sequences.items()}
-    return Verification(parity, int8, test_bpb)
+    return Verification(parity, int8, test_bpb, fused)
 
 
 @dataclass
@@ -260,10 +281,11 @@ def _verify_job(
 
 
 def _attach(result: ExportResult, verification: Verification) -> ExportResult:
-    result.parity, result.int8_max_abs, result.test_bpb = (
+    result.parity, result.int8_max_abs, result.test_bpb, result.fused_max_abs = (
         verification.parity,
         verification.int8_max_abs,
         verification.test_bpb,
+        verification.fused_max_abs,
     )
     return result
 

@@ -16,13 +16,15 @@ import onnxruntime as ort
 from contract.graph import (
     ATTENTION_MASK,
     INPUT_IDS,
+    LOGITS,
     POSITION_IDS,
     left_pad_batch,
     output_names,
     past_names,
+    present_names,
     target_logprobs,
 )
-from contract.manifest import NP_DTYPES, SERVING, SERVING_FP16, Manifest, variant_dtype
+from contract.manifest import NP_DTYPES, SERVING, SERVING_FP16, SERVING_FUSED, Manifest, variant_dtype
 from models.limits import check_positions
 
 Past = list[np.ndarray]  # per layer: key, value, key, value, ...
@@ -91,3 +93,51 @@ class OnnxCausalLM:
         batch, mask, positions = left_pad_batch([ids[:-1]], self.pad_token_id)
         logits, _ = self.forward(batch, mask, positions, self.empty_past(1))
         return target_logprobs(logits[0], ids[1:])
+
+
+class FusedDecoder:
+    """Decoding through the serving-fused graph as the engine does it: left-aligned rows of one
+    buffer of `capacity` columns, bound by pointer to both past and present, so the kernel writes
+    each new token's K/V into the row itself (share-buffer) and nothing is appended here."""
+
+    def __init__(self, folder: Path, batch: int, capacity: int, threads: int = 0) -> None:
+        self.manifest = Manifest.load(folder)
+        fused = self.manifest.fused_attention
+        if fused is None:
+            raise ValueError(f"{folder}: no {SERVING_FUSED} graph in the manifest")
+        path = self.manifest.verify(fused.variant)
+        self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+        m = self.manifest
+        self.cache = np.zeros((2 * m.n_layers, batch, m.n_heads, capacity, m.head_dim), dtype=np.float32)
+        self.mask = np.zeros((batch, capacity + 1), dtype=np.int64)
+        self.mask[:, capacity] = 1  # the fed token
+        self.positions = np.zeros((batch, 1), dtype=np.int64)
+        self.ids = np.zeros((batch, 1), dtype=np.int64)
+        self.lengths = np.zeros(batch, dtype=np.int64)
+        self.logits = np.zeros((batch, 1, m.vocab_size), dtype=np.float32)
+        self.binding = self.session.io_binding()
+        for name, array in ((INPUT_IDS, self.ids), (ATTENTION_MASK, self.mask), (POSITION_IDS, self.positions)):
+            self.binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        self.binding.bind_output(LOGITS, "cpu", 0, np.float32, list(self.logits.shape), self.logits.ctypes.data)
+        names = zip(past_names(m.n_layers), present_names(m.n_layers), self.cache, strict=True)
+        for past, present, array in names:  # array: (B, heads, capacity, head_dim), a contiguous view
+            self.binding.bind_input(past, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
+            self.binding.bind_output(present, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
+
+    def write(self, row: int, kv: np.ndarray) -> None:
+        """A prompt's cache (2 x layers, heads, length, head_dim) becomes row `row`."""
+        length = kv.shape[2]
+        self.cache[:, row, :, :length] = kv
+        self.mask[row, :-1] = 0
+        self.mask[row, :length] = 1
+        self.lengths[row] = self.positions[row, 0] = length
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed one token per row; returns the logits (B, vocab), a copy."""
+        check_positions(self.positions, self.manifest.max_positions)
+        self.ids[:, 0] = tokens
+        self.session.run_with_iobinding(self.binding)
+        self.mask[np.arange(len(self.lengths)), self.lengths] = 1
+        self.lengths += 1
+        self.positions += 1
+        return self.logits[:, 0].copy()

@@ -43,7 +43,7 @@ from service.process import ServerProcess
 from service.server import REPOSITORY_ROOT
 
 CONTEXTS = (128, 256, 512, 1024, 2048)
-SECTIONS = ("mixed", "throughput", "steps", "share", "policies")
+SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused")
 POLICY_HISTORY = 2048  # tokens a sequence has seen when its step time per cache policy is measured
 BENCH_POLICIES = ("full", "window:256", "sinks:4+window:252", "window:64", "int8", "window:256+int8")
 logger = logging.getLogger(__name__)
@@ -270,10 +270,16 @@ def print_interference(label: str, figures: dict[str, float]) -> None:
 
 
 def batch_runner(
-    folder: Path, batch: int, context: int, threads: int, device: str = "cpu", backend: str = "auto"
+    folder: Path,
+    batch: int,
+    context: int,
+    threads: int,
+    device: str = "cpu",
+    backend: str = "auto",
+    attention: str = "auto",
 ) -> ModelRunner:
     """A runner whose store holds `batch` sequences of `context` tokens of random K/V."""
-    return policy_runner(folder, batch, context, FULL_POLICY, threads, device, backend)
+    return policy_runner(folder, batch, context, FULL_POLICY, threads, device, backend, attention)
 
 
 def policy_runner(
@@ -284,11 +290,12 @@ def policy_runner(
     threads: int,
     device: str = "cpu",
     backend: str = "auto",
+    attention: str = "auto",
 ) -> ModelRunner:
     """A runner whose store holds `batch` sequences that have seen `history` tokens under `policy`
     (random K/V): a bounded row holds its budget and has evicted the rest."""
     store = StoreConfig(1 << 34, 16, max(4096, history + 64))
-    runner = ModelRunner(Manifest.load(folder), store, device, threads, backend)
+    runner = ModelRunner(Manifest.load(folder), store, device, threads, backend, attention=attention)
     layout = runner.layout
     rng = np.random.default_rng(0)
     cached = policy.cached(history)
@@ -519,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         print_cache_share(repository / args.model, args, steps)
     if "policies" in args.sections:
         print_policy_steps(folders, args, steps)
+    if "fused" in args.sections:
+        print_fused_steps(folders, args, steps)
     return 0
 
 
@@ -678,6 +687,33 @@ def print_mixed_lengths(
         f"  decode step of the mixed batch (mean, >= 8 running) {figures.decode_step_seconds * 1000:6.2f} ms"
     )
     return 0
+
+
+def print_fused_steps(folders: list[Path], args: argparse.Namespace, steps: int) -> None:
+    """Decode step time of the explicit in-place serving graph against the fused one (one
+    GroupQueryAttention kernel per layer, export/fused.py) on the same full rows, per context."""
+    contexts = CONTEXTS[::2] if args.quick else CONTEXTS
+    print(
+        f"\nDecode step time (ms, median of {steps}), explicit serving graph / fused GroupQueryAttention graph "
+        f"(speed-up), full cache, {args.threads} intra-op thread(s):"
+    )
+    print("  " + f"{'model':<12}{'batch':>6}" + "".join(f"{c:>24}" for c in contexts))
+    for folder in folders:
+        manifest = Manifest.load(folder)
+        if manifest.is_scaling_variant or manifest.fused_attention is None:
+            continue
+        for batch in (1, 8):
+            cells = []
+            for context in contexts:
+                if manifest.max_positions is not None and context >= manifest.max_positions:
+                    cells.append(f"{'not servable':>24}")
+                    continue
+                explicit, fused = (
+                    step_seconds(batch_runner(folder, batch, context, args.threads, args.device, "auto", mode), steps)
+                    for mode in ("explicit", "fused")
+                )
+                cells.append(f"{explicit * 1000:7.2f} /{fused * 1000:7.2f} ({explicit / fused:4.2f}x)")
+            print(f"  {manifest.name:<12}{batch:>6}" + "".join(cells))
 
 
 if __name__ == "__main__":

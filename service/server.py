@@ -66,6 +66,12 @@ ENGINE_FLAGS = {
     "max_sequence_tokens": ("--max-sequence-tokens", int, "prompt + new tokens limit for unbounded schemes"),
     "device": ("--device", str, "auto | cpu | cuda"),
     "kv_backend": ("--kv-backend", str, "KV store arrays: auto (numpy on CPU, torch on CUDA) | numpy | torch"),
+    "attention": (
+        "--attention",
+        str,
+        "decode attention: auto (the fused GroupQueryAttention graph for full-cache rows where exported) | "
+        "fused (refuse models without it) | explicit (the in-place serving graph only)",
+    ),
     "prefill_nice": ("--prefill-nice", int, "nice value added to prefill worker threads (decode first; 0: off)"),
     "threads": ("--threads", int, "threads per ONNX Runtime session (0: decode half the cores, prefill all)"),
     "ttft_slo_seconds": (

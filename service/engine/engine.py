@@ -54,6 +54,7 @@ class EngineConfig:
     max_sequence_tokens: int = 4096  # prompt + new tokens, for schemes with no hard limit
     device: str = "auto"
     kv_backend: str = "auto"  # numpy (CPU) | torch (CUDA; on the CPU too, to run that path)
+    attention: str = "auto"  # decode: fused (GroupQueryAttention graph) where exported | fused | explicit
     threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
     ttft_slo_seconds: float = 0.0  # refuse requests estimated to miss this time to first token (0: off)
@@ -111,7 +112,13 @@ class ModelEngine:
         self.config = config
         store = StoreConfig(config.kv_cache_bytes, config.block_size, sequence_limit(manifest, config))
         self.runner = ModelRunner(
-            manifest, store, config.device, config.threads, config.kv_backend, open_prefill_session=False
+            manifest,
+            store,
+            config.device,
+            config.threads,
+            config.kv_backend,
+            open_prefill_session=False,
+            attention=config.attention,
         )
         self.store = self.runner.store
         self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)

@@ -377,18 +377,22 @@ class CapacityClass:
         self.bounded = any(policy.budget for policy in self.policies)
         self.version = next(_VERSIONS)
 
-    def append_step(self, new_kv: Array) -> None:
+    def append_step(self, new_kv: Array | None) -> None:
         """Write the step's new K/V, (tensors, B, heads, 1, head_dim), at each member's length,
-        after evicting from the rows whose policy's budget is full."""
+        after evicting from the rows whose policy's budget is full. None: a fused graph already
+        wrote them there (share-buffer), so only masks, lengths and positions advance."""
         batch = len(self.members)
+        assert new_kv is not None or not self.bounded, "bounded rows evict before the new K/V is written"
         evicted = self._evict_full_rows() if self.bounded else False
         if self.uniform:
             column = int(self.lengths[0])
-            self._put((slice(None), slice(None, batch), slice(None), column), new_kv[:, :, :, 0])
+            if new_kv is not None:
+                self._put((slice(None), slice(None, batch), slice(None), column), new_kv[:, :, :, 0])
             self.mask[:batch, column] = 1
         else:
             rows, columns = self.row_index[:batch], self.backend.upload(self.lengths[:batch])
-            self._put((slice(None), rows, slice(None), columns), new_kv[:, :, :, 0], self.backend.rows_first)
+            if new_kv is not None:
+                self._put((slice(None), rows, slice(None), columns), new_kv[:, :, :, 0], self.backend.rows_first)
             self.mask[rows, columns] = 1
         self.lengths[:batch] += 1
         if evicted:

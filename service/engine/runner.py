@@ -11,6 +11,12 @@ serving-int8 graph (int8 K/V and their per-token scales in, float32 out; a decod
 own). Prompts run in float32 as any prompt; their cache is quantized as it is written into the row.
 A scored text goes through an int8 row one token at a time (each token sees the int8 cache).
 
+Where the export has the fused decode graph (serving-fused: one GroupQueryAttention kernel per
+layer, export/fused.py) and `attention` allows it, classes of full float32 rows decode through it
+instead: it reads the same buffers and writes each new token's K/V into them itself (its present
+outputs are bound to the past buffers), so the store only advances lengths and masks. Classes
+holding a bounded or int8 row keep the explicit graph, which the fused kernel cannot express.
+
 Prompts run in a second session (the prefill worker's, in its own thread) and touch no store
 state; their caches are written into the rows the scheduler reserved, on the engine thread.
 """
@@ -35,9 +41,10 @@ from contract.graph import (
     cache_input_names,
     left_pad_batch,
     new_kv_names,
+    present_names,
 )
 from contract.graph import target_logprobs as log_probabilities
-from contract.manifest import NP_DTYPES, SERVING_INT8, Manifest, serving_variant
+from contract.manifest import NP_DTYPES, SERVING_INT8, FusedAttention, Manifest, serving_variant
 from service.engine.kv_store import (
     INT8,
     Array,
@@ -53,6 +60,9 @@ from service.engine.kv_store import (
 logger = logging.getLogger(__name__)
 
 ORT_DTYPES = {**NP_DTYPES, "int64": np.int64, "int8": np.int8}
+# How decode attends: the fused graph where exported and the rows allow it, only it (refusing a
+# model without it), or always the explicit serving graph.
+ATTENTION_MODES = ("auto", "fused", "explicit")
 
 
 def choose_providers(device: str) -> list[str]:
@@ -142,8 +152,9 @@ class _DecodeCall:
     """A class's decode call, bound once for its current arrays and batch size."""
 
     version: int
+    session: ModelSession
     binding: ort.IOBinding
-    new_kv: Array  # (2 x layers, B, heads, 1, head_dim), bound outputs
+    new_kv: Array | None  # (2 x layers, B, heads, 1, head_dim), bound outputs; None: written in place
     logits: Array  # (B, 1, vocab)
 
 
@@ -188,6 +199,7 @@ class ModelRunner:
         threads: int = 0,
         backend: str = "auto",
         open_prefill_session: bool = True,
+        attention: str = "auto",
     ) -> None:
         self.manifest = manifest
         self.providers = choose_providers(device)
@@ -210,6 +222,9 @@ class ModelRunner:
         # The decode calls (engine thread), one session per storage kind.
         self.sessions = {kind: self._session(self.threads, True, graph.variant) for kind, graph in self.graphs.items()}
         self.session = self.sessions[self.dtype]
+        # The fused decode graph (full float rows), where exported and `attention` allows it.
+        self.fused = self._fused_attention(attention)
+        self.fused_session = self._session(self.threads, True, self.fused.variant) if self.fused else None
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
         self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
@@ -230,6 +245,15 @@ class ModelRunner:
             kind: self._session(self.prefill_threads, False, graph.variant) for kind, graph in self.graphs.items()
         }
         self.prefill_session = self.prefill_sessions[self.dtype]
+
+    def _fused_attention(self, attention: str) -> FusedAttention | None:
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
+        fused = self.manifest.fused_attention
+        usable = fused if fused is not None and fused.dtype == self.dtype and fused.shares_cache_buffer else None
+        if attention == "fused" and usable is None:
+            raise ValueError(f"--attention fused: model {self.manifest.name!r} has no fused {self.dtype} decode graph")
+        return None if attention == "explicit" else usable
 
     def _session(self, threads: int, arena: bool, variant: str) -> ModelSession:
         path = str(self.manifest.onnx_path(variant))
@@ -407,7 +431,7 @@ class ModelRunner:
             started = time.perf_counter()
             call = self._decode_call(klass)
             self._set_ids(klass.input_ids[:batch, 0], fed)
-            self.sessions[klass.kind].run(call.binding)
+            call.session.run(call.binding)
             after_graph = time.perf_counter()
             klass.append_step(call.new_kv)
             logits = self.backend.download(call.logits[:, -1]).astype(np.float32)  # a copy: the buffer is reused
@@ -430,13 +454,33 @@ class ModelRunner:
             return call
         batch = len(klass.members)
         past = [array[:, :batch] for array in klass.arrays]
-        session = self.sessions[klass.kind]
-        binding, logits, new_kv = self._bind(
-            session, klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch], past, klass.kind
-        )
-        call = _DecodeCall(klass.version, binding, new_kv, logits)
+        inputs = (klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch])
+        if self._decodes_fused(klass):
+            assert self.fused_session is not None
+            binding, logits = self._bind_in_place(self.fused_session, *inputs, past[0])
+            call = _DecodeCall(klass.version, self.fused_session, binding, None, logits)
+        else:
+            session = self.sessions[klass.kind]
+            binding, logits, new_kv = self._bind(session, *inputs, past, klass.kind)
+            call = _DecodeCall(klass.version, session, binding, new_kv, logits)
         self._calls[klass.key] = call
         return call
+
+    def _decodes_fused(self, klass: CapacityClass) -> bool:
+        """The fused graph takes a class of full rows in its own dtype (it cannot shift a bounded
+        row by one token, nor read int8 rows' per-token scales)."""
+        return self.fused is not None and klass.kind == self.fused.dtype and not klass.bounded
+
+    def _bind_in_place(
+        self, session: ModelSession, ids: Array, mask: Array, positions: Array, cache: Array
+    ) -> tuple[ort.IOBinding, Array]:
+        """A fused decode call: `cache` (2L, B, heads, C, hd) bound as past and present alike, so the
+        kernel writes the new token's K/V into each row at its length; logits (B, 1, vocab) out."""
+        logits = self.backend.zeros((ids.shape[0], 1, self.manifest.vocab_size), "float32")
+        inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
+        inputs.update(zip(cache_input_names(self.manifest.n_layers)[0], cache, strict=True))
+        outputs = {LOGITS: logits, **dict(zip(present_names(self.manifest.n_layers), cache, strict=True))}
+        return session.bind(inputs, outputs), logits
 
     def forget_calls(self, everything: bool = False) -> None:
         """Drop the bindings (and output buffers) of classes that no longer exist, or all of them."""

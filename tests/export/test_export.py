@@ -20,7 +20,15 @@ from contract.graph import (
     output_names,
     past_names,
 )
-from contract.manifest import SERVING, SERVING_FP16, SERVING_INT8, Manifest, ManifestError, variant_dtype
+from contract.manifest import (
+    SERVING,
+    SERVING_FP16,
+    SERVING_FUSED,
+    SERVING_INT8,
+    Manifest,
+    ManifestError,
+    variant_dtype,
+)
 from export.__main__ import main
 from export.evaluate import bits_per_byte, evaluation_sequences
 from export.repository import GRAPH_FILES
@@ -70,7 +78,7 @@ def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
         "pad_token_id": 258,
         "add_bos": True,
     }
-    assert list(data["variants"]) == ["float32", SERVING, "float16", SERVING_FP16, SERVING_INT8]
+    assert list(data["variants"]) == ["float32", SERVING, "float16", SERVING_FP16, SERVING_INT8, SERVING_FUSED]
     for variant, entry in data["variants"].items():  # type: ignore[union-attr]
         assert entry["file"] == GRAPH_FILES[variant]
     manifest.verify_all()
@@ -229,7 +237,8 @@ def test_export_command_prints_table(
     table = capsys.readouterr().out
     assert "test bpb@64" in table and "parity fp32" in table
     variants = json.loads((tmp_path / "none" / "manifest.json").read_text())["variants"]
-    assert variants.keys() == {"float32", SERVING, SERVING_INT8}
+    assert variants.keys() == {"float32", SERVING, SERVING_INT8, SERVING_FUSED}
+    assert "parity fused" in table
     assert (tmp_path / "none" / "genai_config.json").is_file()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contract.cache_policy import parse_cache_policy
 from contract.manifest import Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
@@ -25,8 +26,9 @@ def lone_logits(repository: Path, model: str, prompt: list[int], steps: int) -> 
     return [step[0] for step in logits]
 
 
-def runner_for(repository: Path, model: str, backend: str = "numpy") -> ModelRunner:
-    return ModelRunner(Manifest.load(repository / model), StoreConfig(64 << 20, 16, 1024), "cpu", 1, backend)
+def runner_for(repository: Path, model: str, backend: str = "numpy", attention: str = "auto") -> ModelRunner:
+    store = StoreConfig(64 << 20, 16, 1024)
+    return ModelRunner(Manifest.load(repository / model), store, "cpu", 1, backend, attention=attention)
 
 
 # "torch" is the CUDA path's code (torch tensors bound by data pointer) run on the CPU.
@@ -118,3 +120,60 @@ def test_aborted_chunked_prefill_returns_nothing(repository: Path) -> None:
     runner = runner_for(repository, "alibi")
     calls = iter([False, True])
     assert runner.prefill_chunked("x", PROMPTS["b"], chunk_tokens=8, aborted=lambda: next(calls)) is None
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("model", ["sinusoidal", "learned", "relative", "rope", "alibi", "none"])
+def test_fused_decode_equals_explicit_decode(repository: Path, model: str, backend: str) -> None:
+    """The fused graph (its kernel writes the new K/V into the rows itself) against the explicit
+    serving graph on the same rows: rows of three lengths that grow across capacity classes, logits
+    within 1e-4 and the same greedy tokens at every step."""
+    runs = {}
+    for attention in ("fused", "explicit"):
+        runner = runner_for(repository, model, backend, attention)
+        prompts = runner.prefill_batch(PROMPTS)
+        for prompt in prompts:
+            runner.store.reserve(prompt.request_id, prompt.length + 1)
+        runner.join(prompts)
+        tokens = {p.request_id: int(p.logits.argmax()) for p in prompts}
+        trace = []
+        for _ in range(60):
+            for rid in runner.store.members():  # full rows move to the next class here
+                runner.store.reserve(rid, runner.store.length(rid) + 1)
+            logits = runner.decode(tokens)
+            tokens = {rid: int(value.argmax()) for rid, value in logits.items()}
+            trace.append((tokens, logits))
+        calls = list(runner._calls.values())
+        assert calls and all((call.new_kv is None) == (attention == "fused") for call in calls)
+        runs[attention] = trace
+    for step, ((tokens, logits), (tokens_x, logits_x)) in enumerate(zip(runs["fused"], runs["explicit"], strict=True)):
+        assert tokens == tokens_x, step
+        for rid in logits:
+            np.testing.assert_allclose(logits[rid], logits_x[rid], atol=1e-4, err_msg=f"{rid} step {step}")
+
+
+def test_a_class_with_a_bounded_row_keeps_the_explicit_graph(repository: Path) -> None:
+    """A window row cannot be shifted by the fused kernel: its class decodes through the explicit
+    graph, a class of full rows beside it through the fused one; both give the lone runs' logits."""
+    runner = runner_for(repository, "alibi", attention="fused")
+    window = runner.row_policy(parse_cache_policy("window:64"))
+    prompts = runner.prefill_batch({"a": PROMPTS["a"], "c": PROMPTS["c"]})
+    runner.store.reserve("a", prompts[0].length + 1)
+    runner.store.reserve("c", 65)  # a row of the next class (80 tokens), apart from "a"
+    prompts[1].policy = window
+    runner.join(prompts)
+    expected = {rid: lone_logits(repository, "alibi", PROMPTS[rid], 8) for rid in ("a", "c")}
+    tokens = {p.request_id: int(p.logits.argmax()) for p in prompts}
+    for step in range(1, 8):
+        runner.store.reserve("a", runner.store.length("a") + 1)
+        logits = runner.decode(tokens)
+        for rid, value in logits.items():
+            np.testing.assert_allclose(value, expected[rid][step], atol=1e-4, err_msg=f"{rid} step {step}")
+        tokens = {rid: int(np.argmax(expected[rid][step])) for rid in logits}
+    fused = {key: call.new_kv is None for key, call in runner._calls.items()}
+    assert sorted(fused.values()) == [False, True], fused
+
+
+def test_attention_mode_is_checked(repository: Path) -> None:
+    with pytest.raises(ValueError, match="attention must be one of auto, fused, explicit"):
+        runner_for(repository, "alibi", attention="flash")

@@ -1,0 +1,290 @@
+"""The fused serving graph (variant serving-fused): one GroupQueryAttention kernel per layer.
+
+Written directly from the PyTorch weights with `onnx.helper`, as onnxruntime-genai's model builder
+writes its graphs (onnxruntime_genai/models/builders/base.py, `make_group_query_attention`), instead
+of tracing: the explicit serving graph spends dozens of nodes per layer on attention, this one
+spends one `com.microsoft.GroupQueryAttention` node (flash / memory-efficient kernels on CUDA).
+
+Contract (decode only, one token per row; `contract.manifest.FusedAttention`):
+
+- inputs as the in-place serving graph's: input_ids (B, 1), attention_mask (B, C + 1),
+  position_ids (B, 1), past_key_values.{i}.key|value (B, heads, C, head_dim): the store's rows,
+  left-aligned (a row's tokens at columns [0, length)), so length = sum(attention_mask) - 1;
+- outputs logits (B, 1, vocab) and present.{i}.key|value, which the caller binds to the very
+  buffers it feeds as past (GroupQueryAttention's share-buffer mode): the kernel writes the new
+  token's K/V into column `length` of each row itself, and the caller must not append it again.
+
+The positional scheme enters through one small unit per scheme (`FUSED_POSITIONS`), the way
+`models.positional` isolates them: an input embedding (sinusoidal, learned), an attention bias
+fed to the kernel's attention_bias input (relative, alibi: (B, heads, 1, T) for T = the longest
+row + 1, indexed by absolute key position), or the kernel's own rotary (rope, `do_rotary`, cos and
+sin computed in the graph for each row's position, so no length limit is baked in).
+
+What it cannot express, so those rows keep the explicit serving graph: bounded cache policies
+(window / sinks shift a row by one token in place and re-index positions, moving rope's sinks;
+the kernel's `sliding_window_cache` evicts in blocks, keeps no sinks and indexes the bias by
+absolute position) and the int8 cache (per-token scales; the kernel quantizes per tensor or per
+channel).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from contract.graph import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LOGITS,
+    POSITION_IDS,
+    past_names,
+    present_names,
+)
+from models.config import ModelConfig
+from models.positional import alibi_slopes, relative_position_bucket, rope_inverse_frequencies
+from models.transformer import Transformer
+
+OPSET = 18
+CONTRIB_OPSET = 1
+IR_VERSION = 10  # what ONNX Runtime 1.31 loads; onnx.helper would stamp a newer one
+ZERO, ONE = "zero_i64", "one_i64"  # int64 scalars every step needs
+
+
+@dataclass
+class GraphBuilder:
+    """Nodes and initializers with unique names: what `onnx.helper` needs, and nothing else."""
+
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    initializers: list[onnx.TensorProto] = field(default_factory=list)
+    _count: int = 0
+
+    def const(self, name: str, value: np.ndarray | torch.Tensor) -> str:
+        array = value.detach().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        self.initializers.append(numpy_helper.from_array(np.array(array, order="C"), name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", **attrs: object) -> str | list[str]:
+        self._count += 1
+        names = [f"{op_type.lower()}_{self._count}_{k}" for k in range(outputs)]
+        self.nodes.append(
+            helper.make_node(op_type, list(inputs), names, name=f"{op_type}_{self._count}", domain=domain, **attrs)
+        )
+        return names[0] if outputs == 1 else names
+
+    def one(self, op_type: str, *inputs: str, **attrs: object) -> str:
+        """A single-output node's output name."""
+        out = self.op(op_type, *inputs, **attrs)
+        assert isinstance(out, str)
+        return out
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every scheme unit may read, computed once per step."""
+
+    position_ids: str  # (B, 1) int64: each row's new token position
+    total: str  # () int64: T = the longest row + 1, the kernel's total_sequence_length
+
+    def key_positions(self, g: GraphBuilder) -> str:
+        """(T,) int64: absolute key positions 0 .. T-1 (a row's token i sits at column i)."""
+        return g.one("Range", ZERO, self.total, ONE)
+
+
+class FusedPositions:
+    """A scheme in the fused graph. The default is NoPE: the causal mask alone carries order."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model, self.config = model, model.config
+
+    def input_embedding(self, g: GraphBuilder, step: StepInputs) -> str | None:
+        """(B, 1, d) added to the token embedding, or None."""
+        return None
+
+    def attention_bias(self, g: GraphBuilder, step: StepInputs) -> str | None:
+        """(B|1, heads, 1, T) added to the scaled scores inside the kernel, or None."""
+        return None
+
+    def rotary(self, g: GraphBuilder, step: StepInputs) -> tuple[str, str, str] | None:
+        """The kernel's rotary inputs (cos cache, sin cache, position_ids), or None: no rotation."""
+        return None
+
+
+class SinusoidalInput(FusedPositions):
+    """`models.positional.sinusoid` in graph ops: interleaved sin/cos, divided by sqrt(d)."""
+
+    def input_embedding(self, g: GraphBuilder, step: StepInputs) -> str:
+        dim = self.config.d_model
+        even = torch.arange(0, dim, 2, dtype=torch.float32)
+        inv_freq = g.const("sinusoid_inv_freq", torch.pow(10000.0, -even / dim))  # (d/2,)
+        position = g.one("Cast", step.position_ids, to=TensorProto.FLOAT)  # (B, 1)
+        angle = g.one("Mul", g.one("Unsqueeze", position, g.const("axis_last", np.array([-1]))), inv_freq)
+        pair = [g.one("Unsqueeze", g.one(fn, angle), "axis_last") for fn in ("Sin", "Cos")]  # (B, 1, d/2, 1)
+        code = g.one("Reshape", g.one("Concat", *pair, axis=-1), g.const("shape_b1d", np.array([0, 0, dim])))
+        return g.one("Div", code, g.const("sqrt_d_model", np.array(math.sqrt(dim), dtype=np.float32)))
+
+
+class LearnedInput(FusedPositions):
+    """The trained table, gathered at the row's position (the admission keeps it below max_positions)."""
+
+    def input_embedding(self, g: GraphBuilder, step: StepInputs) -> str:
+        table = self.model.positional.table.weight  # type: ignore[union-attr]
+        return g.one("Gather", g.const("position_table", table), step.position_ids)
+
+
+class RelativeBias(FusedPositions):
+    """T5 buckets as a table over distances 0 .. max_distance (every larger distance shares the
+    last bucket), so the graph gathers the bias itself instead of recomputing logarithms."""
+
+    def attention_bias(self, g: GraphBuilder, step: StepInputs) -> str:
+        config = self.config
+        distances = torch.arange(config.relative_max_distance + 1)
+        buckets = relative_position_bucket(
+            -distances, bidirectional=False, num_buckets=config.relative_num_buckets,
+            max_distance=config.relative_max_distance,
+        )  # fmt: skip
+        table = self.model.positional.bias.weight[buckets]  # type: ignore[union-attr]  # (max_distance+1, H)
+        distance = g.one("Sub", step.position_ids, step.key_positions(g))  # (B, T) query - key
+        top = g.const("max_distance", np.array(config.relative_max_distance))
+        distance = g.one("Min", g.one("Max", distance, ZERO), top)
+        bias = g.one("Gather", g.const("relative_bias_by_distance", table), distance)  # (B, T, H)
+        return g.one("Unsqueeze", g.one("Transpose", bias, perm=[0, 2, 1]), g.const("axis_2", np.array([2])))
+
+
+class AlibiBias(FusedPositions):
+    """-slope * (query - key) per head, as `AlibiBias.attention_bias`."""
+
+    def attention_bias(self, g: GraphBuilder, step: StepInputs) -> str:
+        slopes = -torch.from_numpy(alibi_slopes(self.config.n_heads)).view(1, -1, 1, 1)
+        distance = g.one("Sub", step.position_ids, step.key_positions(g))  # (B, T) query - key
+        distance = g.one("Cast", distance, to=TensorProto.FLOAT)
+        distance = g.one("Unsqueeze", distance, g.const("axes_1_2", np.array([1, 2])))  # (B, 1, 1, T)
+        return g.one("Mul", g.const("negative_alibi_slopes", slopes), distance)  # (B, H, 1, T)
+
+
+class RotaryInKernel(FusedPositions):
+    """The kernel rotates q and k (rotate-half layout, `rotary_interleaved=0`) from cos/sin caches.
+
+    The kernel looks a row's angles up at its position_ids and wants a cache of at least T rows;
+    a table over all positions 0 .. T-1 would cost T x head_dim/2 cos and sin per step (0.15 ms of a
+    0.45 ms step at 2048 tokens). So the cache holds one row per batch row, its new token's angles,
+    zero-padded to T rows, and the kernel is given each row's index as its position: exact, and
+    B x head_dim/2 cos and sin per step. One initializer holds the variant's inverse frequencies and
+    feeds one Cos and one Sin, as in the traced graphs, so `export.rope_variants` derives the scaled
+    variants from this graph too; partial rotary's unrotated pairs have frequency 0 (cos 1, sin 0)."""
+
+    def rotary(self, g: GraphBuilder, step: StepInputs) -> tuple[str, str, str]:
+        config = self.config
+        inv_freq, factor = rope_inverse_frequencies(
+            config.head_dim, config.rope_base, config.rope_scaling, config.rope_rotary_dims
+        )
+        positions = g.one("Cast", step.position_ids, to=TensorProto.FLOAT)  # (B, 1)
+        angles = g.one("Mul", positions, g.const("rope_inv_freq", inv_freq))  # (B, head_dim/2)
+        cos, sin = g.one("Cos", angles), g.one("Sin", angles)
+        if factor != 1.0:  # YaRN's attention temperature, carried by cos and sin
+            scale = g.const("rope_attention_factor", np.array(factor, dtype=np.float32))
+            cos, sin = g.one("Mul", cos, scale), g.one("Mul", sin, scale)
+        batch = g.one("Gather", g.one("Shape", step.position_ids), g.const("zero_index", np.array(0)))
+        spare = g.one("Sub", g.one("Max", step.total, batch), batch)  # rows up to max(T, B)
+        pads = g.one("Concat", *(g.const(f"pad_{k}", np.array([0])) for k in ("row", "column")),
+                     g.one("Unsqueeze", spare, g.const("axis_0", np.array([0]))), "pad_column", axis=0)  # fmt: skip
+        cos, sin = (g.one("Pad", table, pads) for table in (cos, sin))  # (max(T, B), head_dim/2)
+        rows = g.one("Unsqueeze", g.one("Range", ZERO, batch, ONE), g.const("axis_1b", np.array([1])))
+        return cos, sin, rows  # rows: (B, 1), each row's index into the cache
+
+
+# The one mapping of schemes to their fused units (every scheme of models.positional.SCHEMES).
+FUSED_POSITIONS: dict[str, type[FusedPositions]] = {
+    "sinusoidal": SinusoidalInput,
+    "learned": LearnedInput,
+    "relative": RelativeBias,
+    "rope": RotaryInKernel,
+    "alibi": AlibiBias,
+    "none": FusedPositions,
+}
+
+
+def fused_graph(model: Transformer) -> onnx.ModelProto:
+    """The serving-fused graph of a float32 model (see the module docstring for its contract)."""
+    model = model.float().eval()
+    config = model.config
+    positional = FUSED_POSITIONS[config.scheme](model)
+    g = GraphBuilder()
+    sd = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+    # Per-step values shared by every layer: each row's cached length (from the mask), T, positions.
+    g.const(ZERO, np.array(0))
+    g.const(ONE, np.array(1))
+    lengths = g.one("Sub", g.one("ReduceSum", ATTENTION_MASK, g.const("axis_1", np.array([1])), keepdims=0), ONE)
+    total = g.one("Add", g.one("ReduceMax", lengths, keepdims=0), ONE)  # scalar: longest row + 1
+    seqlens_k = g.one("Cast", lengths, to=TensorProto.INT32)  # (B,): each row's cached tokens
+    total_i32 = g.one("Cast", total, to=TensorProto.INT32)
+    step = StepInputs(POSITION_IDS, total)
+    bias = positional.attention_bias(g, step)
+    rotary = positional.rotary(g, step)
+
+    x = g.one("Gather", g.const("token_embedding", sd["token_embedding.weight"]), INPUT_IDS)  # (B, 1, d)
+    embedding = positional.input_embedding(g, step)
+    if embedding is not None:
+        x = g.one("Add", x, embedding)
+
+    def linear(h: str, prefix: str) -> str:
+        weight = g.const(f"{prefix}.weight_t", sd[f"{prefix}.weight"].T)  # (in, out) for MatMul
+        return g.one("Add", g.one("MatMul", h, weight), g.const(f"{prefix}.bias", sd[f"{prefix}.bias"]))
+
+    def norm(h: str, prefix: str) -> str:
+        scale, shift = (g.const(f"{prefix}.{part}", sd[f"{prefix}.{part}"]) for part in ("weight", "bias"))
+        return g.one("LayerNormalization", h, scale, shift, axis=-1, epsilon=config.layer_norm_eps)
+
+    cos, sin, rotary_positions = rotary if rotary is not None else ("", "", "")
+    past, present = past_names(config.n_layers), present_names(config.n_layers)
+    for i in range(config.n_layers):
+        block = f"blocks.{i}"
+        qkv = linear(norm(x, f"{block}.attn_norm"), f"{block}.attn.qkv")  # packed (B, 1, 3d)
+        attended, _, _ = g.op(
+            "GroupQueryAttention",
+            qkv, "", "", past[2 * i], past[2 * i + 1], seqlens_k, total_i32, cos, sin,
+            rotary_positions, bias or "",
+            outputs=3, domain="com.microsoft", num_heads=config.n_heads, kv_num_heads=config.n_heads,
+            do_rotary=int(rotary is not None), rotary_interleaved=0, scale=1.0 / math.sqrt(config.head_dim),
+        )  # fmt: skip
+        g.nodes[-1].output[1:] = [present[2 * i], present[2 * i + 1]]
+        x = g.one("Add", x, linear(attended, f"{block}.attn.out_proj"))
+        hidden = g.one("Gelu", linear(norm(x, f"{block}.mlp_norm"), f"{block}.mlp.up"), domain="com.microsoft")
+        x = g.one("Add", x, linear(hidden, f"{block}.mlp.down"))
+    x = norm(x, "final_norm")
+    g.nodes.append(
+        helper.make_node("MatMul", [x, g.const("lm_head", sd["token_embedding.weight"].T)], [LOGITS], name="lm_head")
+    )
+    return _model(g, config)
+
+
+def _model(g: GraphBuilder, config: ModelConfig) -> onnx.ModelProto:
+    float_type, cache_dims = TensorProto.FLOAT, ["batch", config.n_heads, "past_sequence", config.head_dim]
+    inputs = [
+        helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch", 1]),
+        helper.make_tensor_value_info(ATTENTION_MASK, TensorProto.INT64, ["batch", "total_sequence"]),
+        helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, ["batch", 1]),
+        *(helper.make_tensor_value_info(name, float_type, cache_dims) for name in past_names(config.n_layers)),
+    ]
+    outputs = [
+        helper.make_tensor_value_info(LOGITS, float_type, ["batch", 1, config.vocab_size]),
+        *(helper.make_tensor_value_info(name, float_type, cache_dims) for name in present_names(config.n_layers)),
+    ]
+    graph = helper.make_graph(g.nodes, "serving_fused", inputs, outputs, g.initializers)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", CONTRIB_OPSET)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="posenc-serve")
+
+
+def export_fused(model: Transformer, path: Path) -> onnx.ModelProto:
+    """Write the serving-fused graph of `model` (float32, one self-contained file)."""
+    proto = fused_graph(model)
+    onnx.checker.check_model(proto, full_check=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(proto, str(path))
+    return proto
