@@ -34,6 +34,7 @@ from models.cli import HelpFormatter
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
+from service.engine.client import EngineClient, RequestHandle
 from service.engine.engine import Engine, EngineConfig
 from service.engine.input_processor import GenerateInput
 from service.engine.request import Request
@@ -132,7 +133,7 @@ def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int,
     return new_tokens / (time.perf_counter() - started)
 
 
-def output_texts(request: Request) -> Iterator[str]:
+def output_texts(request: Request | RequestHandle) -> Iterator[str]:
     """A request's streamed text read from its output stream, as the gRPC servicer reads it."""
     while True:
         event = request.output.get(timeout=10)
@@ -144,13 +145,26 @@ def output_texts(request: Request) -> Iterator[str]:
 
 def decode_tokens_per_second_engine(repository: Path, model: str, new_tokens: int, threads: int) -> float:
     """The whole engine (scheduler, runner, sampler, detokenizer, output stream, metrics) in this
-    process, read by a consumer thread as the gRPC servicer reads it: the service minus gRPC."""
+    process, read by a consumer thread as the gRPC servicer read it before the engine had a process
+    of its own: the one-process service minus gRPC."""
     config = EngineConfig(max_new_tokens_limit=max(4096, new_tokens), threads=threads)
     engine = Engine.from_repository(repository, config, ServiceMetrics(CollectorRegistry()), [model])
+    return stream_rate(engine, model, new_tokens)
+
+
+def decode_tokens_per_second_core(repository: Path, model: str, new_tokens: int, threads: int) -> float:
+    """The engine core in its own process, as the server runs it, read through its client in this
+    process (the text arrives as the core's per-step messages): the service minus gRPC."""
+    config = EngineConfig(max_new_tokens_limit=max(4096, new_tokens), threads=threads)
+    return stream_rate(EngineClient(repository, config, [model]), model, new_tokens)
+
+
+def stream_rate(engine: Engine | EngineClient, model: str, new_tokens: int) -> float:
+    """Median decode tokens/s of one stream read from `engine` (started here, stopped after)."""
 
     def once(tokens: int) -> float:
-        request = engine.submit(GenerateInput(model, "def main():\n", max_new_tokens=tokens))
-        return decode_rate(token_arrivals(output_texts(request)))
+        handle = engine.submit(GenerateInput(model, "def main():\n", max_new_tokens=tokens))
+        return decode_rate(token_arrivals(output_texts(handle)))
 
     engine.start()
     try:
@@ -169,12 +183,15 @@ def decode_tokens_per_second_plain_loop(folder: Path, new_tokens: int, threads: 
     return new_tokens / (time.perf_counter() - started)
 
 
-def decode_tokens_per_second_genai(folder: Path, new_tokens: int) -> float | None:
+def decode_tokens_per_second_genai(folder: Path, new_tokens: int, threads: int) -> float | None:
+    """onnxruntime-genai's own loop on the same model.onnx, with `threads` intra-op threads (as ours)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
         return None
-    model = og.Model(str(folder))
+    config = og.Config(str(folder))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
     prompt = TOKENIZER.encode("def main():\n")
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
@@ -545,7 +562,10 @@ def print_throughput(
         # Median of three runs each: the machine is noisy and one run can land on a busy moment.
         figures = {
             "gRPC service": median_of(lambda: decode_tokens_per_second_grpc(server, args.model, args.new_tokens)),
-            "in-process engine (no gRPC)": decode_tokens_per_second_engine(
+            "engine core process (no gRPC)": decode_tokens_per_second_core(
+                repository, args.model, args.new_tokens, server_threads
+            ),
+            "in-process engine (one process)": decode_tokens_per_second_engine(
                 repository, args.model, args.new_tokens, server_threads
             ),
             "in-process runner": median_of(
@@ -555,18 +575,21 @@ def print_throughput(
                 lambda: decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads)
             ),
         }
-        genai = decode_tokens_per_second_genai(folder, args.new_tokens)
+        genai = decode_tokens_per_second_genai(folder, args.new_tokens, args.threads)
         if genai is not None:
-            genai = median_of(lambda: decode_tokens_per_second_genai(folder, args.new_tokens) or math.nan)
-            figures["onnxruntime-genai"] = genai
+            genai = median_of(lambda: decode_tokens_per_second_genai(folder, args.new_tokens, args.threads) or math.nan)
+            figures[f"onnxruntime-genai ({args.threads} thr)"] = genai
         for name, value in figures.items():
             print(f"  {name:<30} {value:8.1f} tokens/s")
-        grpc_rate = figures["gRPC service"]
-        print(f"  gRPC / in-process runner        {grpc_rate / figures['in-process runner']:.2f}  (goal >= 0.9)")
-        print(f"  gRPC / in-process session.run   {grpc_rate / figures['in-process session.run loop']:.2f}")
-        print(f"  gRPC / in-process engine        {grpc_rate / figures['in-process engine (no gRPC)']:.2f}")
+        grpc_rate, runner_rate = figures["gRPC service"], figures["in-process runner"]
+        core_rate = figures["engine core process (no gRPC)"]
         if genai is not None:
-            print(f"  gRPC / onnxruntime-genai        {grpc_rate / genai:.2f}  (goal >= 0.8)")
+            print(f"  gRPC / onnxruntime-genai        {grpc_rate / genai:.2f}  (goal >= 0.8, same threads)")
+        print(f"  engine core / runner            {core_rate / runner_rate:.2f}  (goal >= 0.9)")
+        print(f"  in-process engine / runner      {figures['in-process engine (one process)'] / runner_rate:.2f}")
+        print(f"  gRPC / in-process runner        {grpc_rate / runner_rate:.2f}")
+        print(f"  gRPC / in-process session.run   {grpc_rate / figures['in-process session.run loop']:.2f}")
+        print(f"  gRPC / engine core              {grpc_rate / core_rate:.2f}")
         ceiling, cpu_per_message = grpc_stream_ceiling()
         print(
             f"  gRPC transport alone (a bare server stream of one-byte messages, no engine): {ceiling:.0f} "
@@ -593,10 +616,16 @@ def print_throughput(
     one_runner, sixteen_runner = (batch_runner(folder, batch, 128, args.threads, args.device) for batch in (1, 16))
     pairs = [(step_seconds(one_runner, steps * 5), step_seconds(sixteen_runner, steps * 5)) for _ in range(3)]
     one, sixteen = (statistics.median(times) for times in zip(*pairs, strict=True))
+    ceiling = 16 * one / sixteen
     print(
         f"  graph alone (runner, context 128): step {one * 1000:.3f} ms at batch 1, {sixteen * 1000:.3f} ms at "
-        f"batch 16, so 16 streams can be at most {16 * one / sixteen:.2f}x one stream here"
+        f"batch 16, so 16 streams can be at most {ceiling:.2f}x one stream here"
     )
+    first = args.concurrency[0]
+    if first == 1 and 16 in rates:
+        print(f"  16-stream aggregate / graph ceiling  {rates[16] / rates[1] / ceiling:.2f}  (goal >= 0.9)")
+    if 16 in rates and 64 in rates:
+        print(f"  64 streams / 16 streams              {rates[64] / rates[16]:.2f}  (goal >= 1)")
     server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", "--prefill-nice", "0",
                            *device_flags, threads=server_threads)  # fmt: skip
     try:

@@ -9,7 +9,7 @@ numbers, so a model has at most six of each.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 # No `*_created` series: one per counter and histogram child (2,260 lines, 207 KB per scrape
 # with 15 models), and Prometheus does not use them (process start time dates every counter).
@@ -48,9 +48,22 @@ LABELS = ("model", "scheme")
 POLICY_LABELS = (*LABELS, "policy")  # policy: the form of the request's cache policy (CachePolicy.form)
 
 
+# What the gRPC front end records itself (RPC accounting, engine restarts); the engine core process
+# records every other series, and /metrics serves both (service.server.MetricsHandler).
+FRONT_END = ("requests", "request_duration", "engine_restarts")
+
+
 class ServiceMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        kw = {"registry": registry} if registry is not None else {}
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        only: tuple[str, ...] | None = None,
+        without: tuple[str, ...] = (),
+    ) -> None:
+        """Every metric, in `registry` (default: prometheus_client's). One process's share: `only`
+        these attributes are registered, or all `without` those; the others exist unexported."""
+        self.registry = registry if registry is not None else REGISTRY
+        kw = {"registry": None}
         self.requests = Counter(
             "posenc_requests", "RPCs of posenc.v1.Generation, each counted once with the status code its client saw.",
             [*LABELS, "method", "code"], **kw,
@@ -108,6 +121,11 @@ class ServiceMetrics:
             "posenc_cancellation_latency_seconds", "From a cancel (client or deadline) to the sequence's cache freed.",
             LABELS, buckets=LATENCY_BUCKETS, **kw,
         )  # fmt: skip
+        self.engine_restarts = Counter(
+            "posenc_engine_restarts",
+            "Engine core processes started again after one exited unexpectedly (its requests ended with UNAVAILABLE).",
+            **kw,
+        )  # fmt: skip
         self.preemptions = Counter("posenc_preemptions", "Sequences preempted for cache space.", LABELS, **kw)
         # Admission control's estimate beside what happened (--ttft-slo-seconds; admitted requests only).
         self.admission_estimated_ttft = Histogram(
@@ -122,3 +140,13 @@ class ServiceMetrics:
             "pessimistic).",
             LABELS, buckets=ESTIMATE_ERROR_BUCKETS, **kw,
         )  # fmt: skip
+        self._registered = [
+            metric for name, metric in vars(self).items() if isinstance(metric, Counter | Gauge | Histogram)
+            and (only is None or name in only) and name not in without
+        ]  # fmt: skip
+        for metric in self._registered:
+            self.registry.register(metric)
+
+    def unregister(self) -> None:
+        for metric in self._registered:
+            self.registry.unregister(metric)

@@ -78,6 +78,20 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError("server did not become SERVING")
 
+    def engine_core_pid(self) -> int | None:
+        """The engine core process's pid (the server's child `python -m service.engine.core`), if running."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()
+                if int(fields[1]) != self.process.pid:
+                    continue
+                command = (stat.parent / "cmdline").read_bytes()
+            except (OSError, ValueError, IndexError):
+                continue
+            if b"service.engine.core" in command:
+                return int(stat.parent.name)
+        return None
+
     def output(self) -> str:
         """What the server printed so far."""
         return Path(self.log.name).read_text()

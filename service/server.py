@@ -13,23 +13,26 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from contract.cache_policy import CachePolicyError
 from contract.manifest import ManifestError
 from models.cli import HelpFormatter
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
-from service.engine.engine import DrainReport, Engine, EngineConfig
+from service.engine.client import EngineClient, EngineStartError
+from service.engine.engine import DrainReport, EngineConfig
 from service.engine.kv_store import KVBudgetError
-from service.metrics import ServiceMetrics
+from service.metrics import FRONT_END, ServiceMetrics
 from service.security import BearerTokenInterceptor, read_token, server_credentials
 from service.servicer import GenerationServicer
 
@@ -166,12 +169,45 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     )
 
 
+class MetricsHandler(BaseHTTPRequestHandler):
+    """/metrics of both processes as one exposition: this process's (RPC accounting, its own
+    process and Python series) and then the engine core's, as the core wrote them (token
+    latencies, steps, KV cache, its process's memory). No parsing on the way: a scrape costs a
+    round trip to the core. While the core is down only this process's series are there."""
+
+    registry = REGISTRY
+    engine: Callable[[], EngineClient | None] = staticmethod(lambda: None)
+
+    def do_GET(self) -> None:
+        if self.path.partition("?")[0] not in ("/", "/metrics"):
+            self.send_error(404)
+            return
+        engine = self.engine()
+        body = generate_latest(self.registry) + ((engine.metrics_text() if engine is not None else None) or b"")
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # a line per scrape would drown the log
+
+
+def start_metrics_server(host: str, port: int, engine: Callable[[], EngineClient | None]) -> ThreadingHTTPServer:
+    handler = type("Handler", (MetricsHandler,), {"engine": staticmethod(engine)})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
 class RunningServer:
     """Handles to everything serve() started."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.metrics = ServiceMetrics()
+        self.metrics = ServiceMetrics(REGISTRY, FRONT_END)  # the core records the rest
         self.health = ServiceHealth()
         self.servicer = GenerationServicer()
         # Accounting first (outermost): it also counts the calls the token check refuses.
@@ -185,9 +221,12 @@ class RunningServer:
             interceptors=interceptors,
             options=[("grpc.so_reuseport", 0)],
         )
-        self.engine: Engine | None = None
+        self.engine: EngineClient | None = None
         self.metrics_server = None
         self.stopped = threading.Event()
+        self._engine_went_down = False
+        self.give_up = threading.Event()  # set when the engine core cannot be kept running
+        self.gave_up: str | None = None  # why the engine core could not be kept running (exit non-zero)
 
     def start(self) -> None:
         self._configure_services()
@@ -210,19 +249,35 @@ class RunningServer:
 
     def _configure_metrics(self) -> None:
         if self.config.metrics_port:
-            self.metrics_server, _ = start_http_server(self.config.metrics_port, self.config.metrics_host)
+            self.metrics_server = start_metrics_server(
+                self.config.metrics_host, self.config.metrics_port, lambda: self.engine
+            )
 
     def _load_models(self) -> None:
-        self.engine = Engine.from_repository(
-            self.config.model_repository, self.config.engine, self.metrics, self.config.models or None
-        )
-        self.engine.start()
+        """Start the engine core process and wait for its models; health follows whether it serves."""
+        self.engine = EngineClient(
+            self.config.model_repository, self.config.engine, self.config.models or None,
+            on_serving=self._engine_serving, on_give_up=self._give_up,
+        )  # fmt: skip
         self.servicer.engine = self.engine
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.engine.start()
         logger.info(
             "serving %s on %s:%d (metrics on %s:%d)", ", ".join(self.engine.models), self.config.host, self.port,
             self.config.metrics_host, self.config.metrics_port,
         )  # fmt: skip
+
+    def _engine_serving(self, serving: bool) -> None:
+        if serving and self._engine_went_down:
+            self.metrics.engine_restarts.inc()
+        self._engine_went_down = not serving
+        if not self.servicer.draining:
+            up, down = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            self._set_health(up if serving else down)
+
+    def _give_up(self, reason: str) -> None:
+        logger.error("giving up: %s; exiting non-zero", reason)
+        self.gave_up = reason
+        self.give_up.set()
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -244,6 +299,7 @@ class RunningServer:
         self.server.stop(left).wait(left + 1)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        self.metrics.unregister()
         self.stopped.set()
         return report
 
@@ -303,10 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop_requested.set())
     try:
         running = serve(config)
-    except (ManifestError, KVBudgetError, CachePolicyError, RuntimeError) as error:
+    except (ManifestError, KVBudgetError, CachePolicyError, EngineStartError, RuntimeError) as error:
         logger.error("refusing to start: %s", error)
         return 2
-    stop_requested.wait()
+    while not stop_requested.wait(0.5):
+        if running.give_up.is_set():
+            running.stop(0)
+            return 1
     logger.info(
         "stopping: health NOT_SERVING, new calls UNAVAILABLE, running requests have up to %g s to finish",
         config.grace_seconds,

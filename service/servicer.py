@@ -12,10 +12,10 @@ import grpc
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.engine.admission import RETRY_AFTER_KEY
-from service.engine.engine import Engine
+from service.engine.client import EngineClient, RequestHandle
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput
-from service.engine.request import Request, RequestStatus, StreamEvent
+from service.engine.request import RequestStatus, StreamEvent
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
@@ -49,13 +49,13 @@ class _Aborted(Exception):
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self) -> None:
-        self.engine: Engine | None = None  # set once models are loaded
+        self.engine: EngineClient | None = None  # set once the engine core has loaded the models
         self.draining = False  # SIGTERM: new calls get UNAVAILABLE while running ones finish
 
     def labels(self, model: str) -> dict[str, str]:
         """Metric labels of a model name; unknown names (and none) share one empty label set."""
         if self.engine is not None and model in self.engine.models:
-            return {"model": model, "scheme": self.engine.models[model].manifest.scheme}
+            return {"model": model, "scheme": self.engine.models[model].scheme}
         return {"model": "", "scheme": ""}
 
     # ------------------------------------------------------------------ RPCs
@@ -65,28 +65,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             engine = self._engine(context)
         except _Aborted as aborted:
             aborted.abort(context)
-        models = []
-        for name, model in sorted(engine.models.items()):
-            manifest = model.manifest
-            models.append(
-                pb.ModelInfo(
-                    name=name,
-                    scheme=manifest.scheme,
-                    max_positions=manifest.max_positions or 0,
-                    train_context=manifest.train_context,
-                    kv_cache_bytes_per_token=manifest.kv_bytes_per_token(model.runner.dtype),
-                    n_layers=manifest.n_layers,
-                    n_heads=manifest.n_heads,
-                    head_dim=manifest.head_dim,
-                    dtype=model.runner.dtype,
-                    max_new_tokens_limit=model.config.max_new_tokens_limit,
-                    max_sequence_tokens=model.max_sequence_tokens,
-                    kv_cache_capacity_bytes=model.store.capacity_bytes,
-                    cache_policies=model.cache_policy_forms,
-                    default_cache_policy=str(model.inputs.default_policy),
-                    eviction_positions=model.eviction_positions,
-                )
-            )
+        models = [info for _, info in sorted(engine.models.items())]
         return pb.ListModelsResponse(models=models)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
@@ -127,7 +106,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
         try:
             engine = self._engine(context)
-            scored = self._call(lambda: engine.score(request.model, request.text, request.cache_policy))
+            scored = self._call(
+                lambda: engine.score(request.model, request.text, request.cache_policy, context.time_remaining())
+            )
         except _Aborted as aborted:
             aborted.abort(context)
         logprobs = scored.logprobs
@@ -142,7 +123,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ------------------------------------------------------------------ helpers
 
-    def _engine(self, context: grpc.ServicerContext) -> Engine:
+    def _engine(self, context: grpc.ServicerContext) -> EngineClient:
         if self.draining:
             raise _Aborted(
                 grpc.StatusCode.UNAVAILABLE,
@@ -158,7 +139,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RequestError as error:
             raise _Aborted(ERROR_CODES[error.kind], error.message, error.retry_after) from None
 
-    def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Request:
+    def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RequestHandle:
         engine = self._engine(context)
         remaining = context.time_remaining()
         raw = GenerateInput(
@@ -173,11 +154,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             deadline=time.monotonic() + remaining if remaining is not None else None,
             cache_policy=request.cache_policy,
         )
-        handle: Request = self._call(lambda: engine.submit(raw))
+        handle: RequestHandle = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))
         return handle
 
-    def _events(self, handle: Request, context: grpc.ServicerContext) -> Iterator[StreamEvent]:
+    def _events(self, handle: RequestHandle, context: grpc.ServicerContext) -> Iterator[StreamEvent]:
         """The request's new text as it comes; texts produced while we were sending are merged."""
         while True:
             event = handle.output.get(timeout=0.5)
@@ -189,17 +170,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if event.status.finished:
                 return
 
-    def _raise_if_aborted(self, handle: Request) -> None:
+    def _raise_if_aborted(self, handle: RequestHandle) -> None:
         if handle.status in ABORT_CODES:
             raise _Aborted(ABORT_CODES[handle.status], handle.error or handle.status.name.lower())
 
 
-def _usage(handle: Request) -> pb.Usage:
-    prompt, completion = len(handle.prompt_ids), len(handle.output_ids)
+def _usage(handle: RequestHandle) -> pb.Usage:
+    prompt, completion = handle.prompt_tokens, handle.completion_tokens
     return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _timings(handle: Request) -> pb.Timings:
+def _timings(handle: RequestHandle) -> pb.Timings:
     end = handle.finish_time or time.monotonic()
     first = handle.first_token_time or end
     queued = (handle.scheduled_time or first) - handle.arrival_time

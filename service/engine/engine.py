@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from service.engine.input_processor import GenerateInput, InputLimits, InputProc
 from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
 from service.engine.output_processor import Finished, OutputProcessor, TokenMetrics
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
-from service.engine.request import Request, RequestStatus
+from service.engine.request import OutputSink, Request, RequestStatus
 from service.engine.runner import ModelRunner, Scored, StoreConfig
 from service.engine.scheduler import QueueFullError, Scheduler
 from service.metrics import ServiceMetrics
@@ -40,6 +41,13 @@ logger = logging.getLogger(__name__)
 GAUGE_INTERVAL_SECONDS = 0.02
 
 __all__ = ["Engine", "EngineConfig", "ErrorKind", "GenerateInput", "ModelEngine", "RequestError"]
+
+
+Record = Callable[[Callable[[float], None], float], None]
+
+
+def apply_now(observe: Callable[[float], None], value: float) -> None:
+    observe(value)
 
 
 @dataclass
@@ -179,6 +187,13 @@ class ModelEngine:
             config.prefill_nice,
         )  # fmt: skip
         self._wake = threading.Condition()
+        # Called after every step (and once more when the loop ends): the engine core process
+        # sends the step's outputs as one message from here (service.engine.core.StepOutputs).
+        self.after_step: Callable[[], None] = lambda: None
+        # How the loop's per-step observations (metrics, admission's step time) are applied: at
+        # once, or (engine core) by its publisher thread while the next step's graph runs.
+        self.record: Record = apply_now
+        self.outputs.record = lambda fn, value: self.record(fn, value)
         self._stopping = False  # no new requests
         self._stopped = False  # the loop exits
         self._thread = threading.Thread(target=self._loop, name=f"engine-{manifest.name}", daemon=True)
@@ -294,8 +309,10 @@ class ModelEngine:
             except Exception:  # a bug must not kill the loop silently
                 logger.exception("engine step failed for %s", self.manifest.name)
                 busy = False
+            self.after_step()
         for request in self.scheduler.requests():
             self._finish(request, RequestStatus.FINISHED_SHUTDOWN, "server shut down")
+        self.after_step()
 
     def step(self) -> bool:
         """One iteration: reap aborted, write computed prompts, schedule, decode, process outputs.
@@ -308,7 +325,8 @@ class ModelEngine:
         if self.admission.enabled:
             with self._wake:
                 self._backlog = Backlog.of(self.scheduler.waiting, self.scheduler.running)
-        self._preemptions.inc(len(output.preempted))
+        if output.preempted:
+            self._preemptions.inc(len(output.preempted))
         if output.admitted:
             self._start_prefill(output.admitted)
         if output.decode:
@@ -393,12 +411,17 @@ class ModelEngine:
             self._fail(requests, error)
             return
         seconds = time.monotonic() - started
-        self._steps["decode"].observe(seconds)
-        self.admission.observe_decode(seconds)
-        self._batches["decode"].observe(len(requests))
+        record = self.record
+        record(self._steps["decode"].observe, seconds)
+        record(self.admission.observe_decode, seconds)
+        record(self._batches["decode"].observe, len(requests))
         for request in requests:
             request.num_computed_tokens = request.num_tokens
-        self._finish_all(self.outputs.process(requests, np.stack([logits[r.request_id] for r in requests])))
+        if len(requests) == 1:
+            rows = logits[requests[0].request_id][None]
+        else:
+            rows = np.stack([logits[r.request_id] for r in requests])
+        self._finish_all(self.outputs.process(requests, rows))
 
     def _finish_all(self, finished: list[Finished]) -> None:
         for done in finished:
@@ -442,6 +465,9 @@ class Engine:
     def __init__(self, models: dict[str, ModelEngine]) -> None:
         self.models = models
         self._ids = itertools.count()
+        # Where a new request's text goes: its own OutputStream (in-process readers), or the
+        # engine core's per-step collector (service.engine.core).
+        self.output_sink: Callable[[Request], OutputSink] | None = None
 
     @classmethod
     def from_repository(
@@ -478,12 +504,13 @@ class Engine:
             known = ", ".join(sorted(self.models))
             raise RequestError(ErrorKind.NOT_FOUND, f"model: unknown model {name!r} (serving: {known})") from None
 
-    def submit(self, raw: GenerateInput) -> Request:
+    def submit(self, raw: GenerateInput, request_id: str | None = None) -> Request:
         engine = self.model(raw.model)
         ids, params, policy = engine.inputs.generate(raw)
-        request = Request(
-            f"{raw.model}-{next(self._ids)}", raw.model, ids, params, engine.inputs.eos_token_id, raw.deadline, policy
-        )
+        request_id = request_id or f"{raw.model}-{next(self._ids)}"
+        request = Request(request_id, raw.model, ids, params, engine.inputs.eos_token_id, raw.deadline, policy)
+        if self.output_sink is not None:
+            request.output = self.output_sink(request)
         engine.submit(request)
         return request
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +43,14 @@ class OutputProcessor:
         self.sampler = Sampler()
         self.eos_token_id = eos_token_id
         self._metrics = metrics
+        # How token metrics are applied (ModelEngine.record: at once, or later on another thread).
+        self.record: Callable[[Callable[[float], None], float], None] = lambda observe, value: observe(value)
 
     def process(self, requests: list[Request], logits: np.ndarray) -> list[Finished]:
         """Sample one token per request (rows of logits), stream the new text; the requests now done."""
         tokens = self.sampler.sample_batch(requests, logits)
         now = time.monotonic()
+        record = self.record
         finished: list[Finished] = []
         generated: dict[str, int] = {}  # by policy form: one increment per form and step
         for request, token in zip(requests, tokens, strict=True):
@@ -59,9 +63,9 @@ class OutputProcessor:
             form = request.cache_policy.form
             if request.first_token_time is None:
                 request.first_token_time = now
-                self._metrics[form].ttft.observe(now - request.arrival_time)
+                record(self._metrics[form].ttft.observe, now - request.arrival_time)
             else:
-                self._metrics[form].itl.observe(now - request.last_token_time)
+                record(self._metrics[form].itl.observe, now - request.last_token_time)
             request.last_token_time = now
             request.output_ids.append(token)
             generated[form] = generated.get(form, 0) + 1
@@ -76,7 +80,7 @@ class OutputProcessor:
             elif len(request.output_ids) >= request.params.max_new_tokens:
                 finished.append(Finished(request, RequestStatus.FINISHED_LENGTH))
         for form, count in generated.items():
-            self._metrics[form].generated.inc(count)
+            record(self._metrics[form].generated.inc, count)
         return finished
 
     def forget(self, request: Request) -> None:

@@ -6,7 +6,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.detokenizer import IncrementalDetokenizer
@@ -50,6 +50,14 @@ class StreamEvent:
     text: str
     status: RequestStatus
     error: str | None = None
+
+
+class OutputSink(Protocol):
+    """Where a request's text goes as it is produced (an OutputStream, or the engine core's collector)."""
+
+    def put(self, text: str) -> None: ...
+
+    def close(self, text: str, status: RequestStatus, error: str | None = None) -> None: ...
 
 
 class OutputStream:
@@ -117,7 +125,7 @@ class Request:
     finish_time: float | None = None
     error: str | None = None
     text: str = ""
-    output: OutputStream = field(default_factory=OutputStream)
+    output: OutputSink = field(default_factory=OutputStream)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -1,0 +1,378 @@
+"""The front end's side of the engine core (service.engine.core): start it, pass requests in,
+route each step's outputs to the requests' streams, and notice when it dies.
+
+gRPC threads call `submit`, `cancel` and `score`; one reader thread receives every event the
+core sends; one watcher thread waits on the core's process. When the core dies unexpectedly,
+every request in flight ends at once with UNAVAILABLE and a message saying so (never a hang),
+health turns NOT_SERVING, and a new core is started, unless cores keep dying (then the server
+exits non-zero for its supervisor to act).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from service.api import generation_pb2 as pb
+from service.engine.core import Command, CoreConfig, Event, pack, unpack
+from service.engine.engine import DrainReport, EngineConfig
+from service.engine.errors import ErrorKind, RequestError
+from service.engine.input_processor import GenerateInput
+from service.engine.request import OutputStream, RequestStatus
+from service.engine.runner import Scored
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_SECONDS = 600.0  # loading every model (sessions, budgets) on a slow machine
+CALL_TIMEOUT_SECONDS = 60.0  # a reply to ADD or METRICS; SCORE waits as long as the RPC may
+RESTARTS_ALLOWED = 3  # unexpected core exits within RESTART_WINDOW_SECONDS before the server gives up
+RESTART_WINDOW_SECONDS = 300.0
+
+
+class EngineStartError(RuntimeError):
+    """The core could not load the models (bad manifest, file or budget): the server refuses to start."""
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """The front end's view of one generation: its streamed text and, once final, how it ended."""
+
+    request_id: str
+    model: str
+    output: OutputStream = field(default_factory=OutputStream)
+    done: threading.Event = field(default_factory=threading.Event)
+    text: str = ""
+    status: RequestStatus = RequestStatus.WAITING
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    scheduled_time: float | None = None
+    finish_time: float | None = None
+
+    def receive(self, text: str, status: int | None, error: str | None, final: list[Any] | None) -> None:
+        if status is None:
+            self.text += text
+            self.output.put(text)
+            return
+        if final is not None:
+            self.prompt_tokens, self.completion_tokens, arrival, first, scheduled, finish = final
+            self.arrival_time, self.first_token_time, self.scheduled_time, self.finish_time = (
+                arrival,
+                first,
+                scheduled,
+                finish,
+            )
+        self.finish(RequestStatus(status), error, text)
+
+    def finish(self, status: RequestStatus, error: str | None, text: str = "") -> None:
+        if self.status.finished:
+            return
+        self.text += text
+        self.status, self.error = status, error
+        self.finish_time = self.finish_time or time.monotonic()
+        self.output.close(text, status, error)
+        self.done.set()
+
+
+class EngineClient:
+    """The engine core behind a small in-process interface (the servicer's `engine`)."""
+
+    def __init__(
+        self,
+        repository: Path,
+        config: EngineConfig,
+        names: list[str] | None = None,
+        on_serving: Callable[[bool], None] = lambda serving: None,
+        on_give_up: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        self.repository, self.config, self.names = repository, config, names
+        self.on_serving, self.on_give_up = on_serving, on_give_up
+        self.models: dict[str, pb.ModelInfo] = {}  # what ListModels answers, from the core
+        self._context = zmq.Context()
+        folder = Path(tempfile.mkdtemp(prefix="posenc-core-"))
+        self._folder = folder
+        self._commands_address = f"ipc://{folder}/commands"
+        self._events_address = f"ipc://{folder}/events"
+        self._commands = self._context.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # no limit: a busy core must not turn requests away
+        self._commands.bind(self._commands_address)
+        self._events = self._context.socket(zmq.PULL)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.bind(self._events_address)
+        self._send_lock = threading.Lock()
+        self._handles: dict[str, RequestHandle] = {}
+        self._calls: dict[str | int, Future[list[Any]]] = {}
+        self._call_ids = itertools.count()
+        self._ids = itertools.count()
+        self._ready: Future[dict[str, pb.ModelInfo]] = Future()
+        self._stopped: Future[DrainReport] = Future()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._serving = False
+        self._stopping = False
+        self._closed = threading.Event()
+        self._exits: deque[float] = deque()
+        self.restarts = 0
+        self._reader = threading.Thread(target=self._read_events, name="engine-events", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Start the core and wait until its models are loaded; EngineStartError if it cannot load them."""
+        self._reader.start()
+        self._spawn()
+        try:
+            self._await_ready(timeout)
+        except EngineStartError:
+            self._stopping = True
+            self.stop(0)
+            raise
+        threading.Thread(target=self._watch, name="engine-watch", daemon=True).start()
+
+    def _spawn(self) -> None:
+        config = CoreConfig(
+            self.repository,
+            self.config,
+            self.names,
+            self._commands_address,
+            self._events_address,
+            os.getpid(),
+            logging.getLogger().getEffectiveLevel(),
+        )
+        # A fresh interpreter (`python -m service.engine.core`), not fork: this process already runs
+        # gRPC's and ZeroMQ's threads. Its configuration comes on stdin; its log goes where ours does.
+        process = subprocess.Popen([sys.executable, "-m", "service.engine.core"], stdin=subprocess.PIPE)
+        assert process.stdin is not None
+        process.stdin.write(pickle.dumps(config))
+        process.stdin.close()
+        self._process = process
+        logger.info("engine core started (pid %d)", process.pid)
+
+    def _await_ready(self, timeout: float) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + timeout
+        while not self._ready.done():
+            if self._process.poll() is not None and not self._ready.done():
+                time.sleep(0.2)  # its FAILED message may still be in flight
+                if not self._ready.done():
+                    raise EngineStartError(f"engine core exited with code {self._process.returncode} while loading")
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"engine core did not load the models within {timeout:.0f} s")
+            time.sleep(0.05)
+        self.models = self._ready.result()  # raises EngineStartError for FAILED
+        self._serving = True
+        self.on_serving(True)
+
+    def _watch(self) -> None:
+        """Wait for the core to exit; an exit that was not asked for fails what was in flight and restarts it."""
+        while True:
+            process = self._process
+            assert process is not None
+            code = process.wait()
+            if self._stopping:
+                return
+            self._serving = False
+            self.on_serving(False)
+            message = (
+                f"engine process exited unexpectedly (exit code {code}); the request was lost, retry it"
+                if code is not None and code >= 0
+                else f"engine process was killed (signal {-(code or 0)}); the request was lost, retry it"
+            )
+            logger.error("%s; failing %d request(s) in flight", message.partition(";")[0], len(self._handles))
+            self._fail_everything(message)
+            now = time.monotonic()
+            self._exits.append(now)
+            while self._exits and now - self._exits[0] > RESTART_WINDOW_SECONDS:
+                self._exits.popleft()
+            if len(self._exits) > RESTARTS_ALLOWED:
+                self.on_give_up(f"the engine core died {len(self._exits)} times within {RESTART_WINDOW_SECONDS:.0f} s")
+                return
+            self._ready = Future()
+            try:
+                self._spawn()
+                self._await_ready(READY_TIMEOUT_SECONDS)
+            except EngineStartError as error:
+                self.on_give_up(f"the engine core could not be restarted: {error}")
+                return
+            self.restarts += 1
+            logger.info("engine core restarted (restart %d)", self.restarts)
+
+    def _fail_everything(self, message: str) -> None:
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle.finish(RequestStatus.FINISHED_SHUTDOWN, message)
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(RequestError(ErrorKind.UNAVAILABLE, message))
+
+    def stop(self, timeout: float) -> DrainReport:
+        """Drain: the core lets running work finish within `timeout`, cuts the rest, and exits."""
+        self._stopping = True
+        self._serving = False
+        process = self._process
+        report = DrainReport()
+        if process is not None and process.poll() is None:
+            try:
+                if self._ready.done() and self._ready.exception() is None:  # it serves: let it drain
+                    self._send([Command.STOP, timeout])
+                    report = self._stopped.result(timeout + 30)
+            except RequestError:
+                pass  # it is not there to hear it
+            except FutureTimeout:
+                logger.error("engine core did not stop within %.0f s; killing it", timeout + 30)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+        self._fail_everything("server shut down")
+        self._closed.set()
+        self._reader.join(2)
+        self._context.destroy(linger=0)
+        for name in ("commands", "events"):
+            (self._folder / name).unlink(missing_ok=True)
+        self._folder.rmdir()
+        return report
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    # ------------------------------------------------------------------ requests
+
+    def _send(self, message: list[Any]) -> None:
+        """Never blocks: with no core connected (it died, or has not started) the send fails at once."""
+        data = pack(message)
+        try:
+            with self._send_lock:
+                self._commands.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not running") from None
+
+    def _call(self, key: str | int, message: list[Any], timeout: float) -> list[Any]:
+        future: Future[list[Any]] = Future()
+        self._calls[key] = future
+        try:
+            self._send(message)
+        except RequestError:
+            self._calls.pop(key, None)
+            raise
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            self._calls.pop(key, None)
+            raise RequestError(ErrorKind.UNAVAILABLE, f"engine core did not answer within {timeout:.0f} s") from None
+
+    def _check_serving(self) -> None:
+        if not self._serving:
+            raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not serving (starting, restarting or stopping)")
+
+    def submit(self, raw: GenerateInput) -> RequestHandle:
+        self._check_serving()
+        request_id = f"{raw.model}-{next(self._ids)}"
+        handle = RequestHandle(request_id, raw.model)
+        self._handles[request_id] = handle
+        fields = {
+            "model": raw.model,
+            "prompt": raw.prompt,
+            "max_new_tokens": raw.max_new_tokens,
+            "temperature": raw.temperature,
+            "top_k": raw.top_k,
+            "top_p": raw.top_p,
+            "seed": raw.seed,
+            "stop": list(raw.stop),
+            "deadline": raw.deadline,
+            "cache_policy": raw.cache_policy,
+        }
+        try:
+            reply = self._call(request_id, [Command.ADD, request_id, fields], CALL_TIMEOUT_SECONDS)
+        except RequestError:
+            self._handles.pop(request_id, None)
+            raise
+        if reply[0] is not None:
+            self._handles.pop(request_id, None)
+            kind, message, retry_after = reply[0]
+            raise RequestError(ErrorKind(kind), message, retry_after)
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        if not handle.status.finished:
+            try:
+                self._send([Command.CANCEL, handle.request_id])
+            except RequestError:
+                pass  # no core: the request has ended (or is about to) with UNAVAILABLE
+
+    def score(self, model: str, text: str, cache_policy: str = "", timeout: float | None = None) -> Scored:
+        self._check_serving()
+        call = next(self._call_ids)
+        reply = self._call(call, [Command.SCORE, call, model, text, cache_policy], min(timeout or 3600.0, 3600.0))
+        if reply[0] is not None:
+            kind, message, retry_after = reply[0]
+            if kind == "INTERNAL":
+                raise RuntimeError(message)
+            raise RequestError(ErrorKind(kind), message, retry_after)
+        logprobs, greedy = reply[1]
+        return Scored(np.frombuffer(logprobs, dtype="<f8").copy(), np.frombuffer(greedy, dtype="<i8").copy())
+
+    def metrics_text(self, timeout: float = 5.0) -> bytes | None:
+        """The core's /metrics exposition, or None when it is not there to answer."""
+        if self._process is None or self._process.poll() is not None:
+            return None
+        call = next(self._call_ids)
+        try:
+            return self._call(call, [Command.METRICS, call], timeout)[1]
+        except RequestError:
+            return None
+
+    # ------------------------------------------------------------------ events
+
+    def _read_events(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._events, zmq.POLLIN)
+        while not self._closed.is_set():
+            if not poller.poll(200):
+                continue
+            message = unpack(self._events.recv())
+            kind = message[0]
+            if kind == Event.OUT:
+                for request_id, text, status, error, final in message[1]:
+                    handles = self._handles
+                    handle = handles.get(request_id) if status is None else handles.pop(request_id, None)
+                    if handle is None:
+                        continue
+                    handle.receive(text, status, error, final)
+            elif kind == Event.REPLY:
+                future = self._calls.pop(message[1], None)
+                if future is not None and not future.done():
+                    future.set_result(message[2:])
+            elif kind == Event.READY:
+                infos = {name: pb.ModelInfo.FromString(data) for name, data in message[1].items()}
+                self._ready.set_result(infos)
+            elif kind == Event.FAILED:
+                self._ready.set_exception(EngineStartError(message[1]))
+            elif kind == Event.STOPPED:
+                self._stopped.set_result(DrainReport(message[1], message[2]))

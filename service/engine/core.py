@@ -1,0 +1,352 @@
+"""The engine core in a process of its own (vLLM v1's EngineCore): decode loops that never wait
+for the GIL behind gRPC threads, and a front end (service.engine.client) that never waits for
+theirs. On two cores this is parallelism the single process did not have.
+
+Two ZeroMQ PUSH/PULL sockets on ipc:// paths carry msgpack messages, each a list:
+
+front end -> core (`Command`)
+    [ADD, request id, GenerateInput fields]      answered by [REPLY, request id, error or None]
+    [CANCEL, request id]
+    [SCORE, call id, model, text, cache policy]   answered by [REPLY, call id, error or result]
+    [METRICS, call id]                            answered by [REPLY, call id, None, exposition text]
+    [STOP, grace seconds]                         answered by [STOPPED, finished, cut]
+core -> front end (`Event`)
+    [READY, {model: serialized posenc.v1.ModelInfo}] or [FAILED, message] once, when the models are loaded
+    [OUT, [[request id, text, status, error, final], ...]]: one message per engine step and model,
+        the text each request produced in that step; `final` (usage and times) on its last entry.
+
+The front end starts the core as `python -m service.engine.core` with its pickled CoreConfig on
+stdin, binds both sockets, and the core connects, so a restarted core finds them again.
+The core ignores SIGINT and SIGTERM (the front end decides when to drain) and dies with the
+front end (PR_SET_PDEATHSIG, and a check of its parent between commands).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import os
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+
+from contract.cache_policy import CachePolicyError
+from contract.manifest import ManifestError
+from service.api import generation_pb2 as pb
+from service.engine.engine import Engine, EngineConfig
+from service.engine.errors import RequestError
+from service.engine.input_processor import GenerateInput
+from service.engine.kv_store import KVBudgetError
+from service.engine.request import Request, RequestStatus
+from service.metrics import FRONT_END, ServiceMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Command(enum.IntEnum):
+    ADD = 1
+    CANCEL = 2
+    SCORE = 3
+    METRICS = 4
+    STOP = 5
+
+
+class Event(enum.IntEnum):
+    READY = 1
+    FAILED = 2
+    REPLY = 3
+    OUT = 4
+    STOPPED = 5
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def error_fields(error: RequestError) -> list[Any]:
+    return [error.kind.value, error.message, error.retry_after]
+
+
+def model_infos(engine: Engine) -> dict[str, bytes]:
+    """What the front end knows of each served model (ListModels, metric labels): serialized
+    posenc.v1.ModelInfo messages, sent once at READY."""
+    infos = {}
+    for name, model in engine.models.items():
+        manifest = model.manifest
+        infos[name] = pb.ModelInfo(
+            name=name,
+            scheme=manifest.scheme,
+            max_positions=manifest.max_positions or 0,
+            train_context=manifest.train_context,
+            kv_cache_bytes_per_token=manifest.kv_bytes_per_token(model.runner.dtype),
+            n_layers=manifest.n_layers,
+            n_heads=manifest.n_heads,
+            head_dim=manifest.head_dim,
+            dtype=model.runner.dtype,
+            max_new_tokens_limit=model.config.max_new_tokens_limit,
+            max_sequence_tokens=model.max_sequence_tokens,
+            kv_cache_capacity_bytes=model.store.capacity_bytes,
+            cache_policies=model.cache_policy_forms,
+            default_cache_policy=str(model.inputs.default_policy),
+            eviction_positions=model.eviction_positions,
+        ).SerializeToString()
+    return infos
+
+
+@dataclass
+class CoreConfig:
+    """Everything the core process needs to start (pickled onto its stdin)."""
+
+    repository: Path
+    engine: EngineConfig
+    names: list[str] | None
+    commands_address: str
+    events_address: str
+    parent_pid: int
+    log_level: int = logging.INFO
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+class EventSender:
+    """The core's one PUSH socket, shared by the model loops, the command thread and score workers."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self._socket = socket
+        self._lock = threading.Lock()
+
+    def send(self, message: list[Any]) -> None:
+        data = pack(message)
+        with self._lock:
+            self._socket.send(data)
+
+
+class StepOutputs:
+    """Collects what requests produce during a step and publishes it as one message when the step ends.
+
+    Each request's `output` is a `ForwardedOutput` writing here, and the loop's per-step metric
+    observations come through `record`; the model loop calls `flush` after every step
+    (ModelEngine.after_step), which hands both to the publisher thread and returns: packing,
+    sending and the metric updates run there, while the loop's next graph call has released the
+    GIL. So the front end receives one message per step and model, however many sequences the
+    batch holds, and the decode loop pays a queue put for it.
+    """
+
+    def __init__(self, sender: EventSender) -> None:
+        self._sender = sender
+        self._lock = threading.Lock()
+        self._entries: list[list[Any]] = []
+        self._pending: dict[str, list[Any]] = {}  # request id -> its entry of this step
+        self._records: list[tuple[Callable[[float], None], float]] = []
+        self._queue: queue.SimpleQueue[tuple[list[list[Any]], list[Any], list[Any] | None] | None] = queue.SimpleQueue()
+        self._publisher = threading.Thread(target=self._publish, name="publisher", daemon=True)
+        self._publisher.start()
+        self.requests: dict[str, Request] = {}  # live requests, for cancels
+
+    def sink(self, request: Request) -> ForwardedOutput:
+        self.requests[request.request_id] = request
+        return ForwardedOutput(self, request)
+
+    def record(self, observe: Callable[[float], None], value: float) -> None:
+        self._records.append((observe, value))  # list.append is atomic under the GIL
+
+    def put(self, request: Request, text: str) -> None:
+        with self._lock:
+            entry = self._pending.get(request.request_id)
+            if entry is None:
+                entry = self._pending[request.request_id] = [request.request_id, text, None, None, None]
+                self._entries.append(entry)
+            else:
+                entry[1] += text
+
+    def close(self, request: Request, text: str, status: RequestStatus, error: str | None) -> None:
+        final = [
+            len(request.prompt_ids),
+            len(request.output_ids),
+            request.arrival_time,
+            request.first_token_time,
+            request.scheduled_time,
+            request.finish_time,
+        ]
+        with self._lock:
+            entry = self._pending.get(request.request_id)
+            if entry is None:
+                entry = [request.request_id, "", None, None, None]
+                self._entries.append(entry)
+            entry[1] += text
+            entry[2], entry[3], entry[4] = int(status), error, final
+            self._pending.pop(request.request_id, None)
+            self.requests.pop(request.request_id, None)
+
+    def flush(self, then: list[Any] | None = None) -> None:
+        """Publish this step's outputs and observations (and `then`, a message to send after them)."""
+        if not self._entries and not self._records and then is None:
+            return
+        with self._lock:
+            entries, self._entries, self._pending = self._entries, [], {}
+            records, self._records = self._records, []
+        self._queue.put((entries, records, then))
+
+    def close_publisher(self) -> None:
+        """Everything flushed so far is sent; then the publisher ends."""
+        self._queue.put(None)
+        self._publisher.join()
+
+    def _publish(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            entries, records, then = item
+            if entries:
+                self._sender.send([Event.OUT, entries])
+            for observe, value in records:
+                try:
+                    observe(value)
+                except Exception:  # a metric must never stop the outputs
+                    logger.exception("recording a step observation failed")
+            if then is not None:
+                self._sender.send(then)
+
+
+@dataclass(frozen=True)
+class ForwardedOutput:
+    """A request's OutputSink inside the core: its text joins the step's message."""
+
+    outputs: StepOutputs
+    request: Request
+
+    def put(self, text: str) -> None:
+        self.outputs.put(self.request, text)
+
+    def close(self, text: str, status: RequestStatus, error: str | None = None) -> None:
+        self.outputs.close(self.request, text, status, error)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL to this process when the front end dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def run_core(config: CoreConfig) -> None:
+    """The core process's main: load the models, say READY, serve commands until STOP."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.environ.update(config.environment)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    commands.connect(config.commands_address)
+    events = context.socket(zmq.PUSH)
+    events.setsockopt(zmq.LINGER, 5000)
+    events.connect(config.events_address)
+    sender = EventSender(events)
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics(registry, without=FRONT_END)  # the front end records those
+    ProcessCollector(namespace="posenc_engine", registry=registry)  # the core's own memory and CPU
+    try:
+        engine = Engine.from_repository(config.repository, config.engine, metrics, config.names)
+    except (ManifestError, KVBudgetError, CachePolicyError, RuntimeError) as error:
+        sender.send([Event.FAILED, str(error)])
+        commands.close(linger=0)
+        events.close()
+        context.term()
+        raise SystemExit(2) from None
+    outputs = StepOutputs(sender)
+    engine.output_sink = outputs.sink
+    for model in engine.models.values():
+        model.after_step = outputs.flush
+        model.record = outputs.record
+    engine.start()
+    sender.send([Event.READY, model_infos(engine)])
+    CommandLoop(engine, outputs, sender, registry, config.parent_pid).run(commands)
+    outputs.close_publisher()
+    commands.close(linger=0)
+    events.close()  # lingers until STOPPED is delivered
+    context.term()
+
+
+class CommandLoop:
+    """The core's main thread: one command at a time; scoring goes to a small pool."""
+
+    def __init__(
+        self, engine: Engine, outputs: StepOutputs, sender: EventSender, registry: CollectorRegistry, parent: int
+    ) -> None:
+        self.engine, self.outputs, self.sender, self.registry, self.parent = engine, outputs, sender, registry, parent
+        self.scoring = ThreadPoolExecutor(max_workers=4, thread_name_prefix="score")
+
+    def run(self, commands: zmq.Socket) -> None:
+        while True:
+            if not commands.poll(1000):
+                if os.getppid() != self.parent:  # the front end is gone: nothing to serve
+                    logger.error("engine core: the front end (pid %d) is gone; exiting", self.parent)
+                    os._exit(1)
+                continue
+            message = unpack(commands.recv())
+            kind = message[0]
+            if kind == Command.ADD:
+                self.add(message[1], message[2])
+            elif kind == Command.CANCEL:
+                request = self.outputs.requests.get(message[1])
+                if request is not None:
+                    self.engine.cancel(request)
+            elif kind == Command.SCORE:
+                self.scoring.submit(self.score, *message[1:])
+            elif kind == Command.METRICS:
+                self.sender.send([Event.REPLY, message[1], None, generate_latest(self.registry)])
+            elif kind == Command.STOP:
+                self.stop(float(message[1]))
+                return
+
+    def add(self, request_id: str, fields: dict[str, Any]) -> None:
+        fields["stop"] = tuple(fields["stop"])
+        try:
+            self.engine.submit(GenerateInput(**fields), request_id)
+        except RequestError as error:
+            self.sender.send([Event.REPLY, request_id, error_fields(error)])
+            return
+        self.sender.send([Event.REPLY, request_id, None])
+
+    def score(self, call: int, model: str, text: str, cache_policy: str) -> None:
+        try:
+            scored = self.engine.score(model, text, cache_policy)
+        except RequestError as error:
+            self.sender.send([Event.REPLY, call, error_fields(error)])
+            return
+        except Exception as error:  # one failing request never harms the others
+            logger.exception("scoring failed")
+            self.sender.send([Event.REPLY, call, ["INTERNAL", f"scoring failed: {error}", None]])
+            return
+        result = [scored.logprobs.astype("<f8").tobytes(), scored.greedy.astype("<i8").tobytes()]
+        self.sender.send([Event.REPLY, call, None, result])
+
+    def stop(self, grace: float) -> None:
+        report = self.engine.stop(grace)
+        self.scoring.shutdown(wait=True, cancel_futures=True)
+        self.outputs.flush(then=[Event.STOPPED, report.finished, report.cut])  # after the last outputs
+
+
+if __name__ == "__main__":
+    import pickle
+    import sys
+
+    run_core(pickle.load(sys.stdin.buffer))
