@@ -150,7 +150,7 @@ class StepOutputs:
         self._lock = threading.Lock()
         self._entries: list[list[Any]] = []
         self._pending: dict[str, list[Any]] = {}  # request id -> its entry of this step
-        self._records: list[tuple[Callable[[float], None], float]] = []
+        self._records: list[tuple[Callable[[Any], None], Any]] = []
         self._queue: queue.SimpleQueue[tuple[list[list[Any]], list[Any], list[Any] | None] | None] = queue.SimpleQueue()
         self._publisher = threading.Thread(target=self._publish, name="publisher", daemon=True)
         self._publisher.start()
@@ -160,7 +160,7 @@ class StepOutputs:
         self.requests[request.request_id] = request
         return ForwardedOutput(self, request)
 
-    def record(self, observe: Callable[[float], None], value: float) -> None:
+    def record(self, observe: Callable[[Any], None], value: Any) -> None:
         self._records.append((observe, value))  # list.append is atomic under the GIL
 
     def put(self, request: Request, text: str) -> None:
@@ -275,7 +275,7 @@ def run_core(config: CoreConfig) -> None:
     engine.output_sink = outputs.sink
     for model in engine.models.values():
         model.after_step = outputs.flush
-        model.record = outputs.record
+        model.record_with(outputs.record)
     engine.start()
     sender.send([Event.READY, model_infos(engine)])
     CommandLoop(engine, outputs, sender, registry, config.parent_pid).run(commands)

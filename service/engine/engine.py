@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,10 +44,11 @@ GAUGE_INTERVAL_SECONDS = 0.02
 __all__ = ["Engine", "EngineConfig", "ErrorKind", "GenerateInput", "ModelEngine", "RequestError"]
 
 
-Record = Callable[[Callable[[float], None], float], None]
+# (observe, value): apply observe(value), now or on another thread (service.engine.core.StepOutputs).
+Record = Callable[[Callable[[Any], None], Any], None]
 
 
-def apply_now(observe: Callable[[float], None], value: float) -> None:
+def apply_now(observe: Callable[[Any], None], value: Any) -> None:
     observe(value)
 
 
@@ -193,12 +195,15 @@ class ModelEngine:
         # How the loop's per-step observations (metrics, admission's step time) are applied: at
         # once, or (engine core) by its publisher thread while the next step's graph runs.
         self.record: Record = apply_now
-        self.outputs.record = lambda fn, value: self.record(fn, value)
         self._stopping = False  # no new requests
         self._stopped = False  # the loop exits
         self._thread = threading.Thread(target=self._loop, name=f"engine-{manifest.name}", daemon=True)
         metrics.kv_cache_capacity.labels(**labels).set(self.store.capacity_bytes)
         self._update_gauges()
+
+    def record_with(self, record: Record) -> None:
+        """Where the loop's and the output processor's observations go (see `record`)."""
+        self.record = self.outputs.record = record
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -403,25 +408,27 @@ class ModelEngine:
                 self._estimate_error.observe(realised - estimate.seconds)
 
     def _decode(self, requests: list[Request]) -> None:
+        ids = [r.request_id for r in requests]
         tokens = {r.request_id: r.output_ids[-1] for r in requests}
         started = time.monotonic()
         try:
-            logits = self.runner.decode(tokens)
+            members, logits = self.runner.decode_rows(tokens)
         except Exception as error:  # fail only the sequences of this call
             self._fail(requests, error)
             return
-        seconds = time.monotonic() - started
-        record = self.record
-        record(self._steps["decode"].observe, seconds)
-        record(self.admission.observe_decode, seconds)
-        record(self._batches["decode"].observe, len(requests))
+        self.record(self._observe_decode_step, (time.monotonic() - started, len(requests)))
         for request in requests:
             request.num_computed_tokens = request.num_tokens
-        if len(requests) == 1:
-            rows = logits[requests[0].request_id][None]
-        else:
-            rows = np.stack([logits[r.request_id] for r in requests])
-        self._finish_all(self.outputs.process(requests, rows))
+        if members != ids:  # the store's row order is not the scheduler's (several classes, or moves)
+            row_of = {member: row for row, member in enumerate(members)}
+            logits = logits[[row_of[i] for i in ids]]
+        self._finish_all(self.outputs.process(requests, logits))
+
+    def _observe_decode_step(self, step: tuple[float, int]) -> None:
+        seconds, batch = step
+        self._steps["decode"].observe(seconds)
+        self.admission.observe_decode(seconds)
+        self._batches["decode"].observe(batch)
 
     def _finish_all(self, finished: list[Finished]) -> None:
         for done in finished:

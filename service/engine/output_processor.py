@@ -44,7 +44,7 @@ class OutputProcessor:
         self.eos_token_id = eos_token_id
         self._metrics = metrics
         # How token metrics are applied (ModelEngine.record: at once, or later on another thread).
-        self.record: Callable[[Callable[[float], None], float], None] = lambda observe, value: observe(value)
+        self.record: Callable[[Callable[[Any], None], Any], None] = lambda observe, value: observe(value)
 
     def process(self, requests: list[Request], logits: np.ndarray) -> list[Finished]:
         """Sample one token per request (rows of logits), stream the new text; the requests now done."""

@@ -422,9 +422,16 @@ class ModelRunner:
         self.timings.cache += time.perf_counter() - started
 
     def decode(self, tokens: dict[str, int]) -> dict[str, np.ndarray]:
-        """One step for every member of the store: the token each feeds -> its logits (vocab,).
-        One graph call per capacity class."""
-        results: dict[str, np.ndarray] = {}
+        """One step for every member of the store: the token each feeds -> its logits (vocab,)."""
+        members, logits = self.decode_rows(tokens)
+        return dict(zip(members, logits, strict=True))
+
+    def decode_rows(self, tokens: dict[str, int]) -> tuple[list[str], np.ndarray]:
+        """One step for every member of the store, one graph call per capacity class: the members
+        in row order and their logits (members, vocab) float32 (the engine's per-step path: no
+        per-member objects)."""
+        members: list[str] = []
+        parts: list[np.ndarray] = []
         for klass in list(self.store.batches()):
             batch = len(klass.members)
             fed = np.fromiter((tokens[member] for member in klass.members), dtype=np.int64, count=batch)
@@ -434,11 +441,11 @@ class ModelRunner:
             call.session.run(call.binding)
             after_graph = time.perf_counter()
             klass.append_step(call.new_kv)
-            logits = self.backend.download(call.logits[:, -1]).astype(np.float32)  # a copy: the buffer is reused
+            parts.append(self.backend.download(call.logits[:, -1]).astype(np.float32))  # a copy: buffers are reused
             self.timings.cache += time.perf_counter() - after_graph
             self.timings.graph += after_graph - started
-            results.update(zip(klass.members, logits, strict=True))
-        return results
+            members += klass.members
+        return members, (parts[0] if len(parts) == 1 else np.concatenate(parts))
 
     def _set_ids(self, target: Array, values: np.ndarray) -> None:
         if isinstance(target, np.ndarray):
