@@ -16,7 +16,6 @@ import os
 import pickle
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -28,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zmq
 
 from service.api import generation_pb2 as pb
-from service.engine.core import Command, CoreConfig, Event, pack, unpack
+from service.engine.core import Command, CoreConfig, Event, pack, read_messages, write_all
 from service.engine.engine import DrainReport, EngineConfig
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput
@@ -107,18 +105,7 @@ class EngineClient:
         self.repository, self.config, self.names = repository, config, names
         self.on_serving, self.on_give_up = on_serving, on_give_up
         self.models: dict[str, pb.ModelInfo] = {}  # what ListModels answers, from the core
-        self._context = zmq.Context()
-        folder = Path(tempfile.mkdtemp(prefix="posenc-core-"))
-        self._folder = folder
-        self._commands_address = f"ipc://{folder}/commands"
-        self._events_address = f"ipc://{folder}/events"
-        self._commands = self._context.socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.LINGER, 0)
-        self._commands.setsockopt(zmq.SNDHWM, 0)  # no limit: a busy core must not turn requests away
-        self._commands.bind(self._commands_address)
-        self._events = self._context.socket(zmq.PULL)
-        self._events.setsockopt(zmq.LINGER, 0)
-        self._events.bind(self._events_address)
+        self._commands_fd: int | None = None  # write end of the running core's command pipe
         self._send_lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}
         self._calls: dict[str | int, Future[list[Any]]] = {}
@@ -129,16 +116,14 @@ class EngineClient:
         self._process: subprocess.Popen[bytes] | None = None
         self._serving = False
         self._stopping = False
-        self._closed = threading.Event()
         self._exits: deque[float] = deque()
         self.restarts = 0
-        self._reader = threading.Thread(target=self._read_events, name="engine-events", daemon=True)
+        self._reader: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         """Start the core and wait until its models are loaded; EngineStartError if it cannot load them."""
-        self._reader.start()
         self._spawn()
         try:
             self._await_ready(timeout)
@@ -149,22 +134,35 @@ class EngineClient:
         threading.Thread(target=self._watch, name="engine-watch", daemon=True).start()
 
     def _spawn(self) -> None:
+        """A new core with a new pair of pipes, and a reader thread for its events."""
+        commands_read, commands_write = os.pipe()
+        events_read, events_write = os.pipe()
         config = CoreConfig(
             self.repository,
             self.config,
             self.names,
-            self._commands_address,
-            self._events_address,
-            os.getpid(),
+            commands_read,
+            events_write,
             logging.getLogger().getEffectiveLevel(),
         )
         # A fresh interpreter (`python -m service.engine.core`), not fork: this process already runs
-        # gRPC's and ZeroMQ's threads. Its configuration comes on stdin; its log goes where ours does.
-        process = subprocess.Popen([sys.executable, "-m", "service.engine.core"], stdin=subprocess.PIPE)
+        # gRPC's threads. Its configuration comes on stdin; its log goes where ours does.
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service.engine.core"], stdin=subprocess.PIPE, pass_fds=(commands_read, events_write)
+        )
+        os.close(commands_read)  # ours are the other ends: EOF on events when the core dies
+        os.close(events_write)
         assert process.stdin is not None
         process.stdin.write(pickle.dumps(config))
         process.stdin.close()
+        old, self._commands_fd = self._commands_fd, commands_write
+        if old is not None:
+            os.close(old)
         self._process = process
+        self._reader = threading.Thread(
+            target=self._read_events, args=(events_read,), name="engine-events", daemon=True
+        )
+        self._reader.start()
         logger.info("engine core started (pid %d)", process.pid)
 
     def _await_ready(self, timeout: float) -> None:
@@ -246,12 +244,12 @@ class EngineClient:
                 process.kill()
                 process.wait(5)
         self._fail_everything("server shut down")
-        self._closed.set()
-        self._reader.join(2)
-        self._context.destroy(linger=0)
-        for name in ("commands", "events"):
-            (self._folder / name).unlink(missing_ok=True)
-        self._folder.rmdir()
+        if self._reader is not None:
+            self._reader.join(2)  # ends at the core's exit (end of its events pipe)
+        with self._send_lock:
+            if self._commands_fd is not None:
+                os.close(self._commands_fd)
+                self._commands_fd = None
         return report
 
     @property
@@ -265,13 +263,15 @@ class EngineClient:
     # ------------------------------------------------------------------ requests
 
     def _send(self, message: list[Any]) -> None:
-        """Never blocks: with no core connected (it died, or has not started) the send fails at once."""
+        """One command down the pipe; with no core there (it died, or stopped) it fails at once."""
         data = pack(message)
-        try:
-            with self._send_lock:
-                self._commands.send(data, zmq.NOBLOCK)
-        except zmq.Again:
-            raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not running") from None
+        with self._send_lock:
+            try:
+                if self._commands_fd is None:
+                    raise BrokenPipeError
+                write_all(self._commands_fd, data)
+            except (BrokenPipeError, OSError):
+                raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not running") from None
 
     def _call(self, key: str | int, message: list[Any], timeout: float) -> list[Any]:
         future: Future[list[Any]] = Future()
@@ -350,29 +350,29 @@ class EngineClient:
 
     # ------------------------------------------------------------------ events
 
-    def _read_events(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._events, zmq.POLLIN)
-        while not self._closed.is_set():
-            if not poller.poll(200):
-                continue
-            message = unpack(self._events.recv())
-            kind = message[0]
-            if kind == Event.OUT:
-                for request_id, text, status, error, final in message[1]:
-                    handles = self._handles
-                    handle = handles.get(request_id) if status is None else handles.pop(request_id, None)
-                    if handle is None:
-                        continue
+    def _read_events(self, fd: int) -> None:
+        """One core's events, until it exits (the end of its pipe)."""
+        try:
+            for message in read_messages(fd):
+                self._dispatch(message)
+        finally:
+            os.close(fd)
+
+    def _dispatch(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == Event.OUT:
+            handles = self._handles
+            for request_id, text, status, error, final in message[1]:
+                handle = handles.get(request_id) if status is None else handles.pop(request_id, None)
+                if handle is not None:
                     handle.receive(text, status, error, final)
-            elif kind == Event.REPLY:
-                future = self._calls.pop(message[1], None)
-                if future is not None and not future.done():
-                    future.set_result(message[2:])
-            elif kind == Event.READY:
-                infos = {name: pb.ModelInfo.FromString(data) for name, data in message[1].items()}
-                self._ready.set_result(infos)
-            elif kind == Event.FAILED:
-                self._ready.set_exception(EngineStartError(message[1]))
-            elif kind == Event.STOPPED:
-                self._stopped.set_result(DrainReport(message[1], message[2]))
+        elif kind == Event.REPLY:
+            future = self._calls.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2:])
+        elif kind == Event.READY:
+            self._ready.set_result({name: pb.ModelInfo.FromString(data) for name, data in message[1].items()})
+        elif kind == Event.FAILED:
+            self._ready.set_exception(EngineStartError(message[1]))
+        elif kind == Event.STOPPED:
+            self._stopped.set_result(DrainReport(message[1], message[2]))

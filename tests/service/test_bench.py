@@ -8,7 +8,16 @@ from pathlib import Path
 import numpy as np
 
 from contract.cache_policy import parse_cache_policy
-from service.bench import batch_runner, bounded_step_seconds, decode_rate, median_of, policy_runner, step_seconds
+from service.bench import (
+    batch_runner,
+    bounded_step_seconds,
+    decode_rate,
+    decode_tokens_per_second_core,
+    decode_tokens_per_second_genai,
+    median_of,
+    policy_runner,
+    step_seconds,
+)
 
 
 def test_decode_rate_counts_tokens_between_first_and_last_chunk() -> None:
@@ -53,3 +62,10 @@ def test_an_int8_policy_row_is_held_in_int8(repository: Path) -> None:
     (klass,) = int8.store.batches()
     assert klass.kind == "int8"
     assert int8.store.stats().physical_bytes / full.store.stats().physical_bytes == (32 + 4) / (4 * 32)
+
+
+def test_single_stream_figures_come_from_the_paths_they_name(repository: Path) -> None:
+    """The engine core figure is read from a real core process; genai runs with the threads asked."""
+    assert decode_tokens_per_second_core(repository, "alibi", 48, 1) > 0
+    genai = decode_tokens_per_second_genai(repository / "alibi", 48, 1)
+    assert genai is None or genai > 0  # None: onnxruntime-genai not installed
