@@ -403,14 +403,6 @@ def environment() -> dict[str, object]:
     }  # fmt: skip
 
 
-def process_peak_bytes(pid: int) -> int:
-    """VmHWM: the server process's peak resident memory."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 SECTIONS = ("quality", "latency", "load", "retrieval", "cache")
 
 
@@ -500,7 +492,7 @@ def run(args: argparse.Namespace) -> Path:
                 progress.update()
                 if "load" in sections:
                     results.memory[scheme] = {
-                        "process_peak_bytes": process_peak_bytes(server.process.pid),
+                        "process_peak_bytes": server.memory_bytes("VmHWM"),  # front end + engine core
                         "kv_peak_bytes": max(v["kv_peak_bytes"] for v in results.load[scheme].values()),
                         **per_step_extra_bytes(scheme),
                     }

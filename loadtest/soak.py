@@ -1,8 +1,8 @@
 """Soak / stress run (a script, not a test): `python -m loadtest.soak --minutes 10`.
 
 Starts the service, runs Locust headless at high concurrency with random client cancellations,
-and reports requests served, errors by code, p99 latencies, and the server's resident memory at
-start and end (the growth is the figure to watch).
+and reports requests served, errors by code, p99 latencies, and the server's resident memory (its
+front end and engine core processes together) at start and end (the growth is the figure to watch).
 """
 
 from __future__ import annotations
@@ -21,13 +21,6 @@ from pathlib import Path
 
 from models.cli import HelpFormatter
 from service.process import ROOT, ServerProcess, wait_for
-
-
-def resident_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def settle(server: ServerProcess, timeout: float = 30.0) -> None:
@@ -69,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
             cwd=ROOT, capture_output=True, check=True,
         )  # fmt: skip
         settle(server)
-        start_rss = resident_bytes(server.process.pid)
+        start_rss = server.memory_bytes()
         started = time.monotonic()
         samples: list[tuple[float, int]] = []
         sampling = threading.Event()
 
         def sample_memory() -> None:
             while not sampling.wait(args.minutes * 60 / 20):
-                samples.append((time.monotonic() - started, resident_bytes(server.process.pid)))
+                samples.append((time.monotonic() - started, server.memory_bytes()))
 
         sampler = threading.Thread(target=sample_memory, daemon=True)
         sampler.start()
@@ -90,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - started
         sampling.set()
         settle(server)
-        end_rss = resident_bytes(server.process.pid)
+        end_rss = server.memory_bytes()
         rows = list(csv.DictReader((out / "soak_stats.csv").open()))
         failures = list(csv.DictReader((out / "soak_failures.csv").open()))
         codes: Counter[str] = Counter()

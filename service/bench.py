@@ -514,6 +514,11 @@ def main(argv: list[str] | None = None) -> int:
         help="concurrent streams the aggregate throughput is measured at",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="fewer steps and contexts")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="single-stream rounds (each: every layer once, medians of three runs); figures and ratios are "
+        "their medians",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the service and runners run")
     parser.add_argument(
         "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
@@ -548,48 +553,64 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def single_stream_figures(
+    args: argparse.Namespace, repository: Path, server: ServerProcess, server_threads: int
+) -> dict[str, float]:
+    """Decode tokens/s of one stream through each layer, one after the other (one round). Each is
+    the median of three runs: the machine is noisy and one run can land on a busy moment."""
+    folder = repository / args.model
+    figures = {
+        "gRPC": median_of(lambda: decode_tokens_per_second_grpc(server, args.model, args.new_tokens)),
+        "engine core": decode_tokens_per_second_core(repository, args.model, args.new_tokens, server_threads),
+        "in-process engine": decode_tokens_per_second_engine(repository, args.model, args.new_tokens, server_threads),
+        "runner": median_of(
+            lambda: decode_tokens_per_second_runner(folder, args.new_tokens, args.threads, args.device)
+        ),
+        "session.run loop": median_of(
+            lambda: decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads)
+        ),
+    }
+    genai = median_of(lambda: decode_tokens_per_second_genai(folder, args.new_tokens, args.threads) or math.nan)
+    if not math.isnan(genai):
+        figures["onnxruntime-genai"] = genai
+    return figures
+
+
 def print_throughput(
     args: argparse.Namespace, repository: Path, server_threads: int, device_flags: list[str], steps: int
 ) -> None:
     folder = repository / args.model
-    print(f"\nSingle-stream decode, {args.new_tokens} tokens, model {args.model}, {args.threads} decode threads:")
+    print(
+        f"\nSingle-stream decode, {args.new_tokens} tokens, model {args.model}, {args.threads} decode threads "
+        "(gRPC: the service; engine core: its core process read through its client, no gRPC; in-process "
+        "engine: the engine and its reader in one process; runner: the core's graph calls and KV store alone; "
+        f"session.run loop: model.onnx in a plain loop; onnxruntime-genai: model.onnx, {args.threads} thread(s)):"
+    )
     server = ServerProcess(
         repository, "--models", args.model, "--max-new-tokens-limit", "4096", *device_flags, threads=server_threads
     )
     try:
         server.wait_serving()
         decode_tokens_per_second_grpc(server, args.model, 16)  # warm-up
-        # Median of three runs each: the machine is noisy and one run can land on a busy moment.
-        figures = {
-            "gRPC service": median_of(lambda: decode_tokens_per_second_grpc(server, args.model, args.new_tokens)),
-            "engine core process (no gRPC)": decode_tokens_per_second_core(
-                repository, args.model, args.new_tokens, server_threads
-            ),
-            "in-process engine (one process)": decode_tokens_per_second_engine(
-                repository, args.model, args.new_tokens, server_threads
-            ),
-            "in-process runner": median_of(
-                lambda: decode_tokens_per_second_runner(folder, args.new_tokens, args.threads, args.device)
-            ),
-            "in-process session.run loop": median_of(
-                lambda: decode_tokens_per_second_plain_loop(folder, args.new_tokens, args.threads)
-            ),
-        }
-        genai = decode_tokens_per_second_genai(folder, args.new_tokens, args.threads)
-        if genai is not None:
-            genai = median_of(lambda: decode_tokens_per_second_genai(folder, args.new_tokens, args.threads) or math.nan)
-            figures[f"onnxruntime-genai ({args.threads} thr)"] = genai
+        rounds = [single_stream_figures(args, repository, server, server_threads) for _ in range(args.rounds)]
+        figures = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
         for name, value in figures.items():
             print(f"  {name:<30} {value:8.1f} tokens/s")
-        grpc_rate, runner_rate = figures["gRPC service"], figures["in-process runner"]
-        core_rate = figures["engine core process (no gRPC)"]
-        if genai is not None:
-            print(f"  gRPC / onnxruntime-genai        {grpc_rate / genai:.2f}  (goal >= 0.8, same threads)")
-        print(f"  engine core / runner            {core_rate / runner_rate:.2f}  (goal >= 0.9)")
-        print(f"  in-process engine / runner      {figures['in-process engine (one process)'] / runner_rate:.2f}")
-        print(f"  gRPC / in-process runner        {grpc_rate / runner_rate:.2f}")
-        print(f"  gRPC / in-process session.run   {grpc_rate / figures['in-process session.run loop']:.2f}")
-        print(f"  gRPC / engine core              {grpc_rate / core_rate:.2f}")
+        if args.rounds > 1:
+            print(f"  (figures and ratios: medians of {args.rounds} interleaved rounds)")
+        ratios = [
+            ("gRPC", "onnxruntime-genai", "(goal >= 0.8, same threads)"),
+            ("engine core", "runner", "(goal >= 0.9)"),
+            ("in-process engine", "runner", ""),
+            ("gRPC", "runner", ""),
+            ("gRPC", "session.run loop", ""),
+            ("gRPC", "engine core", ""),
+        ]
+        for top, bottom, goal in ratios:
+            if all(bottom in r and top in r for r in rounds):
+                ratio = statistics.median(r[top] / r[bottom] for r in rounds)
+                print(f"  {top + ' / ' + bottom:<36} {ratio:.2f}  {goal}".rstrip())
+        grpc_rate = figures["gRPC"]
         ceiling, cpu_per_message = grpc_stream_ceiling()
         print(
             f"  gRPC transport alone (a bare server stream of one-byte messages, no engine): {ceiling:.0f} "

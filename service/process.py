@@ -92,6 +92,23 @@ class ServerProcess:
                 return int(stat.parent.name)
         return None
 
+    def pids(self) -> list[int]:
+        """The server's processes: the front end and, while it runs, its engine core."""
+        core = self.engine_core_pid()
+        return [self.process.pid] + ([core] if core is not None else [])
+
+    def memory_bytes(self, field: str = "VmRSS") -> int:
+        """A /proc/PID/status memory field (VmRSS: resident now, VmHWM: peak resident), summed over
+        the server's processes (the sum of peaks bounds the peak of the sum)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            except OSError:
+                continue
+            total += next((int(line.split()[1]) * 1024 for line in lines if line.startswith(f"{field}:")), 0)
+        return total
+
     def output(self) -> str:
         """What the server printed so far."""
         return Path(self.log.name).read_text()

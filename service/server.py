@@ -7,7 +7,6 @@ POSENC_* environment variables (for containers).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ from models.cli import HelpFormatter
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.client import EngineClient, EngineStartError
+from service.engine.core import return_freed_memory_to_the_os
 from service.engine.engine import DrainReport, EngineConfig
 from service.engine.kv_store import KVBudgetError
 from service.metrics import FRONT_END, ServiceMetrics
@@ -331,21 +331,6 @@ def serve(config: ServerConfig) -> RunningServer:
     running = RunningServer(config)
     running.start()
     return running
-
-
-def return_freed_memory_to_the_os() -> None:
-    """Pin glibc's mmap threshold and cap its arenas. Batch caches are large arrays whose size
-    changes as sequences come and go; with the default dynamic threshold freed ones stay in
-    per-thread heaps and resident memory creeps up under churn (measured +6.5% in a 10-minute
-    soak). No-op where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    m_mmap_threshold, m_arena_max = -3, -8  # from glibc's malloc.h
-    mallopt(m_mmap_threshold, 256 * 1024)
-    mallopt(m_arena_max, 4)
 
 
 def main(argv: list[str] | None = None) -> int:

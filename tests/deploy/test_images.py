@@ -5,7 +5,6 @@ are built and run by deploy/smoke.sh (README, "Deploy")."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -119,18 +118,17 @@ def image_app(tmp: Path) -> Path:
     return app
 
 
-# Runs `python -m MODULE` with every top-level module of a distribution outside the serving role,
-# and every project package the image does not copy, refused at import.
-BLOCKED_RUN = """
-import importlib.abc, json, runpy, sys
-blocked = set(json.loads(sys.argv[1]))
+# Every interpreter started with this on its path (the server, the engine core process it starts,
+# the healthcheck) refuses at import every top-level module of a distribution outside the serving
+# role, and every project package the image does not copy.
+BLOCKER = """
+import importlib.abc, sys
+BLOCKED = set({blocked!r})
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in blocked:
-            raise ModuleNotFoundError(f"{name} is not in the serving image", name=name)
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"{{name}} is not in the serving image", name=name)
 sys.meta_path.insert(0, Refuse())
-sys.argv = [sys.argv[2], *sys.argv[3:]]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 
@@ -168,13 +166,16 @@ def test_the_serving_image_contents_serve_with_only_the_serving_role(repository:
     """What the cpu image holds, run for real: its /app, and of the installed packages only those
     of `serve-cpu` and the base dependencies (torch, onnx, Locust ... refused at import)."""
     app = image_app(tmp_path)
-    blocked = json.dumps(blocked_modules(app))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=blocked_modules(app)))
     port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"POSENC_PORT": str(port), "POSENC_METRICS_PORT": str(metrics_port), "POSENC_THREADS": "1"}
+    env["PYTHONPATH"] = str(site)  # inherited by the engine core process the server starts
 
     def run(*module: str, log: int | IO[str] = subprocess.PIPE) -> subprocess.Popen[str]:
-        command = [sys.executable, "-c", BLOCKED_RUN, blocked, *module]
+        command = [sys.executable, "-m", *module]
         return subprocess.Popen(command, cwd=app, env=env, text=True, stdout=log, stderr=subprocess.STDOUT)
 
     probe = run("torch")

@@ -176,14 +176,19 @@ def test_metrics_resolve_sub_millisecond_inter_token_latency_without_created_ser
     assert len([b for b in buckets if 0.0001 <= b <= 0.1]) >= 15
 
 
+DRAINED_TOKENS = 8000
+
+
 def test_draining_is_visible_and_running_streams_finish(repository: Path) -> None:
     server = ServerProcess(
-        repository, "--models", "alibi", "--grace-seconds", "60", "--max-new-tokens-limit", "3000"
-    ).wait_serving()
+        repository, "--models", "alibi", "--grace-seconds", "60", "--max-new-tokens-limit", str(DRAINED_TOKENS),
+        "--max-sequence-tokens", str(DRAINED_TOKENS + 64),
+    ).wait_serving()  # fmt: skip
     try:
-        # Long enough (seconds) that the server is still draining it while we look.
+        # Long enough (several seconds: steps slow as the context grows) that the server is still
+        # draining it while we look.
         stream = server.stub.GenerateStream(
-            pb.GenerateRequest(model="alibi", prompt="def f(x):\n", max_new_tokens=3000), timeout=90
+            pb.GenerateRequest(model="alibi", prompt="def f(x):\n", max_new_tokens=DRAINED_TOKENS), timeout=90
         )
         first = next(stream)
         server.process.send_signal(signal.SIGTERM)
@@ -202,7 +207,7 @@ def test_draining_is_visible_and_running_streams_finish(repository: Path) -> Non
         assert "draining" in refused.value.details()
         rest = list(stream)
         assert rest[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
-        assert rest[-1].usage.completion_tokens == 3000
+        assert rest[-1].usage.completion_tokens == DRAINED_TOKENS
         assert len(first.text + "".join(c.text for c in rest)) > 0
         server.process.wait(timeout=30)
         output = server.output()
