@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from service.api import generation_pb2 as pb
-from service.engine.core import Command, CoreConfig, Event, pack, read_messages, write_all
+from service.engine.core import Command, CoreConfig, Event, packer, read_messages, write_all
 from service.engine.engine import DrainReport, EngineConfig
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput
@@ -107,6 +107,7 @@ class EngineClient:
         self.models: dict[str, pb.ModelInfo] = {}  # what ListModels answers, from the core
         self._commands_fd: int | None = None  # write end of the running core's command pipe
         self._send_lock = threading.Lock()
+        self._packer = packer()  # used under _send_lock
         self._handles: dict[str, RequestHandle] = {}
         self._calls: dict[str | int, Future[list[Any]]] = {}
         self._call_ids = itertools.count()
@@ -264,12 +265,11 @@ class EngineClient:
 
     def _send(self, message: list[Any]) -> None:
         """One command down the pipe; with no core there (it died, or stopped) it fails at once."""
-        data = pack(message)
         with self._send_lock:
             try:
                 if self._commands_fd is None:
                     raise BrokenPipeError
-                write_all(self._commands_fd, data)
+                write_all(self._commands_fd, self._packer.pack(message))
             except (BrokenPipeError, OSError):
                 raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not running") from None
 

@@ -70,8 +70,11 @@ class Event(enum.IntEnum):
     STOPPED = 5
 
 
-def pack(message: list[Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+def packer() -> msgpack.Packer:
+    """One per writer, kept: msgpack.packb makes a Packer per call, whose 256 KiB buffer is an
+    mmap and munmap per message once glibc's mmap threshold is pinned (return_freed_memory_to_the_os),
+    and that cost the decode loop 15% of its single-stream speed."""
+    return msgpack.Packer(use_bin_type=True)
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -144,12 +147,12 @@ class EventSender:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._lock = threading.Lock()
+        self._packer = packer()
 
     def send(self, message: list[Any]) -> None:
-        data = pack(message)
         with self._lock:
             try:
-                write_all(self._fd, data)
+                write_all(self._fd, self._packer.pack(message))
             except BrokenPipeError:  # the front end is gone: nobody to tell
                 os._exit(1)
 
