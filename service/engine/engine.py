@@ -19,7 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput, InputLimits, InputProcessor
 from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
-from service.engine.output_processor import Finished, OutputProcessor, TokenMetrics
+from service.engine.output_processor import Finished, OutputProcessor, Record, TokenMetrics, apply_now
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
 from service.engine.request import OutputSink, Request, RequestStatus
 from service.engine.runner import ModelRunner, Scored, StoreConfig
@@ -42,14 +41,6 @@ logger = logging.getLogger(__name__)
 GAUGE_INTERVAL_SECONDS = 0.02
 
 __all__ = ["Engine", "EngineConfig", "ErrorKind", "GenerateInput", "ModelEngine", "RequestError"]
-
-
-# (observe, value): apply observe(value), now or on another thread (service.engine.core.StepOutputs).
-Record = Callable[[Callable[[Any], None], Any], None]
-
-
-def apply_now(observe: Callable[[Any], None], value: Any) -> None:
-    observe(value)
 
 
 @dataclass

@@ -21,6 +21,14 @@ from service.engine.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 
+# (observe, value): apply observe(value), now or on another thread (service.engine.core.StepOutputs).
+Record = Callable[[Callable[[Any], None], Any], None]
+
+
+def apply_now(observe: Callable[[Any], None], value: Any) -> None:
+    observe(value)
+
+
 @dataclass(frozen=True)
 class Finished:
     request: Request
@@ -44,7 +52,7 @@ class OutputProcessor:
         self.eos_token_id = eos_token_id
         self._metrics = metrics
         # How token metrics are applied (ModelEngine.record: at once, or later on another thread).
-        self.record: Callable[[Callable[[Any], None], Any], None] = lambda observe, value: observe(value)
+        self.record: Record = apply_now
 
     def process(self, requests: list[Request], logits: np.ndarray) -> list[Finished]:
         """Sample one token per request (rows of logits), stream the new text; the requests now done."""
