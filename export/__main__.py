@@ -34,7 +34,9 @@ SHORT_NAMES = {
 def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
     sizes = "/".join(SHORT_NAMES[v] for v in results[0].onnx_bytes) if results else ""
     header = ["model", "params", "val bpb@256"] + [f"test bpb@{c}" for c in contexts]
-    header += ["parity fp32", "parity fp16", "parity fused", "cached=full", f"onnx MB {sizes}", "export s"]
+    # fp32 limit: what the float32 graphs are held to (FP32_TOLERANCE, or twice PyTorch's own rounding).
+    header += ["parity fp32", "parity fp16", "parity fused", "cached=full", "fp32 limit", f"onnx MB {sizes}"]
+    header += ["export s"]
     rows = [header]
 
     def fmt(value: float | None, digits: int = 3) -> str:
@@ -53,6 +55,7 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
                 f"{parity['float16'].max_abs:.1e}" if "float16" in parity else "-",
                 f"{r.fused_max_abs:.1e}" if r.fused_max_abs is not None else "-",
                 f"{cached:.1e}" if cached is not None else "-",
+                f"{r.float32_limit:.1e}" if r.parity else "-",
                 "/".join(f"{size / 1e6:.1f}" for size in r.onnx_bytes.values()),
                 f"{r.export_seconds:.1f}",
             ]

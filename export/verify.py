@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from models.transformer import Transformer
 FP32_TOLERANCE = 1e-4
 # fp16 keeps ~3 significant digits; logits here reach ~20 in magnitude.
 FP16_TOLERANCE = 0.1
+# A graph is also allowed twice what float32 rounding costs PyTorch itself on the parity prompts
+# (its float32 logits against a float64 run fed the same tokens), where that is larger: a model
+# can be ill-conditioned enough that no float32 graph meets FP32_TOLERANCE against PyTorch
+# (the one-recipe NoPE: PyTorch float32 is 1.2e-4 from float64, the other schemes about 1e-5).
+ROUNDING_FACTOR = 2.0
 
 
 def tolerance(variant: str) -> float:
@@ -41,13 +47,19 @@ class ParityReport:
     cached_vs_full_max_abs: float
     greedy_equal: bool
     steps: int
+    reference_rounding: float = 0.0  # PyTorch's own float32 rounding on these prompts (TorchReference)
 
     @property
     def max_abs(self) -> float:
         return max(self.prefill_max_abs, self.decode_max_abs)
 
+    def limit(self, tolerance: float) -> float:
+        """`tolerance`, or ROUNDING_FACTOR x PyTorch's own float32 rounding where that is larger."""
+        return max(tolerance, ROUNDING_FACTOR * self.reference_rounding)
+
     def passed(self, tolerance: float) -> bool:
-        return self.max_abs <= tolerance and self.cached_vs_full_max_abs <= tolerance and self.greedy_equal
+        limit = self.limit(tolerance)
+        return self.max_abs <= limit and self.cached_vs_full_max_abs <= limit and self.greedy_equal
 
 
 def default_prompts(bos_token_id: int) -> list[list[int]]:
@@ -66,6 +78,7 @@ class TorchReference:
     prefill_logits: np.ndarray  # (B, P, V)
     tokens: list[np.ndarray]  # per step (B, 1)
     step_logits: list[np.ndarray]  # per step (B, 1, V)
+    rounding: float = 0.0  # max |float32 - float64| of PyTorch's logits, the same run in float64
 
     @property
     def steps(self) -> int:
@@ -74,7 +87,8 @@ class TorchReference:
 
 @torch.no_grad()
 def torch_reference(model: Transformer, prompts: list[list[int]], pad_token_id: int, steps: int = 32) -> TorchReference:
-    """Run PyTorch (float32) once: prefill, then `steps` cached greedy steps."""
+    """Run PyTorch (float32) once: prefill, then `steps` cached greedy steps; then the same run in
+    float64, fed the same tokens, for how much float32 rounding costs this model (`rounding`)."""
     model = model.float().eval()
     ids, mask, positions = left_pad_batch(prompts, pad_token_id)
     logits, past = model(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(positions))
@@ -88,7 +102,22 @@ def torch_reference(model: Transformer, prompts: list[list[int]], pad_token_id: 
         reference.tokens.append(next_ids)
         reference.step_logits.append(logits.numpy())
         last = logits[:, -1]
+    reference.rounding = float64_distance(copy.deepcopy(model).double(), reference)
     return reference
+
+
+def float64_distance(model: Transformer, reference: TorchReference) -> float:
+    """Max |reference - `model`'s logits| over the prefill's real positions and every step, `model`
+    (the reference's, in float64) fed the reference's tokens."""
+    ids, mask, positions = reference.ids, reference.mask, reference.positions
+    logits, past = model(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(positions))
+    worst = float(np.abs(logits.numpy() - reference.prefill_logits)[mask.astype(bool)].max())
+    for next_ids, expected in zip(reference.tokens, reference.step_logits, strict=True):
+        mask = np.concatenate([mask, np.ones_like(next_ids)], axis=1)
+        positions = positions[:, -1:] + 1
+        logits, past = model(torch.from_numpy(next_ids), torch.from_numpy(mask), torch.from_numpy(positions), past)
+        worst = max(worst, float(np.abs(logits.numpy() - expected).max()))
+    return worst
 
 
 def check_parity(
@@ -125,8 +154,9 @@ def check_parity(
     cached_vs_full = float(np.abs(cached - recomputed).max())
     greedy_equal = bool((cached.argmax(-1) == recomputed.argmax(-1)).all())
     return ParityReport(
-        runtime.manifest.name, runtime.dtype, prefill, decode, cached_vs_full, greedy_equal, reference.steps
-    )
+        runtime.manifest.name, runtime.dtype, prefill, decode, cached_vs_full, greedy_equal, reference.steps,
+        reference.rounding,
+    )  # fmt: skip
 
 
 @torch.no_grad()

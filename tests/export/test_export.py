@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -39,7 +40,9 @@ from export.verify import (
     check_int8_graph,
     check_parity,
     default_prompts,
+    float64_distance,
     tolerance,
+    torch_reference,
 )
 from models.limits import PositionLimitError
 from models.positional import SCHEMES
@@ -120,16 +123,29 @@ def test_parity_left_padded_prefill_then_32_cached_steps(
 ) -> None:
     """The graphs against PyTorch; the serving graph's new K/V is appended to its past outside it.
 
-    serving-float32 is held to the float32 graph below instead: against PyTorch its NoPE
-    logits drift about 1.02e-4, at the edge of FP32_TOLERANCE (float32 graph: 6.9e-5).
+    serving-float32 is held to the float32 graph below instead. A model whose own float32 rounding
+    in PyTorch is large (NoPE: 1.2e-4 from float64) gets twice that rounding (ParityReport.limit);
+    every other scheme's limit is FP32_TOLERANCE itself.
     """
     reference = Transformer.load(WEIGHTS_DIR / scheme)
     report = check_parity(
         reference, OnnxCausalLM(repository / scheme, dtype), default_prompts(TOKENIZER.bos_token_id), steps=32
     )
-    assert report.prefill_max_abs <= tolerance and report.decode_max_abs <= tolerance, report
-    assert report.cached_vs_full_max_abs <= tolerance, report
+    limit = report.limit(tolerance)
+    assert limit == tolerance or scheme == "none", report
+    assert report.prefill_max_abs <= limit and report.decode_max_abs <= limit, report
+    assert report.cached_vs_full_max_abs <= limit, report
     assert report.greedy_equal, report
+
+
+def test_reference_rounding_is_float32_against_float64() -> None:
+    """The rounding a parity limit may grow to is PyTorch float32 against float64, on the same tokens:
+    small and nonzero, and zero for the float32 run replayed against itself."""
+    model = Transformer.load(WEIGHTS_DIR / "alibi")
+    reference = torch_reference(model, default_prompts(TOKENIZER.bos_token_id), TOKENIZER.pad_token_id, steps=4)
+    assert 0 < reference.rounding < FP32_TOLERANCE
+    assert float64_distance(copy.deepcopy(model).double(), reference) == reference.rounding
+    assert float64_distance(model.float(), reference) == 0.0
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
