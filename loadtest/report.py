@@ -783,14 +783,14 @@ def cache_budget_goals(data: dict, multiples: list[str]) -> str:  # type: ignore
                 out.append(f"- RoPE, {size}-token budget at {longest}x: window alone {window:.3f}, sinks {sinks:.3f}, "
                            f"full {full:.3f}: the window does not degrade, it is better than the full cache (it keeps "
                            "every distance within the trained ones), and sinks change it by "
-                           f"{(sinks / window - 1) * 100:+.1f}%: **fails** (degrades, and sinks repair most "
-                           "of it).")  # fmt: skip
+                           f"{(sinks / window - 1) * 100:+.1f}%: **fails** (the hypothesis: a window degrades it "
+                           "and sinks repair most of that).")  # fmt: skip
                 continue
             repaired = (1 - (sinks - full) / (window - full)) * 100
             verdict = "holds" if repaired >= 50 else "fails"
             out.append(f"- RoPE, {size}-token budget at {longest}x: window alone {window:.3f}, sinks {sinks:.3f}, "
                        f"full {full:.3f}; sinks repair {repaired:.0f}% of the window's loss: **{verdict}** "
-                       "(degrades, and sinks repair most of it).")  # fmt: skip
+                       "(the hypothesis: a window degrades it and sinks repair most of that).")  # fmt: skip
     for scheme, figures in data.items():
         int8 = figures.get("int8", {})
         full, quantized = int8.get("full", {}).get("1"), int8.get("int8", {}).get("1")
