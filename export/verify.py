@@ -91,33 +91,43 @@ def torch_reference(model: Transformer, prompts: list[list[int]], pad_token_id: 
     float64, fed the same tokens, for how much float32 rounding costs this model (`rounding`)."""
     model = model.float().eval()
     ids, mask, positions = left_pad_batch(prompts, pad_token_id)
-    logits, past = model(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(positions))
-    reference = TorchReference(prompts, ids, mask, positions, logits.numpy(), [], [])
-    last = logits[:, -1]
+    run = _CachedRun(model, ids, mask, positions)
+    reference = TorchReference(prompts, ids, mask, positions, run.logits, [], [])
     for _ in range(steps):
-        next_ids = last.argmax(-1).numpy().astype(np.int64)[:, None]  # (B, 1)
-        mask = np.concatenate([mask, np.ones_like(next_ids)], axis=1)
-        positions = positions[:, -1:] + 1
-        logits, past = model(torch.from_numpy(next_ids), torch.from_numpy(mask), torch.from_numpy(positions), past)
+        next_ids = run.logits[:, -1].argmax(-1).astype(np.int64)[:, None]  # (B, 1)
         reference.tokens.append(next_ids)
-        reference.step_logits.append(logits.numpy())
-        last = logits[:, -1]
+        reference.step_logits.append(run.feed(next_ids))
     reference.rounding = float64_distance(copy.deepcopy(model).double(), reference)
     return reference
+
+
+class _CachedRun:
+    """A PyTorch model's prefill of a left-padded batch, then one cached step per `feed`."""
+
+    def __init__(self, model: Transformer, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> None:
+        self.model, self.mask, self.positions = model, mask, positions
+        logits, self.past = model(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(positions))
+        self.logits: np.ndarray = logits.numpy()
+
+    def feed(self, next_ids: np.ndarray) -> np.ndarray:
+        """One token per row (B, 1) -> its logits (B, 1, V)."""
+        self.mask = np.concatenate([self.mask, np.ones_like(next_ids)], axis=1)
+        self.positions = self.positions[:, -1:] + 1
+        logits, self.past = self.model(
+            torch.from_numpy(next_ids), torch.from_numpy(self.mask), torch.from_numpy(self.positions), self.past
+        )
+        self.logits = logits.numpy()
+        return self.logits
 
 
 @torch.no_grad()
 def float64_distance(model: Transformer, reference: TorchReference) -> float:
     """Max |reference - `model`'s logits| over the prefill's real positions and every step, `model`
     (the reference's, in float64) fed the reference's tokens."""
-    ids, mask, positions = reference.ids, reference.mask, reference.positions
-    logits, past = model(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(positions))
-    worst = float(np.abs(logits.numpy() - reference.prefill_logits)[mask.astype(bool)].max())
+    run = _CachedRun(model, reference.ids, reference.mask, reference.positions)
+    worst = float(np.abs(run.logits - reference.prefill_logits)[reference.mask.astype(bool)].max())
     for next_ids, expected in zip(reference.tokens, reference.step_logits, strict=True):
-        mask = np.concatenate([mask, np.ones_like(next_ids)], axis=1)
-        positions = positions[:, -1:] + 1
-        logits, past = model(torch.from_numpy(next_ids), torch.from_numpy(mask), torch.from_numpy(positions), past)
-        worst = max(worst, float(np.abs(logits.numpy() - expected).max()))
+        worst = max(worst, float(np.abs(run.feed(next_ids) - expected).max()))
     return worst
 
 
