@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
 import os
 import queue
@@ -48,6 +49,7 @@ from service.engine.engine import Engine, EngineConfig
 from service.engine.errors import RequestError
 from service.engine.input_processor import GenerateInput
 from service.engine.kv_store import KVBudgetError
+from service.engine.output_processor import OutputBatch
 from service.engine.request import Request, RequestStatus
 from service.metrics import FRONT_END, ServiceMetrics
 
@@ -157,24 +159,29 @@ class EventSender:
                 os._exit(1)
 
 
-class StepOutputs:
-    """Collects what requests produce during a step and publishes it as one message when the step ends.
+# A step to deliver (its model's output processor, the step's batch), or a message to send after
+# everything before it.
+_Published = tuple[Callable[[OutputBatch], None] | None, OutputBatch | None, list[Any] | None]
 
-    Each request's `output` is a `ForwardedOutput` writing here, and the loop's per-step metric
-    observations come through `record`; the model loop calls `flush` after every step
-    (ModelEngine.after_step), which hands both to the publisher thread and returns: packing,
-    sending and the metric updates run there, while the loop's next graph call has released the
-    GIL. So the front end receives one message per step and model, however many sequences the
-    batch holds, and the decode loop pays a queue put for it.
+
+class StepOutputs:
+    """The core's publisher: delivers each model step's outputs and sends them as one message.
+
+    Each model loop hands its step's `OutputBatch` here (`submit`) and goes on to
+    the next step; the publisher thread runs the output processor's client half on it (text, stop
+    strings, final events, metrics: OutputProcessor.deliver) while that next step's graph has
+    released the GIL, then packs what the step's requests produced into one OUT message. Each
+    request's `output` is a `ForwardedOutput` writing here. So the front end receives one message
+    per step and model, however many sequences the batch holds, and the decode loop pays a queue
+    put for all of it.
     """
 
     def __init__(self, sender: EventSender) -> None:
         self._sender = sender
         self._lock = threading.Lock()
         self._entries: list[list[Any]] = []
-        self._pending: dict[str, list[Any]] = {}  # request id -> its entry of this step
-        self._records: list[tuple[Callable[[Any], None], Any]] = []
-        self._queue: queue.SimpleQueue[tuple[list[list[Any]], list[Any], list[Any] | None] | None] = queue.SimpleQueue()
+        self._pending: dict[str, list[Any]] = {}  # request id -> its entry of this message
+        self._queue: queue.SimpleQueue[_Published | None] = queue.SimpleQueue()
         self._publisher = threading.Thread(target=self._publish, name="publisher", daemon=True)
         self._publisher.start()
         self.requests: dict[str, Request] = {}  # live requests, for cancels
@@ -182,9 +189,6 @@ class StepOutputs:
     def sink(self, request: Request) -> ForwardedOutput:
         self.requests[request.request_id] = request
         return ForwardedOutput(self, request)
-
-    def record(self, observe: Callable[[Any], None], value: Any) -> None:
-        self._records.append((observe, value))  # list.append is atomic under the GIL
 
     def put(self, request: Request, text: str) -> None:
         with self._lock:
@@ -198,7 +202,7 @@ class StepOutputs:
     def close(self, request: Request, text: str, status: RequestStatus, error: str | None) -> None:
         final = [
             len(request.prompt_ids),
-            len(request.output_ids),
+            request.delivered_tokens,
             request.arrival_time,
             request.first_token_time,
             request.scheduled_time,
@@ -214,17 +218,16 @@ class StepOutputs:
             self._pending.pop(request.request_id, None)
             self.requests.pop(request.request_id, None)
 
+    def submit(self, deliver: Callable[[OutputBatch], None], batch: OutputBatch) -> None:
+        """A model step's outputs, to be delivered (`deliver`: its model's output processor) and sent."""
+        self._queue.put((deliver, batch, None))
+
     def flush(self, then: list[Any] | None = None) -> None:
-        """Publish this step's outputs and observations (and `then`, a message to send after them)."""
-        if not self._entries and not self._records and then is None:
-            return
-        with self._lock:
-            entries, self._entries, self._pending = self._entries, [], {}
-            records, self._records = self._records, []
-        self._queue.put((entries, records, then))
+        """Send what is produced so far (and `then`, a message to send after it), after every step submitted before."""
+        self._queue.put((None, None, then))
 
     def close_publisher(self) -> None:
-        """Everything flushed so far is sent; then the publisher ends."""
+        """Everything submitted so far is sent; then the publisher ends."""
         self._queue.put(None)
         self._publisher.join()
 
@@ -233,14 +236,16 @@ class StepOutputs:
             item = self._queue.get()
             if item is None:
                 return
-            entries, records, then = item
+            deliver, batch, then = item
+            if deliver is not None and batch is not None:
+                try:
+                    deliver(batch)
+                except Exception:  # a bug must not end the outputs of every later step
+                    logger.exception("delivering a step's outputs failed")
+            with self._lock:
+                entries, self._entries, self._pending = self._entries, [], {}
             if entries:
                 self._sender.send([Event.OUT, entries])
-            for observe, value in records:
-                try:
-                    observe(value)
-                except Exception:  # a metric must never stop the outputs
-                    logger.exception("recording a step observation failed")
             if then is not None:
                 self._sender.send(then)
 
@@ -304,8 +309,7 @@ def run_core(config: CoreConfig) -> None:
     outputs = StepOutputs(sender)
     engine.output_sink = outputs.sink
     for model in engine.models.values():
-        model.after_step = outputs.flush
-        model.record_with(outputs.record)
+        model.deliver = functools.partial(outputs.submit, model.outputs.deliver)
     engine.start()
     sender.send([Event.READY, model_infos(engine)])
     if not CommandLoop(engine, outputs, sender, registry).run(read_messages(config.commands_fd)):

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,11 +29,12 @@ from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.errors import ErrorKind, RequestError
 from service.engine.input_processor import GenerateInput, InputLimits, InputProcessor
 from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
-from service.engine.output_processor import Finished, OutputProcessor, Record, TokenMetrics, apply_now
+from service.engine.output_processor import Finished, OutputBatch, OutputProcessor, TokenMetrics
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
 from service.engine.request import OutputSink, Request, RequestStatus
 from service.engine.runner import ModelRunner, Scored, StoreConfig
-from service.engine.scheduler import QueueFullError, Scheduler
+from service.engine.sampler import Sampler
+from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -175,26 +177,30 @@ class ModelEngine:
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
         self._gauges_due = 0.0
+        # The steady state: the batch the last full step decoded, while nothing that could change
+        # it has happened (`_changed`: new requests, computed prompts, cancels, a stop; a request
+        # finishing; a deadline or the gauges falling due). Steps in it skip reaping and scheduling.
+        self._changed = True
+        self._steady: list[Request] = []
+        self._steady_steps = 0  # fast steps left before a sequence needs a wider row
+        self._steady_until = 0.0
         self.prefill_worker = PrefillWorker(
             self.runner, config.prefill_tokens, self._deliver_prefilled, self._observe_prefill, manifest.name,
             config.prefill_nice,
         )  # fmt: skip
         self._wake = threading.Condition()
-        # Called after every step (and once more when the loop ends): the engine core process
-        # sends the step's outputs as one message from here (service.engine.core.StepOutputs).
-        self.after_step: Callable[[], None] = lambda: None
-        # How the loop's per-step observations (metrics, admission's step time) are applied: at
-        # once, or (engine core) by its publisher thread while the next step's graph runs.
-        self.record: Record = apply_now
+        self.sampler = Sampler()
+        self.outputs.on_stop = self.wake  # a stop string ended a request: free its row
+        # What the current step produced (tokens, finishes, observations), handed to `deliver`
+        # when the step ends: the output processor's client half, inline here, or (engine core)
+        # on its publisher thread while the next step's graph runs (service.engine.core.StepOutputs).
+        self._batch = OutputBatch()
+        self.deliver: Callable[[OutputBatch], None] = self.outputs.deliver
         self._stopping = False  # no new requests
         self._stopped = False  # the loop exits
         self._thread = threading.Thread(target=self._loop, name=f"engine-{manifest.name}", daemon=True)
         metrics.kv_cache_capacity.labels(**labels).set(self.store.capacity_bytes)
         self._update_gauges()
-
-    def record_with(self, record: Record) -> None:
-        """Where the loop's and the output processor's observations go (see `record`)."""
-        self.record = self.outputs.record = record
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -244,10 +250,13 @@ class ModelEngine:
                     self._shed["ttft_slo", request.cache_policy.form].inc()
                     raise
             self._inbox.append(request)
+            self._changed = True
             self._wake.notify()
 
     def wake(self) -> None:
+        """Something the loop must look at (a cancellation): the next step is a full one."""
         with self._wake:
+            self._changed = True
             self._wake.notify()
 
     # ------------------------------------------------------------------ the loop
@@ -261,6 +270,7 @@ class ModelEngine:
         with self._wake:
             self._stopping = True
             in_flight = [*self.scheduler.requests(), *self._inbox]
+            self._changed = True
             self._wake.notify()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and (self.scheduler.has_work or self._inbox):
@@ -271,6 +281,7 @@ class ModelEngine:
             self._inbox.clear()
         self._stopped = True
         with self._wake:
+            self._changed = True
             self._wake.notify()
         self._thread.join(timeout=5)
         self.prefill_worker.stop()
@@ -282,37 +293,57 @@ class ModelEngine:
     def _deliver_prefilled(self, results: list[PrefillResult]) -> None:
         with self._wake:
             self._prefilled.extend(results)
+            self._changed = True
             self._wake.notify()
 
     def _loop(self) -> None:
         busy = False
         while True:
-            with self._wake:
-                # Idle (nothing decoding, or only prompts in the worker): sleep until new work,
-                # a computed prompt or a cancellation; the timeout keeps deadlines honoured.
-                if not busy and not self._inbox and not self._prefilled and not self._stopped:
-                    self._wake.wait(timeout=0.05)
-                if self._stopped:
-                    break
-                for request in self._inbox:
-                    try:
-                        self.scheduler.add(request)
-                    except QueueFullError as error:
-                        request.finish(RequestStatus.FINISHED_ERROR, str(error))
-                self._inbox.clear()
+            changed = False
+            # Busy with nothing new (an arrival sets `_changed` under the lock): no lock this step.
+            if not busy or self._changed:
+                with self._wake:
+                    # Idle (nothing decoding, or only prompts in the worker): sleep until new work,
+                    # a computed prompt or a cancellation; the timeout keeps deadlines honoured.
+                    if not busy and not self._inbox and not self._prefilled and not self._stopped:
+                        self._wake.wait(timeout=0.05)
+                    if self._stopped:
+                        break
+                    for request in self._inbox:
+                        try:
+                            self.scheduler.add(request)
+                        except QueueFullError as error:
+                            request.finish(RequestStatus.FINISHED_ERROR, str(error))
+                    self._inbox.clear()
+                    changed, self._changed = self._changed, False
             try:
-                busy = self.step()
+                busy = self.step(changed)
             except Exception:  # a bug must not kill the loop silently
                 logger.exception("engine step failed for %s", self.manifest.name)
                 busy = False
-            self.after_step()
+            self._hand_over()
         for request in self.scheduler.requests():
             self._finish(request, RequestStatus.FINISHED_SHUTDOWN, "server shut down")
-        self.after_step()
+        self._hand_over()
 
-    def step(self) -> bool:
+    def _hand_over(self) -> None:
+        """The step's outputs go to `deliver` (nothing when the step produced nothing)."""
+        if self._batch:
+            batch, self._batch = self._batch, OutputBatch()
+            self.deliver(batch)
+
+    def record(self, observe: Callable[[Any], None], value: Any) -> None:
+        """An observation of this step (a metric, admission's step time), applied where its outputs are delivered."""
+        self._batch.records.append((observe, value))
+
+    def step(self, changed: bool = True) -> bool:
         """One iteration: reap aborted, write computed prompts, schedule, decode, process outputs.
-        False when it found nothing to run (the loop may sleep)."""
+        False when it found nothing to run (the loop may sleep). `changed`: something arrived since
+        the last step (without it, a steady batch decodes again at once: see `_steady`)."""
+        if self._steady_steps > 0 and not changed and time.monotonic() < self._steady_until:
+            self._decode_steady()
+            return True
+        self._steady_steps = 0
         self._reap_aborted()
         with self._wake:
             prefilled, self._prefilled = self._prefilled, []
@@ -334,12 +365,35 @@ class ModelEngine:
             self.runner.forget_calls()
             self._update_gauges()
             self._gauges_due = now + GAUGE_INTERVAL_SECONDS
+        self._hold_steady(output, joined)
         return busy
+
+    def _hold_steady(self, output: SchedulerOutput, joined: int) -> None:
+        """After a full step: the batch it decoded is steady when every running sequence decoded
+        and none finished, nothing waits or joined, and the store is as it was (until the next
+        deadline or gauge update)."""
+        running = self.scheduler.running
+        if (
+            joined
+            or output.admitted
+            or output.preempted
+            or self.scheduler.waiting
+            or not output.decode
+            or len(output.decode) != len(running)
+            or any(r is not s for r, s in zip(output.decode, running, strict=True))
+        ):
+            return
+        deadlines = [r.deadline for r in running if r.deadline is not None]
+        self._steady = running[:]
+        self._steady_steps = self.scheduler.steady_steps(self._steady)
+        self._steady_until = min([self._gauges_due, *deadlines])
 
     def _reap_aborted(self) -> None:
         now = time.monotonic()
         for request in self.scheduler.requests():
-            if request.cancelled.is_set():
+            if request.detokenizer.stopped:  # the output processor found a stop string
+                self._finish(request, RequestStatus.FINISHED_STOP)
+            elif request.cancelled.is_set():
                 self._finish(request, RequestStatus.FINISHED_CANCELLED, "cancelled by the client")
             elif request.deadline is not None and now >= request.deadline:
                 request.cancel_time = request.deadline
@@ -382,7 +436,7 @@ class ModelEngine:
         fresh = [row for row, r in enumerate(requests) if not r.output_ids]
         if fresh:
             logits = np.stack([ready[row].prompt.logits for row in fresh])  # type: ignore[union-attr]
-            self._finish_all(self.outputs.process([requests[row] for row in fresh], logits))
+            self._sample([requests[row] for row in fresh], logits)
             self._observe_first_tokens([requests[row] for row in fresh])
         return len(ready)
 
@@ -398,22 +452,45 @@ class ModelEngine:
                 self._estimated_ttft.observe(estimate.seconds)
                 self._estimate_error.observe(realised - estimate.seconds)
 
+    def _decode_steady(self) -> None:
+        """Steps of the steady batch back to back, each handing its outputs over, until something
+        changes (`_changed`, a finish, a deadline or the gauges falling due) or a row fills: the
+        loop's fast path, with per step only what a step must do (feed, graph, sample, append)."""
+        requests = self._steady
+        while True:
+            self._steady_steps -= 1
+            if self.admission.enabled:
+                with self._wake:
+                    self._backlog = Backlog.of(self.scheduler.waiting, self.scheduler.running)
+            self._decode(requests)
+            self._hand_over()
+            if self._steady_steps <= 0 or self._changed or time.monotonic() >= self._steady_until:
+                return
+
     def _decode(self, requests: list[Request]) -> None:
-        ids = [r.request_id for r in requests]
-        tokens = {r.request_id: r.output_ids[-1] for r in requests}
+        """One graph step for these sequences (every member of the store); then each one's next
+        token is sampled, and those it ends (or whose sampling failed) are finished."""
         started = time.monotonic()
         try:
-            members, logits = self.runner.decode_rows(tokens)
+            members, logits = self.runner.decode_rows({r.request_id: r.output_ids[-1] for r in requests})
         except Exception as error:  # fail only the sequences of this call
             self._fail(requests, error)
             return
-        self.record(self._observe_decode_step, (time.monotonic() - started, len(requests)))
+        now = time.monotonic()
+        batch = self._batch
+        batch.records.append((self._observe_decode_step, (now - started, len(requests))))
+        ids = [r.request_id for r in requests]
         for request in requests:
             request.num_computed_tokens = request.num_tokens
         if members != ids:  # the store's row order is not the scheduler's (several classes, or moves)
             row_of = {member: row for row, member in enumerate(members)}
             logits = logits[[row_of[i] for i in ids]]
-        self._finish_all(self.outputs.process(requests, logits))
+        self._finish_all(self.outputs.accept(requests, self.sampler.sample_batch(requests, logits), now, batch))
+
+    def _sample(self, requests: list[Request], logits: np.ndarray) -> None:
+        """Each request's next token (prompts' first tokens); those it ends are finished."""
+        tokens = self.sampler.sample_batch(requests, logits)
+        self._finish_all(self.outputs.accept(requests, tokens, time.monotonic(), self._batch))
 
     def _observe_decode_step(self, step: tuple[float, int]) -> None:
         seconds, batch = step
@@ -431,11 +508,14 @@ class ModelEngine:
             self._finish(request, RequestStatus.FINISHED_ERROR, f"inference failed: {error}")
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Its row is freed at once; its final event follows its last text (`deliver`)."""
+        self._steady_steps = 0
+        request.status = status  # the loop skips it from now on
         self.scheduler.remove(request)  # frees its row in the store at once
-        self.outputs.forget(request)
+        self.sampler.forget(request.request_id)
         if status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_DEADLINE) and request.cancel_time:
             self._cancel_latency.observe(time.monotonic() - request.cancel_time)
-        request.finish(status, error)
+        self._batch.finishes.append(Finished(request, status, error))
 
     def _observe_prefill(self, seconds: float, batch: int, tokens: int) -> None:
         self._steps["prefill"].observe(seconds)

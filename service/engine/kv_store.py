@@ -513,6 +513,10 @@ class KVStore:
 
     # ------------------------------------------------------------------ accounting = allocation
 
+    def capacity(self, sequence_id: str) -> int:
+        """Tokens the sequence's row holds (0: none reserved)."""
+        return self.capacity_of.get(sequence_id, 0)
+
     def reserve(self, sequence_id: str, tokens: int, int8: bool = False) -> bool:
         """Make room for `tokens` tokens of the sequence: a row for a new one (written later by
         `write`; `int8`: in an int8 class), a move to a wider class of its kind when its row is

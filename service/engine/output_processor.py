@@ -1,32 +1,27 @@
-"""Output processing: sampled tokens become text, stops and metrics (vLLM v1's output processor).
+"""Output processing (vLLM v1's output processor), in two halves.
 
-Given one step's logits for some requests, it samples each request's token, appends it,
-streams the new text, and says which requests are done and why. It never touches the cache:
-the engine core finishes the requests it names.
+`accept` runs on the engine loop right after a step's tokens are sampled: it appends each token
+and decides who is done by token ids alone (end of sequence, length, a failed sample), so the
+next step knows its batch. Everything a client sees (text, stop strings, final events, the
+per-token metrics) is `deliver`'s, given the step's `OutputBatch` once the step is over: inline
+on the loop (the in-process engine), or on the engine core's publisher thread while the next
+step's graph runs (service.engine.core), so the decode loop pays for none of it.
+
+A stop string is found by `deliver`, after the loop may already have decoded one more token
+for that request: the request is finished there (its text ends before the stop string, its
+usage counts the tokens delivered), and the loop frees its row at its next step (`on_stop`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from service.engine.request import Request, RequestStatus
-from service.engine.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-
-# (observe, value): apply observe(value), now or on another thread (service.engine.core.StepOutputs).
-Record = Callable[[Callable[[Any], None], Any], None]
-
-
-def apply_now(observe: Callable[[Any], None], value: Any) -> None:
-    observe(value)
 
 
 @dataclass(frozen=True)
@@ -45,51 +40,89 @@ class TokenMetrics:
     generated: Any
 
 
+@dataclass
+class OutputBatch:
+    """What one engine step produced, for `deliver`: tokens (request, token id, sample time) in
+    sampling order, then the finishes decided in the step, then metric observations to apply.
+    A request's token always precedes its finish: a step decodes a request at most once, and
+    finishes it after sampling."""
+
+    tokens: list[tuple[Request, int, float]] = field(default_factory=list)
+    finishes: list[Finished] = field(default_factory=list)
+    records: list[tuple[Callable[[Any], None], Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.finishes or self.records)
+
+
 class OutputProcessor:
     def __init__(self, eos_token_id: int, metrics: dict[str, TokenMetrics]) -> None:
         """`metrics`: by cache-policy form (CachePolicy.form), each request's tokens counted under its own."""
-        self.sampler = Sampler()
         self.eos_token_id = eos_token_id
         self._metrics = metrics
-        # How token metrics are applied (ModelEngine.record: at once, or later on another thread).
-        self.record: Record = apply_now
+        # Called (on the delivering thread) when a stop string finished a request the loop still holds.
+        self.on_stop: Callable[[], None] = lambda: None
 
-    def process(self, requests: list[Request], logits: np.ndarray) -> list[Finished]:
-        """Sample one token per request (rows of logits), stream the new text; the requests now done."""
-        tokens = self.sampler.sample_batch(requests, logits)
-        now = time.monotonic()
-        record = self.record
+    def accept(
+        self, requests: list[Request], tokens: list[int | Exception], now: float, batch: OutputBatch
+    ) -> list[Finished]:
+        """The loop's half: append each request's sampled token (into `batch` too); the requests
+        now done by token ids (end of sequence, length) or by a failed sample."""
         finished: list[Finished] = []
-        generated: dict[str, int] = {}  # by policy form: one increment per form and step
+        eos = self.eos_token_id
+        out = batch.tokens
         for request, token in zip(requests, tokens, strict=True):
             if request.status.finished:
-                continue
+                continue  # finished by its stop string, not yet reaped
             if isinstance(token, Exception):  # one request's sampling failure ends that request only
                 logger.error("sampling failed for %s: %s", request.request_id, token)
                 finished.append(Finished(request, RequestStatus.FINISHED_ERROR, f"sampling failed: {token}"))
                 continue
-            form = request.cache_policy.form
             if request.first_token_time is None:
                 request.first_token_time = now
-                record(self._metrics[form].ttft.observe, now - request.arrival_time)
-            else:
-                record(self._metrics[form].itl.observe, now - request.last_token_time)
-            request.last_token_time = now
             request.output_ids.append(token)
-            generated[form] = generated.get(form, 0) + 1
-            if token == self.eos_token_id:
+            out.append((request, token, now))
+            if token == eos:
                 finished.append(Finished(request, RequestStatus.FINISHED_EOS))
-                continue
-            text = request.detokenizer.push(token)
-            if text:
-                request.emit(text)
-            if request.detokenizer.stopped:
-                finished.append(Finished(request, RequestStatus.FINISHED_STOP))
             elif len(request.output_ids) >= request.params.max_new_tokens:
                 finished.append(Finished(request, RequestStatus.FINISHED_LENGTH))
-        for form, count in generated.items():
-            record(self._metrics[form].generated.inc, count)
         return finished
 
-    def forget(self, request: Request) -> None:
-        self.sampler.forget(request.request_id)
+    def deliver(self, batch: OutputBatch) -> None:
+        """The client's half, in the batch's order: per-token metrics, text (stop strings end a
+        request here), final events, then the step's observations."""
+        generated: dict[str, int] = {}  # by policy form: one increment per form and step
+        metrics = self._metrics
+        eos = self.eos_token_id
+        stopped = False
+        for request, token, now in batch.tokens:
+            if request.done.is_set() or request.detokenizer.stopped:
+                continue  # decoded after its stop string (the loop frees the row at its next step)
+            form = request.cache_policy.form
+            if request.delivered_tokens == 0:
+                metrics[form].ttft.observe(now - request.arrival_time)
+            else:
+                metrics[form].itl.observe(now - request.last_token_time)
+            request.last_token_time = now
+            request.delivered_tokens += 1
+            generated[form] = generated.get(form, 0) + 1
+            if token == eos:
+                continue
+            detokenizer = request.detokenizer
+            text = detokenizer.push(token)
+            if text:
+                request.emit(text)
+            if detokenizer.stopped:
+                request.finish(RequestStatus.FINISHED_STOP)
+                stopped = True
+        for form, count in generated.items():
+            metrics[form].generated.inc(count)
+        for done in batch.finishes:
+            done.request.finish(done.status, done.error)
+        for observe, value in batch.records:
+            try:
+                observe(value)
+            except Exception:  # a metric must never stop the outputs
+                logger.exception("recording a step observation failed")
+        if stopped:
+            self.on_stop()

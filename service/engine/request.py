@@ -115,7 +115,10 @@ class Request:
     num_computed_tokens: int = 0
     # Bumped on every preemption, so a prefill result computed before it is recognised as stale.
     attempt: int = 0
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # when its first token was sampled (the engine loop's)
+    # The output processor's side (service.engine.output_processor.deliver): tokens it has turned
+    # into text (the usage a client is told) and when the last of them was sampled.
+    delivered_tokens: int = 0
     last_token_time: float = 0.0
     cancel_time: float | None = None  # when a cancel was asked for
     scheduled_time: float | None = None
@@ -160,8 +163,9 @@ class Request:
         self.output.put(text)
 
     def finish(self, status: RequestStatus, error: str | None = None) -> None:
-        """Mark final and send the last event (flushing held-back text unless aborted)."""
-        if self.status.finished:
+        """Mark final and send the last event (flushing held-back text unless aborted). Once: the
+        engine loop may have set `status` already (it owns it while the request runs)."""
+        if self.done.is_set():
             return
         self.status, self.error = status, error
         self.finish_time = time.monotonic()

@@ -26,42 +26,65 @@ class Sampler:
         return token
 
     def sample_batch(self, requests: list[Request], logits: np.ndarray) -> list[int | Exception]:
-        return self.sample_rows([r.request_id for r in requests], [r.params for r in requests], logits)
+        for request in requests:
+            if request.params.temperature >= MIN_TEMPERATURE:
+                return self.sample_rows([r.request_id for r in requests], [r.params for r in requests], logits)
+        return logits.argmax(axis=1).tolist()  # every row greedy: one argmax (as sample_rows would)
 
     def sample_rows(
         self, request_ids: list[str], params: list[SamplingParams], logits: np.ndarray
     ) -> list[int | Exception]:
         """One token per row of logits (n, vocab). Greedy rows share one argmax, rows with
-        temperature alone one softmax; rows with top-k / top-p filters go one by one. A row
-        whose sampling fails gets the exception instead of a token."""
+        temperature alone one softmax and one inverse-CDF draw (a uniform from each row's own
+        generator); rows with top-k / top-p filters go one by one. A row whose sampling fails
+        gets the exception instead of a token."""
         tokens: list[int | Exception] = logits.argmax(axis=1).tolist()
         sampled = [row for row, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
         if not sampled:
             return tokens
         plain = [row for row in sampled if params[row].top_k == 0 and params[row].top_p >= 1.0]
-        cdfs: dict[int, np.ndarray] = {}
         if plain:
             temperatures = np.array([[params[row].temperature] for row in plain])
             scaled = logits[plain].astype(np.float64) / temperatures
             scaled -= scaled.max(axis=1, keepdims=True)
-            cdfs.update(zip(plain, np.cumsum(np.exp(scaled), axis=1), strict=True))
+            self._draw_rows(plain, np.cumsum(np.exp(scaled), axis=1), request_ids, params, tokens)
         for row in sampled:
+            if row in plain:
+                continue
             try:
-                cdf = cdfs[row] if row in cdfs else np.cumsum(probabilities(logits[row], params[row]))
-                tokens[row] = self._draw(request_ids[row], params[row].seed, cdf, logits[row])
+                cdf = np.cumsum(probabilities(logits[row], params[row]))[None]
             except Exception as error:
                 tokens[row] = error
+                continue
+            self._draw_rows([row], cdf, request_ids, params, tokens)
         return tokens
 
-    def _draw(self, request_id: str, seed: int, cdf: np.ndarray, logits: np.ndarray) -> int:
-        """Inverse-CDF draw of one uniform from the request's generator (unnormalised cdf)."""
-        total = cdf[-1]
-        if not (np.isfinite(total) and total > 0):  # e.g. non-finite logits: fall back to the mode
-            return int(np.argmax(logits))
-        generator = self._generators.get(request_id)
-        if generator is None:
-            generator = self._generators[request_id] = np.random.default_rng(seed)
-        return min(int(np.searchsorted(cdf, generator.random() * total, side="right")), len(cdf) - 1)
+    def _draw_rows(
+        self,
+        rows: list[int],
+        cdfs: np.ndarray,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        tokens: list[int | Exception],
+    ) -> None:
+        """Inverse-CDF draws for `rows` (their unnormalised cdfs, one per row): one uniform from each
+        request's generator, then every row's token at once (the first index whose cdf exceeds it).
+        A row whose total is not finite and positive (e.g. non-finite logits) keeps its mode."""
+        totals = cdfs[:, -1]
+        valid = np.isfinite(totals) & (totals > 0)
+        uniforms = np.zeros(len(rows))
+        for index, row in enumerate(rows):
+            if not valid[index]:
+                continue
+            generator = self._generators.get(request_ids[row])
+            if generator is None:
+                generator = self._generators[request_ids[row]] = np.random.default_rng(params[row].seed)
+            uniforms[index] = generator.random() * totals[index]
+        # searchsorted(cdf, u, side="right") for each row: how many cdf entries are <= u.
+        drawn = np.minimum((cdfs <= uniforms[:, None]).sum(axis=1), cdfs.shape[1] - 1).tolist()
+        for index, row in enumerate(rows):
+            if valid[index]:
+                tokens[row] = drawn[index]
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

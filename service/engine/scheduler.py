@@ -9,6 +9,7 @@ as vLLM does.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +27,10 @@ class KVAllocator(Protocol):
     def reserve(self, sequence_id: str, tokens: int, int8: bool = False) -> bool: ...
 
     def free(self, sequence_id: str) -> None: ...
+
+    def capacity(self, sequence_id: str) -> int:
+        """Tokens the sequence's row holds (0: none reserved)."""
+        ...
 
 
 class PreemptionPolicy(Protocol):
@@ -98,6 +103,17 @@ class Scheduler:
             out.admitted.append(request)
         out.decode = [r for r in out.decode if r.status is RequestStatus.RUNNING]
         return out
+
+    def steady_steps(self, decoding: list[Request]) -> int:
+        """How many more steps these sequences can decode, a token each, inside the rows they hold:
+        the steps the engine may take without `schedule` (nothing to reserve, move or preempt)."""
+        steps = sys.maxsize
+        for request in decoding:
+            capacity, policy = self.kv.capacity(request.request_id), request.cache_policy
+            if policy.cached(sys.maxsize) <= capacity:
+                continue  # a bounded policy whose budget fits its row: never grows past it
+            steps = min(steps, capacity - request.cached_tokens + 1)
+        return max(steps, 0)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

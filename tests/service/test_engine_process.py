@@ -16,10 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
 
 from service.api import generation_pb2 as pb
-from service.engine.core import StepOutputs
+from service.engine.core import Event, StepOutputs
+from service.engine.output_processor import Finished, OutputBatch, OutputProcessor, TokenMetrics
 from service.engine.request import Request, RequestStatus, SamplingParams
+from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
 
 LONG = 3000  # new tokens: a stream still running when the core is killed
@@ -129,30 +132,59 @@ class _Sender:
         self.sent.append(message)
 
 
-def test_step_outputs_send_one_message_per_step() -> None:
-    """Texts of one step are merged per request; a final entry carries usage and times."""
+def _processor() -> OutputProcessor:
+    metrics = ServiceMetrics(CollectorRegistry())
+    labels = {"model": "m", "scheme": "alibi", "policy": "full"}
+    children = [metrics.time_to_first_token, metrics.inter_token_latency, metrics.generated_tokens]
+    return OutputProcessor(257, {"full": TokenMetrics(*(child.labels(**labels) for child in children))})
+
+
+def test_step_outputs_deliver_each_step_on_the_publisher_and_send_it_as_one_message() -> None:
+    """Each submitted step is delivered (text, final events, observations) on the publisher
+    thread, in order, and sent as one message; a final entry carries usage and times."""
     sender = _Sender()
     outputs = StepOutputs(sender)  # type: ignore[arg-type]
-    observed: list[float] = []
-    a = Request("a", "m", [1, 2, 3], SamplingParams(8), 257)
+    processor = _processor()
+    observed: list[tuple[float, str]] = []
+    a = Request("a", "m", [1, 2, 3], SamplingParams(2), 257)
     b = Request("b", "m", [1], SamplingParams(8), 257)
     a.output, b.output = outputs.sink(a), outputs.sink(b)
     outputs.flush()
     assert sender.sent == []  # nothing produced: nothing sent
-    a.emit("x")
-    b.emit("y")
-    a.emit("z")
-    outputs.record(observed.append, 0.25)
-    outputs.flush()
-    assert wait_for(lambda: len(sender.sent) == 1)  # sent by the publisher thread
-    assert observed == [0.25]  # observations are applied there too
-    assert sender.sent[-1][1] == [["a", "xz", None, None, None], ["b", "y", None, None, None]]
-    a.output_ids.extend([5, 6])
-    a.finish(RequestStatus.FINISHED_LENGTH)
+    now = time.monotonic()
+    first = OutputBatch(tokens=[(a, ord("x"), now), (b, ord("y"), now)])
+    first.records.append((lambda value: observed.append((value, threading.current_thread().name)), 0.25))
+    outputs.submit(processor.deliver, first)
+    a.status = RequestStatus.FINISHED_LENGTH  # as the loop marks it when it decides
+    outputs.submit(processor.deliver, OutputBatch(tokens=[(a, ord("z"), now)], finishes=[Finished(a, a.status)]))
     outputs.flush(then=["after"])
     outputs.close_publisher()
-    assert sender.sent[-1] == ["after"]
-    (entry,) = sender.sent[-2][1]
-    assert entry[:4] == ["a", "", int(RequestStatus.FINISHED_LENGTH), None]
+    assert observed == [(0.25, "publisher")]  # observations are applied there
+    assert sender.sent[0] == [Event.OUT, [["a", "x", None, None, None], ["b", "y", None, None, None]]]
+    (entry,) = sender.sent[1][1]
+    assert entry[:4] == ["a", "z", int(RequestStatus.FINISHED_LENGTH), None]
     assert entry[4][:2] == [3, 2]  # prompt and completion tokens
+    assert sender.sent[2] == ["after"]
     assert "a" not in outputs.requests and "b" in outputs.requests
+
+
+def test_a_stop_string_found_after_the_loop_moved_on_ends_the_text_and_the_count_there() -> None:
+    """The publisher finds a stop string one step after the loop sampled past it: the client's
+    text ends before the stop string and its usage counts the tokens up to it, not the extra one."""
+    sender = _Sender()
+    outputs = StepOutputs(sender)  # type: ignore[arg-type]
+    processor = _processor()
+    stops: list[bool] = []
+    processor.on_stop = lambda: stops.append(True)
+    request = Request("r", "m", [1], SamplingParams(16, stop=("END",)), 257)
+    request.output = outputs.sink(request)
+    now = time.monotonic()
+    for token in b"okEND!":  # "!" is the step the loop decoded before it learned of the stop
+        outputs.submit(processor.deliver, OutputBatch(tokens=[(request, token, now)]))
+    request.status = RequestStatus.FINISHED_STOP  # the loop's next step reaps it
+    outputs.submit(processor.deliver, OutputBatch(finishes=[Finished(request, RequestStatus.FINISHED_STOP)]))
+    outputs.close_publisher()
+    text = "".join(entry[1] for message in sender.sent for entry in message[1])
+    final = sender.sent[-1][1][-1]
+    assert text == "ok" and stops == [True]
+    assert final[2] == int(RequestStatus.FINISHED_STOP) and final[4][1] == 5  # o k E N D
