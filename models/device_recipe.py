@@ -25,22 +25,14 @@ from pathlib import Path
 
 from models.cli import HelpFormatter
 from models.positional import SCHEMES
-from models.train import WEIGHTS_DIR
+from models.train import WEIGHTS_DIR, without_options
 
 
 def recipe_arguments(scheme: str, weights: Path = WEIGHTS_DIR) -> list[str]:
     """The recorded recipe's options for `scheme`, without --scheme, --out and --device."""
     command = json.loads((weights / scheme / "training.json").read_text())["command"]
     words = shlex.split(command)[3:]  # after `python -m models.train`
-    kept, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word in ("--scheme", "--out", "--device"):
-            skip = True
-        elif word.split("=", 1)[0] not in ("--scheme", "--out", "--device"):
-            kept.append(word)
-    return kept
+    return without_options(words, {"--scheme", "--out", "--device"})
 
 
 def train_all(out: Path, work: Path, device: str, budget_seconds: float, extra: list[str]) -> dict[str, int | None]:

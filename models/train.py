@@ -338,20 +338,25 @@ def kept_log(log_text: str, run_index: int, last_step: int) -> str:
     return "".join(line + "\n" for line in kept)
 
 
+def without_options(words: list[str], options: set[str], flags: frozenset[str] = frozenset()) -> list[str]:
+    """`words` (a command line, split) without `options` and their values (`--option value` or
+    `--option=value`); `flags` among them take no value."""
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word.split("=", 1)[0] in options:
+            skip = word not in flags and "=" not in word  # the option's value follows it
+        else:
+            kept.append(word)
+    return kept
+
+
 def recipe_command(command: str) -> str:
     """`command` without the options that only say how it was carried out (--resume, --stop-at,
     --threads, ...): the one command that trains the same weights in one go."""
     control = {"--resume", "--stop-at", "--threads", "--checkpoint-interval"}
-    words, kept = shlex.split(command), []
-    skip = False
-    for word in words:
-        if skip:
-            skip = False
-        elif word.split("=", 1)[0] in control:
-            skip = word != "--resume" and "=" not in word  # the flag's value follows it
-        else:
-            kept.append(word)
-    return shlex.join(kept)
+    return shlex.join(without_options(shlex.split(command), control, frozenset({"--resume"})))
 
 
 def train_scheme(scheme: str, cfg: TrainConfig, corpus: Corpus, command: str, runtime: Runtime) -> dict[str, object]:
