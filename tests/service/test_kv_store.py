@@ -63,6 +63,23 @@ def test_rows_are_the_memory_and_sequences_move_to_wider_classes_with_their_cach
     assert store.classes == {} and store.physical_bytes == 0 and store.stats().used_bytes == 0
 
 
+def test_a_sequence_whose_rung_is_empty_joins_the_populated_rung_above_it() -> None:
+    """Each class with rows is one graph call per step: a sequence goes one rung up (never two)
+    rather than open a class of its own, and keeps to its own rung when that one has rows."""
+    store = KVStore(LAYOUT, 1 << 20, 16, 1000)
+    low, middle, high = store.ladder[:3]  # 64, 80, 112
+    assert store.reserve("wide", middle) and store.capacity_of["wide"] == middle
+    assert store.reserve("short", 10) and store.capacity_of["short"] == middle  # its rung (64) is empty
+    assert store.reserve("far", high) and store.capacity_of["far"] == high  # nothing above 112: its own
+    assert store.reserve("own", low + 1) and store.capacity_of["own"] == middle  # 65 tokens: rung 80 itself
+    store.free("short")
+    store.free("own")
+    store.free("wide")
+    assert store.reserve("alone", 10) and store.capacity_of["alone"] == low  # 80 is empty again; 112 is two rungs up
+    write(store, "alone", 10)
+    assert store.reserve("next", 20) and store.capacity_of["next"] == low  # its own rung has a row now
+
+
 def test_companions_at_the_same_length_move_in_one_reallocation() -> None:
     store = KVStore(LAYOUT, 1 << 20, 16, 1000)
     for i in range(15):
