@@ -19,7 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -332,10 +331,6 @@ class ModelEngine:
             batch, self._batch = self._batch, OutputBatch()
             self.deliver(batch)
 
-    def record(self, observe: Callable[[Any], None], value: Any) -> None:
-        """An observation of this step (a metric, admission's step time), applied where its outputs are delivered."""
-        self._batch.records.append((observe, value))
-
     def step(self, changed: bool = True) -> bool:
         """One iteration: reap aborted, write computed prompts, schedule, decode, process outputs.
         False when it found nothing to run (the loop may sleep). `changed`: something arrived since
@@ -477,20 +472,22 @@ class ModelEngine:
             self._fail(requests, error)
             return
         now = time.monotonic()
-        batch = self._batch
-        batch.records.append((self._observe_decode_step, (now - started, len(requests))))
+        # Observed where the step's outputs are delivered (the publisher, in the engine core).
+        self._batch.records.append((self._observe_decode_step, (now - started, len(requests))))
         ids = [r.request_id for r in requests]
         for request in requests:
             request.num_computed_tokens = request.num_tokens
         if members != ids:  # the store's row order is not the scheduler's (several classes, or moves)
             row_of = {member: row for row, member in enumerate(members)}
             logits = logits[[row_of[i] for i in ids]]
-        self._finish_all(self.outputs.accept(requests, self.sampler.sample_batch(requests, logits), now, batch))
+        self._sample(requests, logits, now)
 
-    def _sample(self, requests: list[Request], logits: np.ndarray) -> None:
-        """Each request's next token (prompts' first tokens); those it ends are finished."""
+    def _sample(self, requests: list[Request], logits: np.ndarray, now: float | None = None) -> None:
+        """Each request's next token (sampled at `now`: after the graph call); those it ends, or
+        whose sampling failed, are finished."""
         tokens = self.sampler.sample_batch(requests, logits)
-        self._finish_all(self.outputs.accept(requests, tokens, time.monotonic(), self._batch))
+        now = time.monotonic() if now is None else now
+        self._finish_all(self.outputs.accept(requests, tokens, now, self._batch))
 
     def _observe_decode_step(self, step: tuple[float, int]) -> None:
         seconds, batch = step
