@@ -556,6 +556,9 @@ class KVStore:
         if moving is not None and sequence_id in moving.members:
             companions = int((moving.lengths[: len(moving.members)] >= moving.capacity).sum()) - 1
         destination = self._room(target, 1 + max(companions, 0), kind)
+        if destination is None and target != (own := self.class_for(tokens)):
+            target = own  # the rung above cannot grow within the budget: the sequence's own rung
+            destination = self._room(target, 1 + max(companions, 0), kind)
         if destination is None:
             self.trim(all_spare=True)
             destination = self._room(target, 1 + max(companions, 0), kind)

@@ -80,6 +80,16 @@ def test_a_sequence_whose_rung_is_empty_joins_the_populated_rung_above_it() -> N
     assert store.reserve("next", 20) and store.capacity_of["next"] == low  # its own rung has a row now
 
 
+def test_a_sequence_takes_its_own_rung_when_the_rung_above_cannot_grow_within_the_budget() -> None:
+    """Joining the rung above saves a graph call, never a row: with the budget too small to grow
+    that class, the sequence gets a row on its own rung instead of being refused."""
+    store = KVStore(LAYOUT, KVStore.minimum_budget(LAYOUT, 80, 16), 16, 80)  # 80 + 64 tokens
+    assert store.ladder == [64, 80]
+    assert store.reserve("wide", 80) and store.classes[80].rows == 1
+    assert store.reserve("short", 10) and store.capacity_of["short"] == 64
+    assert store.physical_bytes <= store.capacity_bytes
+
+
 def test_companions_at_the_same_length_move_in_one_reallocation() -> None:
     store = KVStore(LAYOUT, 1 << 20, 16, 1000)
     for i in range(15):
