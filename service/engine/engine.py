@@ -344,9 +344,7 @@ class ModelEngine:
             prefilled, self._prefilled = self._prefilled, []
         joined = self._join(prefilled)
         output = self.scheduler.schedule()
-        if self.admission.enabled:
-            with self._wake:
-                self._backlog = Backlog.of(self.scheduler.waiting, self.scheduler.running)
+        self._snapshot_backlog()
         if output.preempted:
             self._preemptions.inc(len(output.preempted))
         if output.admitted:
@@ -447,6 +445,12 @@ class ModelEngine:
                 self._estimated_ttft.observe(estimate.seconds)
                 self._estimate_error.observe(realised - estimate.seconds)
 
+    def _snapshot_backlog(self) -> None:
+        """What is ahead of a new request as of this step, for admission control (when it is on)."""
+        if self.admission.enabled:
+            with self._wake:
+                self._backlog = Backlog.of(self.scheduler.waiting, self.scheduler.running)
+
     def _decode_steady(self) -> None:
         """Steps of the steady batch back to back, each handing its outputs over, until something
         changes (`_changed`, a finish, a deadline or the gauges falling due) or a row fills: the
@@ -454,9 +458,7 @@ class ModelEngine:
         requests = self._steady
         while True:
             self._steady_steps -= 1
-            if self.admission.enabled:
-                with self._wake:
-                    self._backlog = Backlog.of(self.scheduler.waiting, self.scheduler.running)
+            self._snapshot_backlog()
             self._decode(requests)
             self._hand_over()
             if self._steady_steps <= 0 or self._changed or time.monotonic() >= self._steady_until:

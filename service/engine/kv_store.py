@@ -514,19 +514,18 @@ class KVStore:
                 return capacity
         raise ValueError(f"{tokens} tokens exceed the store's max_tokens={self.max_tokens}")
 
-    def _placement(self, tokens: int, kind: str) -> int:
-        """The class a sequence needing `tokens` goes to: its own rung of the ladder, or the next
+    def _placement(self, own: int, kind: str) -> int:
+        """The class a sequence whose own rung of the ladder is `own` goes to: that one, or the next
         one up when that one holds rows and its own holds none. Every class with members costs one
         graph call per step, mostly fixed cost, so a row one rung wider (still >= 64% used) beats
         a call of its own."""
-        target = self.class_for(tokens)
         classes = self.kinds[kind]
-        if _populated(classes.get(target)):
-            return target
-        rung = self.ladder.index(target)
+        if _populated(classes.get(own)):
+            return own
+        rung = self.ladder.index(own)
         if rung + 1 < len(self.ladder) and _populated(classes.get(self.ladder[rung + 1])):
             return self.ladder[rung + 1]
-        return target
+        return own
 
     def _class_of(self, sequence_id: str) -> CapacityClass | None:
         capacity = self.capacity_of.get(sequence_id)
@@ -549,19 +548,21 @@ class KVStore:
         if current is not None and current >= tokens:
             self.tokens[sequence_id] = max(tokens, self.tokens.get(sequence_id, 0))
             return True
-        target = self._placement(tokens, kind)
+        own = self.class_for(tokens)
+        target = self._placement(own, kind)
         moving = self._class_of(sequence_id)
         # Members of the source class as full as this one move this step too: one re-allocation.
         companions = 0
         if moving is not None and sequence_id in moving.members:
             companions = int((moving.lengths[: len(moving.members)] >= moving.capacity).sum()) - 1
-        destination = self._room(target, 1 + max(companions, 0), kind)
-        if destination is None and target != (own := self.class_for(tokens)):
+        rows_needed = 1 + max(companions, 0)
+        destination = self._room(target, rows_needed, kind)
+        if destination is None and target != own:
             target = own  # the rung above cannot grow within the budget: the sequence's own rung
-            destination = self._room(target, 1 + max(companions, 0), kind)
+            destination = self._room(target, rows_needed, kind)
         if destination is None:
             self.trim(all_spare=True)
-            destination = self._room(target, 1 + max(companions, 0), kind)
+            destination = self._room(target, rows_needed, kind)
             if destination is None:
                 return False
         destination.reserved.add(sequence_id)
