@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -175,10 +176,11 @@ class ModelEngine:
         }
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
-        self._gauges_due = 0.0
+        self._gauges_due = 0.0  # the next gauge update (full steps and steady steps alike)
+        self._housekeeping_due = 0.0  # the next trim of spare rows and stale bindings (full steps)
         # The steady state: the batch the last full step decoded, while nothing that could change
         # it has happened (`_changed`: new requests, computed prompts, cancels, a stop; a request
-        # finishing; a deadline or the gauges falling due). Steps in it skip reaping and scheduling.
+        # finishing; a deadline). Steps in it skip reaping and scheduling.
         self._changed = True
         self._steady: list[Request] = []
         self._steady_steps = 0  # fast steps left before a sequence needs a wider row
@@ -199,7 +201,7 @@ class ModelEngine:
         self._stopped = False  # the loop exits
         self._thread = threading.Thread(target=self._loop, name=f"engine-{manifest.name}", daemon=True)
         metrics.kv_cache_capacity.labels(**labels).set(self.store.capacity_bytes)
-        self._update_gauges()
+        self._update_gauges(time.monotonic())
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -353,18 +355,18 @@ class ModelEngine:
             self._decode(output.decode)
         busy = bool(joined or output.decode)
         now = time.monotonic()
-        if not busy or now >= self._gauges_due:  # every step would cost ~3% of a small step
+        if not busy or now >= self._housekeeping_due:  # every step would cost ~3% of a small step
             self.store.trim()  # classes left mostly spare by leavers give rows back
             self.runner.forget_calls()
-            self._update_gauges()
-            self._gauges_due = now + GAUGE_INTERVAL_SECONDS
+            self._housekeeping_due = now + GAUGE_INTERVAL_SECONDS
+            self._update_gauges(now)
         self._hold_steady(output, joined)
         return busy
 
     def _hold_steady(self, output: SchedulerOutput, joined: int) -> None:
         """After a full step: the batch it decoded is steady when every running sequence decoded
         and none finished, nothing waits or joined, and the store is as it was (until the next
-        deadline or gauge update)."""
+        deadline)."""
         running = self.scheduler.running
         if (
             joined
@@ -379,7 +381,7 @@ class ModelEngine:
         deadlines = [r.deadline for r in running if r.deadline is not None]
         self._steady = running[:]
         self._steady_steps = self.scheduler.steady_steps(self._steady)
-        self._steady_until = min([self._gauges_due, *deadlines])
+        self._steady_until = min(deadlines, default=math.inf)
 
     def _reap_aborted(self) -> None:
         now = time.monotonic()
@@ -453,16 +455,20 @@ class ModelEngine:
 
     def _decode_steady(self) -> None:
         """Steps of the steady batch back to back, each handing its outputs over, until something
-        changes (`_changed`, a finish, a deadline or the gauges falling due) or a row fills: the
-        loop's fast path, with per step only what a step must do (feed, graph, sample, append)."""
+        changes (`_changed`, a finish, a deadline) or a row fills: the loop's fast path, with per
+        step only what a step must do (feed, graph, sample, append), and the gauges when due."""
         requests = self._steady
         while True:
             self._steady_steps -= 1
             self._snapshot_backlog()
             self._decode(requests)
             self._hand_over()
-            if self._steady_steps <= 0 or self._changed or time.monotonic() >= self._steady_until:
+            now = time.monotonic()
+            if self._steady_steps <= 0 or self._changed or now >= self._steady_until:
                 return
+            if now >= self._gauges_due:  # the store's layout is unchanged: only sizes to report
+                self.scheduler.note_growth(requests)
+                self._update_gauges(now)
 
     def _decode(self, requests: list[Request]) -> None:
         """One graph step for these sequences (every member of the store); then each one's next
@@ -521,7 +527,8 @@ class ModelEngine:
         self._batches["prefill"].observe(batch)
         self.admission.observe_prefill(seconds, tokens)
 
-    def _update_gauges(self) -> None:
+    def _update_gauges(self, now: float) -> None:
+        self._gauges_due = now + GAUGE_INTERVAL_SECONDS
         stats = self.store.stats()
         forms = {request.request_id: request.cache_policy.form for request in self.scheduler.requests()}
         held = dict.fromkeys(self._used, 0)

@@ -44,6 +44,8 @@ from contract.manifest import DTYPE_BYTES, INT8_SCALE_BYTES
 Array = Any  # np.ndarray or torch.Tensor, as the backend makes them
 
 GROWTH = 1.25  # capacity ratio between neighbouring classes: a row is >= 1/GROWTH full
+# A class moves up the ladder as a whole when each of its rows would be at least this full there.
+PROMOTED_FILL = 1 / GROWTH**2
 SMALLEST_CLASS_BLOCKS = 4
 INT8 = "int8"  # the storage kind of int8 rows (float rows' kind is the layout's dtype)
 _VERSIONS = itertools.count()  # binding versions, unique across re-made classes
@@ -551,11 +553,12 @@ class KVStore:
         own = self.class_for(tokens)
         target = self._placement(own, kind)
         moving = self._class_of(sequence_id)
-        # Members of the source class as full as this one move this step too: one re-allocation.
-        companions = 0
+        movers, rows_needed = [sequence_id], 1
         if moving is not None and sequence_id in moving.members:
-            companions = int((moving.lengths[: len(moving.members)] >= moving.capacity).sum()) - 1
-        rows_needed = 1 + max(companions, 0)
+            movers = self._movers(moving, sequence_id, target)
+            # Members as full as this one move this step too: room for them in one re-allocation.
+            full = int((moving.lengths[: len(moving.members)] >= moving.capacity).sum())
+            rows_needed = max(len(movers), full)
         destination = self._room(target, rows_needed, kind)
         if destination is None and target != own:
             target = own  # the rung above cannot grow within the budget: the sequence's own rung
@@ -565,13 +568,17 @@ class KVStore:
             destination = self._room(target, rows_needed, kind)
             if destination is None:
                 return False
+        if destination.free_rows < len(movers):
+            movers = [sequence_id]  # no room for its whole class within the budget: the sequence alone
         destination.reserved.add(sequence_id)
         source = self._class_of(sequence_id)  # trim may have re-made it
         if source is not None:
-            if sequence_id in source.members:  # a move: the row's cache goes with it, on the device
-                row = source.members.index(sequence_id)
-                destination.write(sequence_id, source.row_cache(row), int(source.lengths[row]), source.policies[row])
-                source.remove(sequence_id)
+            if sequence_id in source.members:  # a move: the rows' caches go with them, on the device
+                for mover in reversed(movers):  # the last rows first: no row is copied twice
+                    row = source.members.index(mover)
+                    destination.write(mover, source.row_cache(row), int(source.lengths[row]), source.policies[row])
+                    source.remove(mover)
+                    self.capacity_of[mover] = target
             else:
                 source.reserved.discard(sequence_id)
             self._release_if_empty(source)
@@ -580,11 +587,21 @@ class KVStore:
         self.tokens[sequence_id] = max(tokens, self.tokens.get(sequence_id, 0))
         return True
 
+    def _movers(self, source: CapacityClass, sequence_id: str, target: int) -> list[str]:
+        """Who moves to `target` with a sequence whose row in `source` is full: the whole class when
+        every member would fill at least PROMOTED_FILL of a row there (one class stays one graph
+        call per step, where moving one by one would hold two calls per step until the last one
+        moved, and re-allocate the wider class once per mover); else the sequence alone."""
+        batch = len(source.members)
+        if batch > 1 and not source.bounded and int(source.lengths[:batch].min()) >= PROMOTED_FILL * target:
+            return list(source.members)
+        return [sequence_id]
+
     def _room(self, capacity: int, rows_needed: int, kind: str) -> CapacityClass | None:
-        """The class with a free row, grown if it must be (`rows_needed` rows are about to be taken):
-        with an eighth more rows of headroom if that fits, else exactly."""
+        """The class with `rows_needed` free rows, grown if it must be: with an eighth more rows of
+        headroom if that fits, else exactly, else (over the budget) by the one row that must be."""
         existing = self.kinds[kind].get(capacity)
-        if existing is not None and existing.free_rows > 0:
+        if existing is not None and existing.free_rows >= rows_needed:
             return existing
         held = 0 if existing is None else existing.rows - existing.free_rows
         wanted = held + rows_needed

@@ -38,25 +38,31 @@ class Sampler:
         temperature alone one softmax and one inverse-CDF draw (a uniform from each row's own
         generator); rows with top-k / top-p filters go one by one. A row whose sampling fails
         gets the exception instead of a token."""
-        tokens: list[int | Exception] = logits.argmax(axis=1).tolist()
         sampled = [row for row, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
+        if len(sampled) < len(params):
+            tokens: list[int | Exception] = logits.argmax(axis=1).tolist()
+        else:  # every row draws (one that cannot keeps its mode: `_draw_rows`)
+            tokens = [0] * len(params)
         if not sampled:
             return tokens
         plain = [row for row in sampled if params[row].top_k == 0 and params[row].top_p >= 1.0]
         if plain:
-            temperatures = np.array([[params[row].temperature] for row in plain])
-            scaled = logits[plain].astype(np.float64) / temperatures
-            scaled -= scaled.max(axis=1, keepdims=True)
-            self._draw_rows(plain, np.cumsum(np.exp(scaled), axis=1), request_ids, params, tokens)
-        for row in sampled:
-            if row in plain:
-                continue
+            # In place on one float64 copy: the same arithmetic as probabilities(), a third of the time.
+            cdfs = (logits if len(plain) == len(params) else logits[plain]).astype(np.float64)
+            cdfs /= np.array([[params[row].temperature] for row in plain])
+            cdfs -= cdfs.max(axis=1, keepdims=True)
+            np.exp(cdfs, out=cdfs)
+            np.cumsum(cdfs, axis=1, out=cdfs)
+            self._draw_rows(plain, cdfs, request_ids, params, tokens, logits)
+        if len(plain) == len(sampled):
+            return tokens
+        for row in sorted(set(sampled) - set(plain)):
             try:
                 cdf = np.cumsum(probabilities(logits[row], params[row]))[None]
             except Exception as error:
                 tokens[row] = error
                 continue
-            self._draw_rows([row], cdf, request_ids, params, tokens)
+            self._draw_rows([row], cdf, request_ids, params, tokens, logits)
         return tokens
 
     def _draw_rows(
@@ -66,25 +72,28 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         tokens: list[int | Exception],
+        logits: np.ndarray,
     ) -> None:
         """Inverse-CDF draws for `rows` (their unnormalised cdfs, one per row): one uniform from each
         request's generator, then every row's token at once (the first index whose cdf exceeds it).
-        A row whose total is not finite and positive (e.g. non-finite logits) keeps its mode."""
+        A row whose total is not finite and positive (e.g. non-finite logits) gets its mode."""
         totals = cdfs[:, -1]
-        valid = np.isfinite(totals) & (totals > 0)
         uniforms = np.zeros(len(rows))
+        generators = self._generators
         for index, row in enumerate(rows):
-            if not valid[index]:
-                continue
-            generator = self._generators.get(request_ids[row])
+            generator = generators.get(request_ids[row])
             if generator is None:
-                generator = self._generators[request_ids[row]] = np.random.default_rng(params[row].seed)
-            uniforms[index] = generator.random() * totals[index]
+                generator = generators[request_ids[row]] = np.random.default_rng(params[row].seed)
+            uniforms[index] = generator.random()
+        valid = np.isfinite(totals) & (totals > 0)
+        uniforms *= np.where(valid, totals, 0.0)
         # searchsorted(cdf, u, side="right") for each row: how many cdf entries are <= u.
         drawn = np.minimum((cdfs <= uniforms[:, None]).sum(axis=1), cdfs.shape[1] - 1).tolist()
+        if not valid.all():
+            modes = logits[rows].argmax(axis=1).tolist()
+            drawn = [d if ok else mode for d, ok, mode in zip(drawn, valid.tolist(), modes, strict=True)]
         for index, row in enumerate(rows):
-            if valid[index]:
-                tokens[row] = drawn[index]
+            tokens[row] = drawn[index]
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -115,6 +115,13 @@ class Scheduler:
             steps = min(steps, capacity - request.cached_tokens + 1)
         return max(steps, 0)
 
+    def note_growth(self, decoding: list[Request]) -> None:
+        """Sequences of a steady batch grew inside their rows (`steady_steps` left room for the
+        next token): the store's count of what each holds catches up, as `schedule` would have
+        reserved it, so the used-bytes gauge follows a long steady run."""
+        for request in decoding:
+            self.kv.reserve(request.request_id, request.cached_tokens)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)

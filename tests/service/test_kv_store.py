@@ -104,6 +104,40 @@ def test_companions_at_the_same_length_move_in_one_reallocation() -> None:
     assert store.stats().used_bytes / store.physical_bytes >= 0.8
 
 
+def test_a_class_whose_rows_would_stay_mostly_full_moves_up_as_a_whole() -> None:
+    """When one member's row fills and every member would fill >= 64% of a row one rung up, the
+    whole class moves there (one class, one graph call per step); with a shorter member, the full
+    sequence moves alone, as before."""
+    store = KVStore(LAYOUT, 1 << 20, 16, 1000)
+    lengths = {"s0": 64, "s1": 60, "s2": 55, "s3": 52}  # >= 0.64 x 80 = 51.2
+    for index, name in enumerate(lengths):
+        assert store.reserve(name, 51)
+        write(store, name, 51, float(index))
+    klass = store.classes[64]
+    for row, name in enumerate(klass.members):
+        klass.lengths[row] = klass.positions[row, 0] = lengths[name]
+        klass.mask[row, : lengths[name]] = 1
+    assert store.reserve("s0", 65)
+    assert 64 not in store.classes and sorted(store.classes[80].members) == sorted(lengths)
+    wider = store.classes[80]
+    for name, length in lengths.items():
+        row = wider.members.index(name)
+        assert store.capacity_of[name] == 80 and int(wider.lengths[row]) == length
+        assert np.all(wider.cache[:, row, :, :51] == float(list(lengths).index(name)))
+        assert np.all(wider.mask[row, :length] == 1) and np.all(wider.mask[row, length:80] == 0)
+    assert store.physical_bytes == allocated(store)
+
+    store = KVStore(LAYOUT, 1 << 20, 16, 1000)
+    for name in ("full", "short"):
+        assert store.reserve(name, 51)
+        write(store, name, 50)
+    klass = store.classes[64]
+    klass.lengths[0] = klass.positions[0, 0] = 64  # "full"; "short" stays at 50 < 51.2
+    assert store.reserve("full", 65)
+    assert store.classes[64].members == ["short"] and store.classes[80].members == ["full"]
+    assert store.physical_bytes == allocated(store)
+
+
 def test_nothing_is_allocated_beyond_the_budget_even_while_a_class_is_reallocated() -> None:
     rng = np.random.default_rng(0)
     budget = 64 * 16 * 40

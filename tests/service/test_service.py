@@ -153,6 +153,27 @@ def test_cancelled_stream_returns_cache_to_zero(server: ServerProcess) -> None:
     assert wait_for(lambda: server.metric("posenc_running_sequences", model="alibi") == 0)
 
 
+def test_used_cache_gauge_follows_a_stream_growing_inside_its_row(server: ServerProcess) -> None:
+    """Between 1200 and 1504 tokens a sequence grows inside one row, a steady batch that takes no
+    scheduling step; the used-bytes gauge still follows it (it is updated every 20 ms), rather than
+    holding what the row's last move reserved."""
+    info = {m.name: m for m in server.stub.ListModels(pb.ListModelsRequest(), timeout=10).models}["alibi"]
+    prompt = "def main():\n"
+    stream = server.stub.GenerateStream(
+        pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=1500), timeout=120
+    )
+    received = 0
+    for chunk in stream:
+        received += len(chunk.text.encode())
+        if received >= 1400:
+            break
+    used = server.metric("posenc_kv_cache_used_bytes", model="alibi")
+    stream.cancel()
+    held = used / info.kv_cache_bytes_per_token
+    # The engine is ahead of what this client has read; the gauge lags it by <= 20 ms of steps.
+    assert held >= len(prompt) + 1400 - 100, held
+
+
 def test_deadline_returns_deadline_exceeded_and_frees_cache(server: ServerProcess) -> None:
     request = pb.GenerateRequest(model="sinusoidal", prompt="class A:\n", max_new_tokens=2000)
     with pytest.raises(grpc.RpcError) as error:
