@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from service.api import build
 from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.request import SamplingParams
+from service.engine.request import OutputStream, RequestStatus, SamplingParams, StreamEvent
 from service.engine.sampler import Sampler, probabilities
 
 
@@ -106,3 +107,23 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
         assert (tmp_path / name).read_text() == (build.OUT / name).read_text(), (
             f"{name} drifted: run python -m service.api.build"
         )
+
+
+def test_output_stream_merges_what_the_consumer_has_not_taken_and_stays_readable_once_closed() -> None:
+    stream = OutputStream()
+    assert stream.get(timeout=0.01) is None  # nothing yet: a timeout, not an event
+    stream.put("a")
+    stream.put("b")
+    assert stream.get(timeout=1) == StreamEvent("ab", RequestStatus.RUNNING)  # one wake-up, both texts
+    assert stream.get(timeout=0.01) is None  # nothing left over, no stale wake-up
+    woken: list[StreamEvent | None] = []
+    reader = threading.Thread(target=lambda: woken.append(stream.get(timeout=5)))
+    reader.start()
+    stream.put("c")
+    reader.join()
+    assert woken == [StreamEvent("c", RequestStatus.RUNNING)]  # a waiting consumer is woken
+    stream.put("d")
+    stream.close("e", RequestStatus.FINISHED_LENGTH)
+    assert stream.get(timeout=1) == StreamEvent("de", RequestStatus.FINISHED_LENGTH)
+    for _ in range(2):  # closed: every later call answers at once, with no text
+        assert stream.get(timeout=None) == StreamEvent("", RequestStatus.FINISHED_LENGTH)
