@@ -120,16 +120,20 @@ def grpc_stream_ceiling(messages: int = 5000) -> tuple[float, float]:
 
 
 def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int, device: str = "cpu") -> float:
-    """The engine's own runner without gRPC, scheduler or sampler: the in-process ceiling."""
+    """The engine's own runner without gRPC, scheduler or sampler: the in-process ceiling. It
+    decodes as the engine's steady batch does, one plan until the row fills and moves up."""
     runner = ModelRunner(Manifest.load(folder), StoreConfig(1 << 34, 16, 4096), device, threads)
     prompt = runner.prefill_batch({"r": TOKENIZER.encode("def main():\n")})[0]
     runner.store.reserve("r", prompt.length + 1)
     runner.join([prompt])
     token = int(prompt.logits.argmax())
+    plan = runner.plan_decode(["r"])
     started = time.perf_counter()
     for step in range(new_tokens):
-        runner.store.reserve("r", prompt.length + step + 1)
-        token = int(runner.decode({"r": token})["r"].argmax())
+        if runner.store.capacity("r") < prompt.length + step + 1:  # the row is full: a wider one
+            runner.store.reserve("r", prompt.length + step + 1)
+            plan = runner.plan_decode(["r"])
+        token = int(runner.decode_planned(plan, [token])[0].argmax())
     return new_tokens / (time.perf_counter() - started)
 
 
@@ -329,15 +333,24 @@ def policy_runner(
     return runner
 
 
+def planned_step(runner: ModelRunner) -> Callable[[], np.ndarray]:
+    """One decode step of every member of the store, as the engine's steady batch takes it (one
+    plan of bound calls, each row fed a token)."""
+    members = runner.store.members()
+    plan = runner.plan_decode(members)
+    tokens = [65] * len(members)
+    return lambda: runner.decode_planned(plan, tokens)
+
+
 def bounded_step_seconds(runner: ModelRunner, steps: int) -> float:
     """Median decode step time of bounded rows: every step evicts one token and appends one, so
     the history grows while the cache stays the same size."""
-    tokens = dict.fromkeys(runner.store.members(), 65)
-    runner.decode(tokens)  # warm-up
+    step = planned_step(runner)
+    step()  # warm-up
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        runner.decode(tokens)
+        step()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -345,13 +358,13 @@ def bounded_step_seconds(runner: ModelRunner, steps: int) -> float:
 def step_seconds(runner: ModelRunner, steps: int) -> float:
     """Median decode step time at the store's context: each step's new column is taken back,
     so every step reads the same context."""
-    tokens = dict.fromkeys(runner.store.members(), 65)
-    runner.decode(tokens)  # warm-up
+    step = planned_step(runner)
+    step()  # warm-up
     runner.store.rewind(1)
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        runner.decode(tokens)
+        step()
         times.append(time.perf_counter() - started)
         runner.store.rewind(1)
     return statistics.median(times)
@@ -368,10 +381,10 @@ def cache_share(
     """
     runner = batch_runner(folder, batch, context, threads, device)
     step = step_seconds(runner, steps)
-    tokens = dict.fromkeys(runner.store.members(), 65)
+    decode = planned_step(runner)
     runner.timings.graph = runner.timings.cache = 0.0
     for _ in range(steps):
-        runner.decode(tokens)
+        decode()
         runner.store.rewind(1)
     host, graph = runner.timings.cache / steps, runner.timings.graph / steps
 
@@ -383,8 +396,9 @@ def cache_share(
     profiled = ort.InferenceSession(path, options, providers=runner.providers)
     runner.session.session = profiled
     runner.forget_calls(everything=True)  # bind the profiled session
+    decode = planned_step(runner)
     for _ in range(steps):
-        runner.decode(tokens)
+        decode()
         runner.store.rewind(1)
     profile_path = Path(profiled.end_profiling())
     kernel_all = kernel_concat = 0.0

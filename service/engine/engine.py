@@ -32,7 +32,7 @@ from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor, TokenMetrics
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
 from service.engine.request import OutputSink, Request, RequestStatus
-from service.engine.runner import ModelRunner, Scored, StoreConfig
+from service.engine.runner import DecodePlan, ModelRunner, Scored, StoreConfig
 from service.engine.sampler import Sampler
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.metrics import ServiceMetrics
@@ -458,10 +458,11 @@ class ModelEngine:
         changes (`_changed`, a finish, a deadline) or a row fills: the loop's fast path, with per
         step only what a step must do (feed, graph, sample, append), and the gauges when due."""
         requests = self._steady
+        plan = self.runner.plan_decode([r.request_id for r in requests])  # the store holds still until it ends
         while True:
             self._steady_steps -= 1
             self._snapshot_backlog()
-            self._decode(requests)
+            self._decode(requests, plan)
             self._hand_over()
             now = time.monotonic()
             if self._steady_steps <= 0 or self._changed or now >= self._steady_until:
@@ -470,24 +471,22 @@ class ModelEngine:
                 self.scheduler.note_growth(requests)
                 self._update_gauges(now)
 
-    def _decode(self, requests: list[Request]) -> None:
-        """One graph step for these sequences (every member of the store); then each one's next
-        token is sampled, and those it ends (or whose sampling failed) are finished."""
+    def _decode(self, requests: list[Request], plan: DecodePlan | None = None) -> None:
+        """One graph step for these sequences (every member of the store), through `plan` (the
+        steady batch's, or one made here); then each one's next token is sampled, and those it
+        ends (or whose sampling failed) are finished."""
         started = time.monotonic()
         try:
-            members, logits = self.runner.decode_rows({r.request_id: r.output_ids[-1] for r in requests})
+            plan = plan or self.runner.plan_decode([r.request_id for r in requests])
+            logits = self.runner.decode_planned(plan, [r.output_ids[-1] for r in requests])
         except Exception as error:  # fail only the sequences of this call
             self._fail(requests, error)
             return
         now = time.monotonic()
         # Observed where the step's outputs are delivered (the publisher, in the engine core).
         self._batch.records.append((self._observe_decode_step, (now - started, len(requests))))
-        ids = [r.request_id for r in requests]
         for request in requests:
             request.num_computed_tokens = request.num_tokens
-        if members != ids:  # the store's row order is not the scheduler's (several classes, or moves)
-            row_of = {member: row for row, member in enumerate(members)}
-            logits = logits[[row_of[i] for i in ids]]
         self._sample(requests, logits, now)
 
     def _sample(self, requests: list[Request], logits: np.ndarray, now: float | None = None) -> None:

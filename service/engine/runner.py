@@ -167,6 +167,18 @@ class _DecodeCall:
     logits: Array  # (B, 1, vocab)
 
 
+@dataclass
+class DecodePlan:
+    """A batch's decode calls resolved once (vLLM's persistent batch): each capacity class with
+    its bound call and where its members' tokens come from. Good while the store's classes and
+    their members stay as they are; the engine's steady batch keeps one for as long as it lasts,
+    so a step only writes each row's token, runs the calls and advances the rows."""
+
+    ids: list[str]  # the sequences, in the caller's order
+    parts: list[tuple[CapacityClass, _DecodeCall, list[int] | None]]  # class, call, its members' indexes in ids
+    order: np.ndarray | None  # for each of ids, its row of the classes' logits stacked (None: the same)
+
+
 class ModelSession:
     """One ONNX Runtime session whose calls are bound to backend arrays by pointer."""
 
@@ -442,30 +454,55 @@ class ModelRunner:
 
     def decode_rows(self, tokens: dict[str, int]) -> tuple[list[str], np.ndarray]:
         """One step for every member of the store, one graph call per capacity class: the members
-        in row order and their logits (members, vocab) float32 (the engine's per-step path: no
-        per-member objects)."""
+        in row order and their logits (members, vocab) float32, a copy."""
+        members = self.store.members()
+        logits = self.decode_planned(self.plan_decode(members), [tokens[member] for member in members])
+        return members, np.array(logits)
+
+    def plan_decode(self, ids: list[str]) -> DecodePlan:
+        """The decode calls for these sequences, which must be every member of the store."""
+        index = {sequence: position for position, sequence in enumerate(ids)}
+        parts: list[tuple[CapacityClass, _DecodeCall, list[int] | None]] = []
         members: list[str] = []
-        parts: list[np.ndarray] = []
-        for klass in list(self.store.batches()):
-            batch = len(klass.members)
-            fed = np.fromiter((tokens[member] for member in klass.members), dtype=np.int64, count=batch)
+        for klass in self.store.batches():
+            picks = [index[member] for member in klass.members]
+            in_order = picks == list(range(len(members), len(members) + len(picks)))
+            parts.append((klass, self._decode_call(klass), None if in_order and len(picks) == len(ids) else picks))
+            members += klass.members
+        if len(members) != len(ids):
+            raise ValueError(f"a decode step feeds every member of the store: {len(members)}, not {len(ids)}")
+        order = None
+        if members != ids:
+            row_of = {member: row for row, member in enumerate(members)}
+            order = np.fromiter((row_of[sequence] for sequence in ids), dtype=np.int64, count=len(ids))
+        return DecodePlan(ids, parts, order)
+
+    def decode_planned(self, plan: DecodePlan, tokens: list[int]) -> np.ndarray:
+        """One step of the plan's sequences, `tokens` fed in its order: their logits (n, vocab)
+        float32 in that order. A view of the graph's output buffer when one class holds them all in
+        order: good until the next step (the engine samples at once)."""
+        parts = []
+        for klass, call, picks in plan.parts:
+            fed = tokens if picks is None else [tokens[position] for position in picks]
             started = time.perf_counter()
-            call = self._decode_call(klass)
-            self._set_ids(klass.input_ids[:batch, 0], fed)
+            self._set_ids(klass.input_ids[: len(fed), 0], fed)
             call.session.run(call.binding)
             after_graph = time.perf_counter()
             klass.append_step(call.new_kv)
-            parts.append(self.backend.download(call.logits[:, -1]).astype(np.float32))  # a copy: buffers are reused
+            logits = self.backend.download(call.logits[:, -1])
+            parts.append(logits if logits.dtype == np.float32 else logits.astype(np.float32))
             self.timings.cache += time.perf_counter() - after_graph
             self.timings.graph += after_graph - started
-            members += klass.members
-        return members, (parts[0] if len(parts) == 1 else np.concatenate(parts))
+        if len(parts) == 1 and plan.order is None:
+            return parts[0]
+        stacked = np.concatenate(parts)
+        return stacked if plan.order is None else stacked[plan.order]
 
-    def _set_ids(self, target: Array, values: np.ndarray) -> None:
+    def _set_ids(self, target: Array, values: np.ndarray | list[int]) -> None:
         if isinstance(target, np.ndarray):
             target[:] = values
         else:
-            target.copy_(self.backend.torch.from_numpy(values))  # type: ignore[union-attr]
+            target.copy_(self.backend.torch.from_numpy(np.asarray(values, dtype=np.int64)))  # type: ignore[union-attr]
 
     def _decode_call(self, klass: CapacityClass) -> _DecodeCall:
         """The class's decode call bound to the leading rows of its arrays and preallocated
