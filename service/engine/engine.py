@@ -183,6 +183,7 @@ class ModelEngine:
         # finishing; a deadline). Steps in it skip reaping and scheduling.
         self._changed = True
         self._steady: list[Request] = []
+        self._steady_plan: DecodePlan | None = None  # its decode calls, resolved once
         self._steady_steps = 0  # fast steps left before a sequence needs a wider row
         self._steady_until = 0.0
         self.prefill_worker = PrefillWorker(
@@ -380,6 +381,7 @@ class ModelEngine:
             return
         deadlines = [r.deadline for r in running if r.deadline is not None]
         self._steady = running[:]
+        self._steady_plan = self.runner.plan_decode([r.request_id for r in running])  # the store holds still
         self._steady_steps = self.scheduler.steady_steps(self._steady)
         self._steady_until = min(deadlines, default=math.inf)
 
@@ -457,8 +459,7 @@ class ModelEngine:
         """Steps of the steady batch back to back, each handing its outputs over, until something
         changes (`_changed`, a finish, a deadline) or a row fills: the loop's fast path, with per
         step only what a step must do (feed, graph, sample, append), and the gauges when due."""
-        requests = self._steady
-        plan = self.runner.plan_decode([r.request_id for r in requests])  # the store holds still until it ends
+        requests, plan = self._steady, self._steady_plan
         while True:
             self._steady_steps -= 1
             self._snapshot_backlog()

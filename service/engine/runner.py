@@ -465,7 +465,10 @@ class ModelRunner:
         parts: list[tuple[CapacityClass, _DecodeCall, list[int] | None]] = []
         members: list[str] = []
         for klass in self.store.batches():
-            picks = [index[member] for member in klass.members]
+            picks = [index.get(member, -1) for member in klass.members]
+            if -1 in picks:
+                missing = klass.members[picks.index(-1)]
+                raise ValueError(f"a decode step feeds every member of the store: {missing!r} is not fed")
             in_order = picks == list(range(len(members), len(members) + len(picks)))
             parts.append((klass, self._decode_call(klass), None if in_order and len(picks) == len(ids) else picks))
             members += klass.members

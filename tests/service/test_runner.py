@@ -81,6 +81,33 @@ def test_sequences_joining_moving_and_leaving_match_lone_runs(repository: Path, 
     assert store.members() == [] and store.physical_bytes == 0
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_plan_held_across_steps_decodes_as_the_dict_path(repository: Path, backend: str) -> None:
+    """The steady batch keeps one DecodePlan while the store holds still: its steps, over two
+    classes and in the caller's order (not the store's), give each sequence the logits that
+    stepping by id (a fresh plan each step) gives it."""
+    held, fresh = runner_for(repository, "alibi", backend), runner_for(repository, "alibi", backend)
+    for runner in (held, fresh):
+        b = runner.prefill_chunked("b", PROMPTS["b"], chunk_tokens=20)
+        assert b is not None
+        prompts = [b, *runner.prefill_batch({"a": PROMPTS["a"], "c": PROMPTS["c"]})]
+        for prompt in prompts:
+            assert runner.store.reserve(prompt.request_id, prompt.length + 8)  # room for 8 steps
+        runner.join(prompts)
+    assert len(list(held.store.batches())) == 2
+    ids = ["c", "b", "a"]
+    plan = held.plan_decode(ids)
+    tokens = [10, 20, 30]
+    for _ in range(8):
+        mine = np.array(held.decode_planned(plan, tokens))
+        theirs = fresh.decode(dict(zip(ids, tokens, strict=True)))
+        for row, sequence in enumerate(ids):
+            np.testing.assert_allclose(mine[row], theirs[sequence], atol=1e-6, err_msg=sequence)
+        tokens = [int(token) for token in mine.argmax(axis=1)]
+    with pytest.raises(ValueError, match="every member of the store"):
+        held.plan_decode(["a", "b"])
+
+
 def test_torch_path_gives_the_numpy_path_s_greedy_tokens(repository: Path) -> None:
     """The GPU code path on the CPU: same greedy tokens, logits within 1e-4, for a batch that moves."""
     results = {}
