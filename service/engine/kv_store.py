@@ -9,6 +9,8 @@ sequence never pays for a long one's width, as it did in one left-padded batch. 
 rows costs one graph call per step, mostly fixed cost, so a sequence whose own rung has no rows
 joins the rung above when that one has (`_placement`: the row is still >= 64% used); measured with
 16 streams of 128-token requests: 2.33 calls per step became 1.49, mixed-lengths used/physical 0.85.
+For the same reason a class whose rows would all stay >= 64% full one rung up moves there whole when
+one of them fills (`_movers`): one re-allocation, and still one call per step.
 
 Accounting and memory are the same thing here: `reserve` allocates the row (or grows the class
 array) at once, or says no, and refuses anything that would take the allocated bytes, counted
