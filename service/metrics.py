@@ -9,7 +9,17 @@ numbers, so a model has at most six of each.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+import threading
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 # No `*_created` series: one per counter and histogram child (2,260 lines, 207 KB per scrape
 # with 15 models), and Prometheus does not use them (process start time dates every counter).
@@ -63,6 +73,9 @@ class ServiceMetrics:
         """Every metric, in `registry` (default: prometheus_client's). One process's share: `only`
         these attributes are registered, or all `without` those; the others exist unexported."""
         self.registry = registry if registry is not None else REGISTRY
+        # Held while an engine sets its cache gauges and while the exposition is generated, so one
+        # scrape never reads used bytes from one update and physical bytes from the one before.
+        self.gauge_lock = threading.Lock()
         kw = {"registry": None}
         self.requests = Counter(
             "posenc_requests", "RPCs of posenc.v1.Generation, each counted once with the status code its client saw.",
@@ -146,6 +159,11 @@ class ServiceMetrics:
         ]  # fmt: skip
         for metric in self._registered:
             self.registry.register(metric)
+
+    def exposition(self) -> bytes:
+        """The registry in the text format, consistent with each engine's gauge updates."""
+        with self.gauge_lock:
+            return generate_latest(self.registry)
 
     def unregister(self) -> None:
         for metric in self._registered:

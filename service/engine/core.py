@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from contract.cache_policy import CachePolicyError
 from contract.manifest import ManifestError
@@ -312,7 +312,7 @@ def run_core(config: CoreConfig) -> None:
         model.deliver = functools.partial(outputs.submit, model.outputs.deliver)
     engine.start()
     sender.send([Event.READY, model_infos(engine)])
-    if not CommandLoop(engine, outputs, sender, registry).run(read_messages(config.commands_fd)):
+    if not CommandLoop(engine, outputs, sender, metrics).run(read_messages(config.commands_fd)):
         logger.error("engine core: the front end is gone; exiting")
         os._exit(1)
     outputs.close_publisher()
@@ -322,8 +322,8 @@ def run_core(config: CoreConfig) -> None:
 class CommandLoop:
     """The core's main thread: one command at a time; scoring goes to a small pool."""
 
-    def __init__(self, engine: Engine, outputs: StepOutputs, sender: EventSender, registry: CollectorRegistry) -> None:
-        self.engine, self.outputs, self.sender, self.registry = engine, outputs, sender, registry
+    def __init__(self, engine: Engine, outputs: StepOutputs, sender: EventSender, metrics: ServiceMetrics) -> None:
+        self.engine, self.outputs, self.sender, self.metrics = engine, outputs, sender, metrics
         self.scoring = ThreadPoolExecutor(max_workers=4, thread_name_prefix="score")
 
     def run(self, commands: Iterator[list[Any]]) -> bool:
@@ -339,7 +339,7 @@ class CommandLoop:
             elif kind == Command.SCORE:
                 self.scoring.submit(self.score, *message[1:])
             elif kind == Command.METRICS:
-                self.sender.send([Event.REPLY, message[1], None, generate_latest(self.registry)])
+                self.sender.send([Event.REPLY, message[1], None, self.metrics.exposition()])
             elif kind == Command.STOP:
                 self.stop(float(message[1]))
                 return True

@@ -529,6 +529,10 @@ class ModelEngine:
 
     def _update_gauges(self, now: float) -> None:
         self._gauges_due = now + GAUGE_INTERVAL_SECONDS
+        with self.metrics.gauge_lock:  # a scrape sees all of this update or none of it
+            self._set_gauges()
+
+    def _set_gauges(self) -> None:
         stats = self.store.stats()
         forms = {request.request_id: request.cache_policy.form for request in self.scheduler.requests()}
         held = dict.fromkeys(self._used, 0)

@@ -2,17 +2,53 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.bench import mixed_lengths_workload
+from service.engine.engine import Engine, EngineConfig
 from service.engine.kv_store import KVLayout, KVStore
+from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
 
 TOKEN_BYTES = 4096  # every shipped model: 4 layers x 4 heads x 32 x 2 (K, V) x 4 bytes
+
+
+def test_a_scrape_during_a_gauge_update_sees_all_of_it(repository: Path) -> None:
+    """The engine sets its used-bytes gauges, then the physical bytes: a scrape landing between them
+    (seen once in CI on a loaded machine: used 4.4 MB against physical 2.2 MB) waits for the update
+    to finish instead of pairing new used bytes with old physical ones."""
+    metrics = ServiceMetrics(CollectorRegistry())
+    model = Engine.from_repository(repository, EngineConfig(threads=1), metrics, ["alibi"]).models["alibi"]
+    physical = model._gauges["physical"]
+    set_physical = physical.set
+    scraped: list[bytes] = []
+    scraper = threading.Thread(target=lambda: scraped.append(metrics.exposition()))
+
+    def set_late(value: float) -> None:  # a scrape arrives after the used gauges, before this one
+        scraper.start()
+        scraper.join(timeout=0.3)
+        set_physical(value)
+
+    physical.set = set_late  # type: ignore[method-assign]
+    model.store.physical_bytes = 12345 * TOKEN_BYTES  # as if a class had just been allocated
+    model._update_gauges(time.monotonic())
+    scraper.join()
+    physical_seen = [
+        sample.value
+        for family in text_string_to_metric_families(scraped[0].decode())
+        for sample in family.samples
+        if sample.name == "posenc_kv_cache_physical_bytes" and sample.labels.get("model") == "alibi"
+    ]
+    assert physical_seen == [12345 * TOKEN_BYTES]
 
 
 def test_physical_cache_never_exceeds_the_budget_under_mixed_lengths(repository: Path) -> None:
