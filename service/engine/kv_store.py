@@ -601,17 +601,20 @@ class KVStore:
 
     def _room(self, capacity: int, rows_needed: int, kind: str) -> CapacityClass | None:
         """The class with `rows_needed` free rows, grown if it must be: with an eighth more rows of
-        headroom if that fits, else exactly, else (over the budget) by the one row that must be."""
+        headroom if that fits, else exactly. Over the budget, the free rows it already has, else
+        grown by the one row that must be."""
         existing = self.kinds[kind].get(capacity)
         if existing is not None and existing.free_rows >= rows_needed:
             return existing
         held = 0 if existing is None else existing.rows - existing.free_rows
         wanted = held + rows_needed
-        for rows in dict.fromkeys((wanted + wanted // 8, wanted, held + 1)):
+        for rows in dict.fromkeys((wanted + wanted // 8, wanted)):
             grown = self._reallocate(capacity, rows, kind)
             if grown is not None:
                 return grown
-        return None
+        if existing is not None and existing.free_rows > 0:
+            return existing
+        return self._reallocate(capacity, held + 1, kind) if rows_needed > 1 else None
 
     def _reallocate(self, capacity: int, rows: int, kind: str) -> CapacityClass | None:
         """A new array for the class with `rows` rows, members copied over; None if the old and the

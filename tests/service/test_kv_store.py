@@ -138,6 +138,27 @@ def test_a_class_whose_rows_would_stay_mostly_full_moves_up_as_a_whole() -> None
     assert store.physical_bytes == allocated(store)
 
 
+def test_a_move_the_budget_cannot_make_room_for_takes_the_free_row_there_is() -> None:
+    """A full sequence whose whole class would move up, where the wider class has one free row and
+    the budget cannot grow it: the sequence takes that row, as a single mover always did, and
+    nothing is re-allocated for it."""
+    store = KVStore(LAYOUT, 440 * 16, 16, 80)  # 440 tokens; the ladder is [64, 80]
+    for name in ("s0", "s1", "s2"):
+        assert store.reserve(name, 51)
+        write(store, name, 50)
+    assert store.reserve("w1", 80) and store.reserve("w2", 80)
+    write(store, "w1", 70)
+    store.free("w2")
+    wider = store.classes[80]
+    assert wider.free_rows == 1
+    klass = store.classes[64]
+    klass.lengths[:3] = 64  # all three full: the whole class would move, three rows wanted
+    assert store.reserve("s0", 65)
+    assert store.classes[80] is wider and sorted(wider.members) == ["s0", "w1"]
+    assert sorted(store.classes[64].members) == ["s1", "s2"]
+    assert store.physical_bytes == allocated(store) <= store.capacity_bytes
+
+
 def test_nothing_is_allocated_beyond_the_budget_even_while_a_class_is_reallocated() -> None:
     rng = np.random.default_rng(0)
     budget = 64 * 16 * 40
