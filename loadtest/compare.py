@@ -24,7 +24,9 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -180,45 +182,50 @@ def servable(limit: int, prompt: str, new_tokens: int) -> bool:
     return not limit or len(prompt.encode()) + 1 + new_tokens <= limit
 
 
-def measure_ttft(
-    server: ServerProcess, model: str, limit: int, held_out: HeldOut, budget: Budget
-) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for length in budget.prompt_lengths:
-        prompt = held_out.text(length)
-        if not servable(limit, prompt, 1):
-            out[str(length)] = None
-            continue
-        times = [generate(server, model, prompt, 1).timings.time_to_first_token_seconds for _ in range(budget.repeats)]
-        out[str(length)] = statistics.median(times)
-    return out
+ITL_NEW_TOKENS = 16
 
 
-def measure_itl(
-    server: ServerProcess, model: str, limit: int, held_out: HeldOut, budget: Budget
-) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    new_tokens = 16
-    for context in budget.itl_contexts:
-        prompt = held_out.text(context)
-        if not servable(limit, prompt, new_tokens):
-            out[str(context)] = None
-            continue
-        values = []
-        for _ in range(budget.repeats):
-            response = generate(server, model, prompt, new_tokens)
-            steps = max(1, response.usage.completion_tokens - 1)
-            values.append((response.timings.total_seconds - response.timings.time_to_first_token_seconds) / steps)
-        out[str(context)] = statistics.median(values)
-    return out
+def rotated(schemes: list[str], turn: int) -> list[str]:
+    """`schemes` from a different one each turn, so that no scheme is always measured first."""
+    shift = turn % len(schemes)
+    return schemes[shift:] + schemes[:shift]
 
 
-def measure_load(
-    server: ServerProcess, model: str, limit: int, held_out: HeldOut, users: int, budget: Budget
-) -> dict[str, float]:
-    """Closed loop: `users` clients stream generations for `load_seconds`; /metrics sampled for peaks."""
-    prompt_length = 200 if limit else 512
-    prompts = [held_out.text(prompt_length) for _ in range(64)]
+def measure_latency(
+    servers: dict[str, ServerProcess], limits: dict[str, int], held_out: HeldOut, budget: Budget, results: Results
+) -> None:
+    """Time to first token by prompt length and inter-token latency by context, for every scheme on
+    the same prompts, `budget.repeats` rounds each visiting every scheme once (medians)."""
+    schemes = list(servers)
+    ttft_prompts = {str(length): held_out.text(length) for length in budget.prompt_lengths}
+    itl_prompts = {str(context): held_out.text(context) for context in budget.itl_contexts}
+    ttft: dict[str, dict[str, list[float]]] = {s: {length: [] for length in ttft_prompts} for s in schemes}
+    itl: dict[str, dict[str, list[float]]] = {s: {context: [] for context in itl_prompts} for s in schemes}
+    for turn in range(budget.repeats):
+        for scheme in rotated(schemes, turn):
+            server, limit = servers[scheme], limits[scheme]
+            for length, prompt in ttft_prompts.items():
+                if servable(limit, prompt, 1):
+                    response = generate(server, scheme, prompt, 1)
+                    ttft[scheme][length].append(response.timings.time_to_first_token_seconds)
+            for context, prompt in itl_prompts.items():
+                if servable(limit, prompt, ITL_NEW_TOKENS):
+                    response = generate(server, scheme, prompt, ITL_NEW_TOKENS)
+                    steps = max(1, response.usage.completion_tokens - 1)
+                    timings = response.timings
+                    itl[scheme][context].append((timings.total_seconds - timings.time_to_first_token_seconds) / steps)
+    for scheme in schemes:
+        results.ttft[scheme] = {k: statistics.median(v) if v else None for k, v in ttft[scheme].items()}
+        results.itl[scheme] = {k: statistics.median(v) if v else None for k, v in itl[scheme].items()}
+
+
+def load_prompt_bytes(limit: int) -> int:
+    return 200 if limit else 512
+
+
+def measure_load(server: ServerProcess, model: str, prompts: list[str], users: int, budget: Budget) -> dict[str, float]:
+    """Closed loop: `users` clients stream generations of `prompts` for `load_seconds`; /metrics
+    sampled for peaks."""
     records: list[tuple[float, float, float, int]] = []  # latency, ttft, mean itl, tokens
     errors = refused = 0
     lock = threading.Lock()
@@ -290,20 +297,87 @@ def measure_load(
     }
 
 
-def measure_load_with_admission(
-    args: argparse.Namespace, scheme: str, limit: int, held_out: HeldOut, budget: Budget
-) -> dict[str, dict[str, float]]:
-    """The load series again against a server started with --ttft-slo-seconds (its own process,
-    the same limits), so refusals and goodput can be set beside the series without it."""
-    server = ServerProcess(
-        args.model_repository, "--models", scheme, *SERVER_LIMITS, "--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S),
-        threads=args.threads,
-    )  # fmt: skip
+def measure_load_series(
+    args: argparse.Namespace, schemes: list[str], held_out: HeldOut, budget: Budget, results: Results,
+    progress: tqdm,
+) -> None:  # fmt: skip
+    """The load series (`budget.concurrency` users, each level a round over every scheme on the same
+    prompts), then memory at its end; then the series again against servers started with
+    --ttft-slo-seconds (the same limits), so refusals and goodput can be set beside it."""
+    admission = ("--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S))
+    prompts: dict[int, list[str]] = {}
+    for series, flags in (("load", ()), ("load, admission control", admission)):
+        progress.set_postfix(part=series)
+        loads: dict[str, dict[str, dict[str, float]]] = {s: {} for s in schemes}
+        with serving(args, schemes, *flags) as servers:
+            limits = served_limits(servers, results)
+            for n in {load_prompt_bytes(limit) for limit in limits.values()} - set(prompts):
+                prompts[n] = [held_out.text(n) for _ in range(64)]
+            for turn, users in enumerate(budget.concurrency):
+                for scheme in rotated(schemes, turn):
+                    chosen = prompts[load_prompt_bytes(limits[scheme])]
+                    loads[scheme][str(users)] = measure_load(servers[scheme], scheme, chosen, users, budget)
+                    progress.update()
+            if not flags:
+                for scheme, server in servers.items():
+                    results.memory[scheme] = {
+                        "process_peak_bytes": server.memory_bytes("VmHWM"),  # front end + engine core
+                        "kv_peak_bytes": max(v["kv_peak_bytes"] for v in loads[scheme].values()),
+                        **per_step_extra_bytes(scheme),
+                    }
+        (results.load_admission if flags else results.load).update(loads)
+
+
+@contextmanager
+def serving(args: argparse.Namespace, schemes: list[str], *flags: str) -> Iterator[dict[str, ServerProcess]]:
+    """One server per scheme (its peak memory is that scheme's alone), all started together and
+    stopped together."""
+    servers: dict[str, ServerProcess] = {}
     try:
-        server.wait_serving()
-        return {str(u): measure_load(server, scheme, limit, held_out, u, budget) for u in budget.concurrency}
+        for scheme in schemes:
+            servers[scheme] = ServerProcess(
+                args.model_repository, "--models", scheme, *SERVER_LIMITS, *flags, threads=args.threads
+            )
+        for scheme, server in servers.items():
+            server.wait_serving()
+            generate(server, scheme, "def main():\n", 2)  # warm: a first call is not a measurement
+        yield servers
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+
+
+def model_info(server: ServerProcess, scheme: str, results: Results) -> pb.ModelInfo:
+    """The served model's description, recorded in the results."""
+    info = {m.name: m for m in server.stub.ListModels(pb.ListModelsRequest(), timeout=30).models}[scheme]
+    results.models[scheme] = {
+        "max_positions": info.max_positions or None, "kv_bytes_per_token": info.kv_cache_bytes_per_token,
+        "kv_capacity_bytes": info.kv_cache_capacity_bytes, "train_context": info.train_context,
+    }  # fmt: skip
+    return info
+
+
+def served_limits(servers: dict[str, ServerProcess], results: Results) -> dict[str, int]:
+    """Each served scheme's position limit (0: none); its description goes into the results."""
+    return {scheme: model_info(server, scheme, results).max_positions for scheme, server in servers.items()}
+
+
+def measure_timed_sections(
+    args: argparse.Namespace, schemes: list[str], sections: set[str], held_out: HeldOut, budget: Budget,
+    results: Results, progress: tqdm,
+) -> None:  # fmt: skip
+    """Latency and load, in rounds that visit every scheme (in an order rotated each round) against
+    servers started together, rather than one scheme after another: this VM's speed drifts by tens
+    of percent over minutes (the reference run measured NoPE's first token at 2048 bytes in 697 ms
+    at its end and a rerun 400 ms minutes later), and measured in sequence that drift lands between
+    schemes, where it reads as what a positional scheme costs."""
+    if "latency" in sections:
+        progress.set_postfix(part="latency")
+        with serving(args, schemes) as servers:
+            measure_latency(servers, served_limits(servers, results), held_out, budget, results)
+        progress.update(len(schemes))
+    if "load" in sections:
+        measure_load_series(args, schemes, held_out, budget, results, progress)
 
 
 def per_step_extra_bytes(scheme: str, context: int = 2048) -> dict[str, int]:
@@ -404,6 +478,7 @@ def environment() -> dict[str, object]:
 
 
 SECTIONS = ("quality", "latency", "load", "retrieval", "cache")
+TIMED_SECTIONS = ("latency", "load")  # measured in rounds over every scheme
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -432,22 +507,26 @@ def run(args: argparse.Namespace) -> Path:
     results.config.setdefault("runs", []).append(measured)  # type: ignore[union-attr]
     results.training = emergence.curves(WEIGHTS_DIR)
     held_out = HeldOut()
-    steps = len(schemes) * 6 + len(rope_variants)
+    untimed = [section for section in SECTIONS if section in sections and section not in TIMED_SECTIONS]
+    steps = (
+        len(schemes) * ("latency" in sections)
+        + 2 * len(budget.concurrency) * len(schemes) * ("load" in sections)
+        + len(schemes) * len(untimed)
+        + len(rope_variants) * ("quality" in sections)
+    )
     with tqdm(total=steps, desc="compare", unit="task") as progress:
-        for scheme in schemes:
-            # One server per scheme: its peak memory is that scheme's alone.
+        if sections & set(TIMED_SECTIONS):
+            measure_timed_sections(args, schemes, sections, held_out, budget, results, progress)
+        for scheme in schemes if untimed else []:
+            # One server per scheme, with rope's scaling variants beside rope.
             server = ServerProcess(
                 args.model_repository, "--models", scheme, *([v for v in rope_variants] if scheme == "rope" else []),
                 *SERVER_LIMITS, threads=args.threads,
             )  # fmt: skip
             try:
                 server.wait_serving()
-                info = {m.name: m for m in server.stub.ListModels(pb.ListModelsRequest(), timeout=30).models}[scheme]
+                info = model_info(server, scheme, results)
                 limit = info.max_positions
-                results.models[scheme] = {
-                    "max_positions": limit or None, "kv_bytes_per_token": info.kv_cache_bytes_per_token,
-                    "kv_capacity_bytes": info.kv_cache_capacity_bytes, "train_context": info.train_context,
-                }  # fmt: skip
                 if "quality" in sections:
                     progress.set_postfix(scheme=scheme, part="quality")
                     contexts = [int(m * info.train_context) for m in budget.context_multiples]
@@ -463,40 +542,19 @@ def run(args: argparse.Namespace) -> Path:
                                 f"{factor:g}": score_bpb(server, name, held_out.windows(length, budget.score_windows))
                             }
                             progress.update()
-                progress.update()
-                if "latency" in sections:
-                    progress.set_postfix(scheme=scheme, part="latency")
-                    results.ttft[scheme] = measure_ttft(server, scheme, limit, held_out, budget)
-                    results.itl[scheme] = measure_itl(server, scheme, limit, held_out, budget)
-                progress.update()
-                if "load" in sections:
-                    progress.set_postfix(scheme=scheme, part="load")
-                    results.load[scheme] = {
-                        str(users): measure_load(server, scheme, limit, held_out, users, budget)
-                        for users in budget.concurrency
-                    }
-                    progress.set_postfix(scheme=scheme, part="load, admission control")
-                    results.load_admission[scheme] = measure_load_with_admission(args, scheme, limit, held_out, budget)
-                progress.update()
+                    progress.update()
                 if "retrieval" in sections:
                     progress.set_postfix(scheme=scheme, part="retrieval")
                     results.retrieval[scheme] = measure_retrieval(
                         server, scheme, limit, info.train_context, held_out, budget
                     )
-                progress.update()
+                    progress.update()
                 if "cache" in sections:
                     progress.set_postfix(scheme=scheme, part="cache budgets")
                     results.cache_budget[scheme] = measure_cache_budgets(
                         server, scheme, info, held_out.text, held_out.windows, budget.cache_plan()
                     )
-                progress.update()
-                if "load" in sections:
-                    results.memory[scheme] = {
-                        "process_peak_bytes": server.memory_bytes("VmHWM"),  # front end + engine core
-                        "kv_peak_bytes": max(v["kv_peak_bytes"] for v in results.load[scheme].values()),
-                        **per_step_extra_bytes(scheme),
-                    }
-                progress.update()
+                    progress.update()
             finally:
                 server.stop()
     (out / "results.json").write_text(json.dumps(asdict(results), indent=2) + "\n")

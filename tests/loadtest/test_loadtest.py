@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.compare import main as compare_main
+from loadtest.compare import rotated
 from models.positional import SCHEMES
 from service.process import ROOT, ServerProcess, wait_for
 
@@ -136,3 +137,23 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     report = (out / "report.md").read_text()
     assert "not servable" in report and all(scheme in report for scheme in SCHEMES)
     assert "## Cache budgets" in report and "window:64" in report
+
+    # A rerun of the timed sections for some schemes updates those figures in place and records itself.
+    before = results
+    rerun = ["--tiny", "--model-repository", str(own), "--out", str(out), "--threads", "1"]
+    assert compare_main([*rerun, "--sections", "latency", "load", "--schemes", "alibi", "learned"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [run["sections"] for run in results["config"]["runs"]][-1] == ["latency", "load"]
+    assert results["quality"] == before["quality"] and results["retrieval"] == before["retrieval"]
+    assert results["itl"]["rope"] == before["itl"]["rope"]  # not rerun
+    assert results["ttft"]["alibi"]["512"] is not None and results["ttft"]["learned"]["512"] is None
+    assert results["load"]["alibi"]["2"]["requests"] > 0 and results["load_admission"]["learned"]["1"]["errors"] == 0
+    assert results["memory"]["alibi"]["process_peak_bytes"] > 0
+
+
+def test_rotated_puts_each_scheme_first_once_per_cycle() -> None:
+    schemes = ["a", "b", "c"]
+    orders = [rotated(schemes, turn) for turn in range(3)]
+    assert [order[0] for order in orders] == schemes
+    assert all(sorted(order) == schemes for order in orders)
+    assert rotated(schemes, 3) == schemes
