@@ -805,6 +805,17 @@ def cache_budget_goals(data: dict, multiples: list[str]) -> str:  # type: ignore
     return "\n".join(out)
 
 
+def runs_line(results: dict) -> str:  # type: ignore[type-arg]
+    """Which sections later runs measured again, and at which commit (none: an empty string)."""
+    runs = results["config"].get("runs", [])[1:]
+    lines = []
+    for run in runs:
+        commit = run["environment"]["commit"]
+        short = commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")
+        lines.append(f"\nRerun: {', '.join(run['sections'])} at `{short}`.")
+    return "".join(lines)
+
+
 def write_report(out: Path) -> Path:
     results = json.loads((out / "results.json").read_text())
     plot(results, out)
@@ -848,7 +859,7 @@ def write_report(out: Path) -> Path:
 Measured through the gRPC service (`python -m loadtest.compare`); every raw figure is in
 `results.json`. Machine: {env["cpus"]} CPUs, {env["machine"]}, {env["memory"]}; {env["platform"]}.
 Versions: Python {env["python"]}, onnxruntime {env["onnxruntime"]}, torch {env["torch"]}, grpcio {env["grpcio"]}.
-Commit: `{env["commit"]}`.
+Commit: `{env["commit"]}`.{runs_line(results)}
 
 ## Headline
 
