@@ -832,8 +832,8 @@ def write_report(out: Path) -> Path:
                 f"{f['tokens_per_s']:.0f} | {f['goodput_per_s']:.2f} | {f['kv_peak_bytes'] / 1e6:.2f} | "
                 f"{f['pool_utilisation'] * 100:.2f}% |"
             )
-    memory_rows = ["| scheme | KV B/token | KV peak MB | server peak MB (both processes) | input embedding B/step | "
-                   "attention bias B/step | rotary B/step |", "|" + "---|" * 7]  # fmt: skip
+    memory_rows = ["| scheme | KV B/token | KV peak MB | server peak MB under load (both processes) | "
+                   "input embedding B/step | attention bias B/step | rotary B/step |", "|" + "---|" * 7]  # fmt: skip
     for scheme, m in results["memory"].items():
         memory_rows.append(
             f"| {scheme} | {results['models'][scheme]['kv_bytes_per_token']} | {m['kv_peak_bytes'] / 1e6:.2f} | "
