@@ -449,16 +449,11 @@ class ModelRunner:
         self.timings.cache += time.perf_counter() - started
 
     def decode(self, tokens: dict[str, int]) -> dict[str, np.ndarray]:
-        """One step for every member of the store: the token each feeds -> its logits (vocab,)."""
-        members, logits = self.decode_rows(tokens)
-        return dict(zip(members, logits, strict=True))
-
-    def decode_rows(self, tokens: dict[str, int]) -> tuple[list[str], np.ndarray]:
-        """One step for every member of the store, one graph call per capacity class: the members
-        in row order and their logits (members, vocab) float32, a copy."""
+        """One step for every member of the store: the token each feeds -> its logits (vocab,),
+        copies (the engine steps through a kept `DecodePlan` instead)."""
         members = self.store.members()
         logits = self.decode_planned(self.plan_decode(members), [tokens[member] for member in members])
-        return members, np.array(logits)
+        return dict(zip(members, np.array(logits), strict=True))
 
     def plan_decode(self, ids: list[str]) -> DecodePlan:
         """The decode calls for these sequences, which must be every member of the store."""
