@@ -76,6 +76,12 @@ ENGINE_FLAGS = {
         "fused (refuse models without it) | explicit (the in-place serving graph only)",
     ),
     "prefill_nice": ("--prefill-nice", int, "nice value added to prefill worker threads (decode first; 0: off)"),
+    "stream_interval_ms": (
+        "--stream-interval-ms",
+        float,
+        "the engine core sends a stream's next tokens at most this often, together (a first token and a "
+        "stream's end go at once; 0: one message per decode step)",
+    ),
     "threads": ("--threads", int, "threads per ONNX Runtime session (0: decode half the cores, prefill all)"),
     "ttft_slo_seconds": (
         "--ttft-slo-seconds",
@@ -153,6 +159,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     engine = EngineConfig(
         **{attr: args[attr] for attr in ENGINE_FLAGS}, default_cache_policies=tuple(args["default_cache_policies"])
     )
+    if not 0 <= engine.stream_interval_ms <= 1000:
+        parser.error(f"--stream-interval-ms must be between 0 and 1000 (got {engine.stream_interval_ms:g})")
     if (args["tls_cert"] is None) != (args["tls_key"] is None):
         parser.error("--tls-cert and --tls-key go together")
     if args["tls_client_ca"] is not None and args["tls_cert"] is None:

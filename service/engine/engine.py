@@ -60,6 +60,9 @@ class EngineConfig:
     attention: str = "auto"  # decode: fused (GroupQueryAttention graph) where exported | fused | explicit
     threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
+    # The engine core sends a stream's continuing tokens at most this often (first tokens and
+    # finishes at once): each message wakes threads on the other core, which slows the decode step.
+    stream_interval_ms: float = 4.0
     ttft_slo_seconds: float = 0.0  # refuse requests estimated to miss this time to first token (0: off)
     admission_trace: str = ""  # folder: admission's measurements, decisions and outcomes per model (JSON lines)
     # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.

@@ -50,6 +50,7 @@ class OutputBatch:
     tokens: list[tuple[Request, int, float]] = field(default_factory=list)
     finishes: list[Finished] = field(default_factory=list)
     records: list[tuple[Callable[[Any], None], Any]] = field(default_factory=list)
+    first_tokens: bool = False  # some request's first token is here (its client waits on it)
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finishes or self.records)
@@ -80,6 +81,7 @@ class OutputProcessor:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
+                batch.first_tokens = True
             request.output_ids.append(token)
             out.append((request, token, now))
             if token == eos:

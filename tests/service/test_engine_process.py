@@ -18,6 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from export.runtime import OnnxCausalLM
+from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.engine.core import Event, StepOutputs
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor, TokenMetrics
@@ -188,3 +190,70 @@ def test_a_stop_string_found_after_the_loop_moved_on_ends_the_text_and_the_count
     final = sender.sent[-1][1][-1]
     assert text == "ok" and stops == [True]
     assert final[2] == int(RequestStatus.FINISHED_STOP) and final[4][1] == 5  # o k E N D
+
+
+class _TimedSender(_Sender):
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def send(self, message: list[object]) -> None:
+        self.times.append(time.monotonic())
+        super().send(message)
+
+
+def test_paced_outputs_send_first_tokens_and_finishes_at_once_and_the_rest_together() -> None:
+    """With an interval, a stream's continuing tokens wait for it and go out as one message; a
+    first token and a finish do not wait (time to first token and the end are not delayed)."""
+    sender = _TimedSender()
+    interval = 0.5
+    outputs = StepOutputs(sender, interval)  # type: ignore[arg-type]
+    processor = _processor()
+    request = Request("r", "m", [1], SamplingParams(8), 257)
+    request.output = outputs.sink(request)
+    now = time.monotonic()
+    started = time.monotonic()
+    outputs.submit(processor.deliver, OutputBatch(tokens=[(request, ord("a"), now)], first_tokens=True))
+    assert wait_for(lambda: len(sender.sent) == 1, timeout=interval / 2)  # at once
+    for token in b"bcd":
+        outputs.submit(processor.deliver, OutputBatch(tokens=[(request, token, now)]))
+    time.sleep(interval / 4)
+    assert len(sender.sent) == 1  # waiting for the interval
+    assert wait_for(lambda: len(sender.sent) == 2, timeout=interval * 2)
+    assert sender.sent[1] == [Event.OUT, [["r", "bcd", None, None, None]]]  # three steps, one message
+    assert sender.times[1] - started >= interval * 0.9
+    outputs.submit(processor.deliver, OutputBatch(tokens=[(request, ord("e"), now)]))
+    ended = time.monotonic()
+    request.status = RequestStatus.FINISHED_LENGTH
+    outputs.submit(processor.deliver, OutputBatch(finishes=[Finished(request, request.status)]))
+    assert wait_for(lambda: len(sender.sent) == 3, timeout=interval / 2)  # the end cuts the wait short
+    assert sender.times[2] - ended < interval / 2
+    (entry,) = sender.sent[2][1]
+    assert entry[:3] == ["r", "e", int(RequestStatus.FINISHED_LENGTH)] and entry[4][1] == 5
+    outputs.close_publisher()
+
+
+def test_a_paced_stream_arrives_in_few_chunks_with_every_token_and_every_metric(repository: Path) -> None:
+    """Through the real server with a long --stream-interval-ms: the first token comes alone, the
+    rest in one or two messages, and the text and the per-token metrics are those of every token."""
+    server = ServerProcess(
+        repository, "--models", "alibi", "--stream-interval-ms", "1000", "--max-new-tokens-limit", "256"
+    ).wait_serving()  # fmt: skip
+    try:
+        prompt, tokens = "def main():\n", 96
+        before = server.metric("posenc_inter_token_latency_seconds_count", model="alibi")
+        chunks = list(server.stub.GenerateStream(
+            pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=tokens), timeout=60
+        ))  # fmt: skip
+        observed = server.metric("posenc_inter_token_latency_seconds_count", model="alibi") - before
+    finally:
+        server.stop()
+    text = "".join(chunk.text for chunk in chunks)
+    ids, _ = OnnxCausalLM(repository / "alibi").greedy([TOKENIZER.encode(prompt)], tokens)
+    greedy = ids[0][: ids[0].index(TOKENIZER.eos_token_id) + 1] if TOKENIZER.eos_token_id in ids[0] else ids[0]
+    assert text == TOKENIZER.decode([t for t in greedy if t != TOKENIZER.eos_token_id])
+    # The first step's tokens alone: the one sampled from the prompt and its first decode's.
+    assert len(chunks[0].text.encode()) <= 2
+    assert 2 <= len(chunks) <= 4, [c.text for c in chunks]
+    assert chunks[-1].usage.completion_tokens == len(greedy)
+    assert observed == len(greedy) - 1  # one inter-token observation per token after the first
