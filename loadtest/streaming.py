@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -15,29 +15,35 @@ from service.api import generation_pb2_grpc
 class StreamTiming:
     seconds: float = 0.0
     time_to_first_token: float | None = None
-    gaps: list[float] = field(default_factory=list)  # between chunks that carried text
+    decode_seconds: float = 0.0  # from the first chunk to the last that carried text
+    decoded_tokens: int = 0  # tokens those later chunks carried (the tokenizer is byte-level: bytes)
     received_bytes: int = 0
     completion_tokens: int = 0
     error: grpc.RpcError | None = None
 
     @property
     def mean_inter_token(self) -> float | None:
-        return sum(self.gaps) / len(self.gaps) if self.gaps else None
+        """Decode time per token after the first chunk. Not the mean gap between chunks: a chunk
+        may hold several tokens (the server sends continuing tokens together, at most every
+        --stream-interval-ms, and merges them when the client lags)."""
+        return self.decode_seconds / self.decoded_tokens if self.decoded_tokens else None
 
 
 def timed_stream(stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateRequest, timeout: float) -> StreamTiming:
     timing = StreamTiming()
     started = time.perf_counter()
-    last = started
+    first = started
     try:
         for chunk in stub.GenerateStream(request, timeout=timeout):
             now = time.perf_counter()
+            size = len(chunk.text.encode("utf-8"))
             if timing.time_to_first_token is None:
                 timing.time_to_first_token = now - started
-            elif chunk.text:
-                timing.gaps.append(now - last)
-            last = now
-            timing.received_bytes += len(chunk.text.encode("utf-8"))
+                first = now
+            elif size:
+                timing.decode_seconds = now - first
+                timing.decoded_tokens += size
+            timing.received_bytes += size
             if chunk.finish_reason:
                 timing.completion_tokens = chunk.usage.completion_tokens
     except grpc.RpcError as error:

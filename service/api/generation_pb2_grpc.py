@@ -92,8 +92,10 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """Generate a completion, one chunk per engine step with the new text; when the client falls
-        behind, the texts of the steps it has not yet received are merged into one chunk.
+        """Generate a completion as chunks of new text, in order. A chunk may hold several tokens: the
+        first step's text comes at once, later steps' at most every --stream-interval-ms (4 ms by
+        default; 0: one chunk per engine step), and when the client falls behind, the texts it has
+        not yet received are merged into one chunk. The last chunk comes as soon as the request ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -194,9 +194,9 @@ class StepOutputs:
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._idle = False  # the publisher waits for a step without a timeout: wake it for any
         self._urgent = False  # a queued step holds something a client waits on: send it at once
+        self.requests: dict[str, Request] = {}  # live requests, for cancels
         self._publisher = threading.Thread(target=self._publish, name="publisher", daemon=True)
         self._publisher.start()
-        self.requests: dict[str, Request] = {}  # live requests, for cancels
 
     def sink(self, request: Request) -> ForwardedOutput:
         self.requests[request.request_id] = request

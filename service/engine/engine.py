@@ -33,7 +33,7 @@ from service.engine.output_processor import Finished, OutputBatch, OutputProcess
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
 from service.engine.request import OutputSink, Request, RequestStatus
 from service.engine.runner import DecodePlan, ModelRunner, Scored, StoreConfig
-from service.engine.sampler import Sampler
+from service.engine.sampler import Sampler, all_greedy
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.metrics import ServiceMetrics
 
@@ -463,10 +463,12 @@ class ModelEngine:
         changes (`_changed`, a finish, a deadline) or a row fills: the loop's fast path, with per
         step only what a step must do (feed, graph, sample, append), and the gauges when due."""
         requests, plan = self._steady, self._steady_plan
+        greedy, snapshot = all_greedy(requests), self.admission.enabled
         while True:
             self._steady_steps -= 1
-            self._snapshot_backlog()
-            self._decode(requests, plan)
+            if snapshot:
+                self._snapshot_backlog()
+            self._decode(requests, plan, greedy)
             self._hand_over()
             now = time.monotonic()
             if self._steady_steps <= 0 or self._changed or now >= self._steady_until:
@@ -475,10 +477,10 @@ class ModelEngine:
                 self.scheduler.note_growth(requests)
                 self._update_gauges(now)
 
-    def _decode(self, requests: list[Request], plan: DecodePlan | None = None) -> None:
+    def _decode(self, requests: list[Request], plan: DecodePlan | None = None, greedy: bool = False) -> None:
         """One graph step for these sequences (every member of the store), through `plan` (the
-        steady batch's, or one made here); then each one's next token is sampled, and those it
-        ends (or whose sampling failed) are finished."""
+        steady batch's, or one made here); then each one's next token is sampled (`greedy`: every
+        one is, known beforehand), and those it ends (or whose sampling failed) are finished."""
         started = time.monotonic()
         try:
             plan = plan or self.runner.plan_decode([r.request_id for r in requests])
@@ -491,12 +493,14 @@ class ModelEngine:
         self._batch.records.append((self._observe_decode_step, (now - started, len(requests))))
         for request in requests:
             request.num_computed_tokens = request.num_tokens
-        self._sample(requests, logits, now)
+        self._sample(requests, logits, now, greedy)
 
-    def _sample(self, requests: list[Request], logits: np.ndarray, now: float | None = None) -> None:
+    def _sample(
+        self, requests: list[Request], logits: np.ndarray, now: float | None = None, greedy: bool = False
+    ) -> None:
         """Each request's next token (sampled at `now`: after the graph call); those it ends, or
         whose sampling failed, are finished."""
-        tokens = self.sampler.sample_batch(requests, logits)
+        tokens = self.sampler.sample_batch(requests, logits, greedy)
         now = time.monotonic() if now is None else now
         self._finish_all(self.outputs.accept(requests, tokens, now, self._batch))
 

@@ -25,11 +25,11 @@ class Sampler:
             raise token
         return token
 
-    def sample_batch(self, requests: list[Request], logits: np.ndarray) -> list[int | Exception]:
-        for request in requests:
-            if request.params.temperature >= MIN_TEMPERATURE:
-                return self.sample_rows([r.request_id for r in requests], [r.params for r in requests], logits)
-        return logits.argmax(axis=1).tolist()  # every row greedy: one argmax (as sample_rows would)
+    def sample_batch(self, requests: list[Request], logits: np.ndarray, greedy: bool = False) -> list[int | Exception]:
+        """`greedy`: the caller knows every request is (a steady batch checks once, `all_greedy`)."""
+        if greedy or all_greedy(requests):
+            return logits.argmax(axis=1).tolist()  # one argmax (as sample_rows would)
+        return self.sample_rows([r.request_id for r in requests], [r.params for r in requests], logits)
 
     def sample_rows(
         self, request_ids: list[str], params: list[SamplingParams], logits: np.ndarray
@@ -98,6 +98,10 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+
+def all_greedy(requests: list[Request]) -> bool:
+    return all(request.params.temperature < MIN_TEMPERATURE for request in requests)
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

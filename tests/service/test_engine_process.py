@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from export.runtime import OnnxCausalLM
+from loadtest.streaming import timed_stream
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.engine.core import Event, StepOutputs
@@ -246,6 +247,7 @@ def test_a_paced_stream_arrives_in_few_chunks_with_every_token_and_every_metric(
             pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=tokens), timeout=60
         ))  # fmt: skip
         observed = server.metric("posenc_inter_token_latency_seconds_count", model="alibi") - before
+        timing = timed_stream(server.stub, pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=tokens), 60)
     finally:
         server.stop()
     text = "".join(chunk.text for chunk in chunks)
@@ -257,3 +259,8 @@ def test_a_paced_stream_arrives_in_few_chunks_with_every_token_and_every_metric(
     assert 2 <= len(chunks) <= 4, [c.text for c in chunks]
     assert chunks[-1].usage.completion_tokens == len(greedy)
     assert observed == len(greedy) - 1  # one inter-token observation per token after the first
+    # What load generators measure: time per token after the first chunk, not per chunk.
+    assert timing.received_bytes == len(text.encode())
+    assert len(text.encode()) - 2 <= timing.decoded_tokens < len(text.encode())  # all but the first chunk
+    assert timing.mean_inter_token is not None
+    assert timing.mean_inter_token * timing.decoded_tokens <= timing.seconds - (timing.time_to_first_token or 0)
