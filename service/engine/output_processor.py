@@ -7,9 +7,10 @@ per-token metrics) is `deliver`'s, given the step's `OutputBatch` once the step 
 on the loop (the in-process engine), or on the engine core's publisher thread while the next
 step's graph runs (service.engine.core), so the decode loop pays for none of it.
 
-A stop string is found by `deliver`, after the loop may already have decoded one more token
-for that request: the request is finished there (its text ends before the stop string, its
-usage counts the tokens delivered), and the loop frees its row at its next step (`on_stop`).
+A stop string is found by `deliver`, after the loop may already have decoded more tokens for
+that request (one, or a paced interval's: service.engine.core.StepOutputs): the request is
+finished there (its text ends before the stop string, its usage counts the tokens delivered),
+and the loop frees its row at its next step (`on_stop`).
 """
 
 from __future__ import annotations
