@@ -27,6 +27,7 @@ from service.engine.output_processor import Finished, OutputBatch, OutputProcess
 from service.engine.request import Request, RequestStatus, SamplingParams
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
+from service.server import parse_config
 
 LONG = 3000  # new tokens: a stream still running when the core is killed
 
@@ -264,3 +265,20 @@ def test_a_paced_stream_arrives_in_few_chunks_with_every_token_and_every_metric(
     assert len(text.encode()) - 2 <= timing.decoded_tokens < len(text.encode())  # all but the first chunk
     assert timing.mean_inter_token is not None
     assert timing.mean_inter_token * timing.decoded_tokens <= timing.seconds - (timing.time_to_first_token or 0)
+
+
+@pytest.mark.parametrize("value", ["-1", "1001", "nan"])
+def test_a_stream_interval_out_of_range_is_refused_naming_the_flag(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_config(["--stream-interval-ms", value])
+    assert exited.value.code == 2
+    assert "--stream-interval-ms must be between 0 and 1000" in capsys.readouterr().err
+
+
+def test_the_stream_interval_reaches_the_engine_from_its_flag_and_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_config([]).engine.stream_interval_ms == 4.0
+    assert parse_config(["--stream-interval-ms", "0"]).engine.stream_interval_ms == 0.0
+    monkeypatch.setenv("POSENC_STREAM_INTERVAL_MS", "12.5")
+    assert parse_config([]).engine.stream_interval_ms == 12.5
