@@ -242,7 +242,7 @@ def test_a_paced_stream_arrives_in_few_chunks_with_every_token_and_every_metric(
         repository, "--models", "alibi", "--stream-interval-ms", "1000", "--max-new-tokens-limit", "256"
     ).wait_serving()  # fmt: skip
     try:
-        prompt, tokens = "def main():\n", 96
+        prompt, tokens = "def main():\n", 256
         before = server.metric("posenc_inter_token_latency_seconds_count", model="alibi")
         chunks = list(server.stub.GenerateStream(
             pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=tokens), timeout=60
@@ -255,14 +255,15 @@ def test_a_paced_stream_arrives_in_few_chunks_with_every_token_and_every_metric(
     ids, _ = OnnxCausalLM(repository / "alibi").greedy([TOKENIZER.encode(prompt)], tokens)
     greedy = ids[0][: ids[0].index(TOKENIZER.eos_token_id) + 1] if TOKENIZER.eos_token_id in ids[0] else ids[0]
     assert text == TOKENIZER.decode([t for t in greedy if t != TOKENIZER.eos_token_id])
-    # The first step's tokens alone: the one sampled from the prompt and its first decode's.
-    assert len(chunks[0].text.encode()) <= 2
+    # The first step's tokens go at once (the one sampled from the prompt and its first decode's, and
+    # any step queued by the time the publisher runs), not held back for the interval with the rest.
+    assert len(chunks[0].text.encode()) < len(text.encode()) // 2
     assert 2 <= len(chunks) <= 4, [c.text for c in chunks]
     assert chunks[-1].usage.completion_tokens == len(greedy)
     assert observed == len(greedy) - 1  # one inter-token observation per token after the first
     # What load generators measure: time per token after the first chunk, not per chunk.
     assert timing.received_bytes == len(text.encode())
-    assert len(text.encode()) - 2 <= timing.decoded_tokens < len(text.encode())  # all but the first chunk
+    assert len(text.encode()) // 2 < timing.decoded_tokens < len(text.encode())  # all but the first chunk
     assert timing.mean_inter_token is not None
     assert timing.mean_inter_token * timing.decoded_tokens <= timing.seconds - (timing.time_to_first_token or 0)
 
