@@ -20,12 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.request import Request, RequestStatus
+from service.engine.request import FIRST_FINAL, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-# RequestStatus.finished as a plain int comparison (the enum property costs the loop ~0.4 us a request).
-_FINAL = int(RequestStatus.FINISHED_LENGTH)
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ class OutputProcessor:
         eos = self.eos_token_id
         out = batch.tokens
         for request, token in zip(requests, tokens, strict=True):
-            if request.status >= _FINAL:
+            if request.status >= FIRST_FINAL:
                 continue  # finished by its stop string, not yet reaped
             if isinstance(token, Exception):  # one request's sampling failure ends that request only
                 logger.error("sampling failed for %s: %s", request.request_id, token)

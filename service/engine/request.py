@@ -31,7 +31,12 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_LENGTH
+        return self >= FIRST_FINAL
+
+
+# The first final status, as a module name: `status >= FIRST_FINAL` is what `finished` says, for hot
+# loops (the property, with its lookup on the enum class, costs ~0.4 us a call).
+FIRST_FINAL = RequestStatus.FINISHED_LENGTH
 
 
 @dataclass(frozen=True)

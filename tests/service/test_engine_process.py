@@ -18,9 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
-from export.runtime import OnnxCausalLM
 from loadtest.streaming import timed_stream
-from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.engine.core import Event, StepOutputs
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor, TokenMetrics
@@ -28,6 +26,7 @@ from service.engine.request import Request, RequestStatus, SamplingParams
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
 from service.server import parse_config
+from tests.service.test_service import offline_greedy_text
 
 LONG = 3000  # new tokens: a stream still running when the core is killed
 
@@ -252,15 +251,15 @@ def test_a_paced_stream_arrives_in_few_chunks_with_every_token_and_every_metric(
     finally:
         server.stop()
     text = "".join(chunk.text for chunk in chunks)
-    ids, _ = OnnxCausalLM(repository / "alibi").greedy([TOKENIZER.encode(prompt)], tokens)
-    greedy = ids[0][: ids[0].index(TOKENIZER.eos_token_id) + 1] if TOKENIZER.eos_token_id in ids[0] else ids[0]
-    assert text == TOKENIZER.decode([t for t in greedy if t != TOKENIZER.eos_token_id])
+    expected, reason = offline_greedy_text(repository, "alibi", prompt, tokens)
+    assert text == expected
+    generated = len(expected.encode()) + (reason == "eos")  # byte-level: a token per byte, and the EOS
     # The first step's tokens go at once (the one sampled from the prompt and its first decode's, and
     # any step queued by the time the publisher runs), not held back for the interval with the rest.
     assert len(chunks[0].text.encode()) < len(text.encode()) // 2
     assert 2 <= len(chunks) <= 4, [c.text for c in chunks]
-    assert chunks[-1].usage.completion_tokens == len(greedy)
-    assert observed == len(greedy) - 1  # one inter-token observation per token after the first
+    assert chunks[-1].usage.completion_tokens == generated
+    assert observed == generated - 1  # one inter-token observation per token after the first
     # What load generators measure: time per token after the first chunk, not per chunk.
     assert timing.received_bytes == len(text.encode())
     assert len(text.encode()) // 2 < timing.decoded_tokens < len(text.encode())  # all but the first chunk
