@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from contract.cli import HelpFormatter
 from contract.manifest import SERVING, SERVING_FP16, SERVING_FUSED, SERVING_INT8
 from export.repository import GRAPH_FILES, ExportOptions, ExportResult, run
-from models.cli import HelpFormatter
 from models.positional import SCHEMES
 
 # Short names of the graph variants for the table's size column.

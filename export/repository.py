@@ -37,6 +37,7 @@ from contract.manifest import (
     SERVING_INT8,
     variant_dtype,
 )
+from contract.paths import REPOSITORY_ROOT
 from export.evaluate import bits_per_byte, evaluation_sequences
 from export.fused import export_fused
 from export.manifest import build_manifest, genai_config, write_json
@@ -60,7 +61,6 @@ from models.tokenizer import TOKENIZER
 from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPOSITORY_ROOT / "model_repository"
 # The file of each manifest variant, in export order. Variant names are the contract; file names are ours.
 GRAPH_FILES = {

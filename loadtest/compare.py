@@ -35,14 +35,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from contract.cli import HelpFormatter
 from contract.manifest import MANIFEST
+from contract.paths import REPOSITORY_ROOT
 from export.repository import ExportOptions, rope_scaled_name
 from export.repository import run as export_run
 from loadtest.cache_budget import CacheBudgetPlan, measure_cache_budgets, score_bpb
 from loadtest.probes import Scorer, copy_text, depth_text, passkey_text
 from loadtest.streaming import timed_stream
 from models import emergence
-from models.cli import HelpFormatter
 from models.config import RopeScaling
 from models.corpus import load_corpus
 from models.positional import SCHEMES
@@ -50,7 +51,7 @@ from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
 from service.engine.admission import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
-from service.process import ROOT, ServerProcess
+from service.process import ServerProcess
 
 ROPE_SCALINGS = ("linear", "ntk", "yarn")
 SERVER_LIMITS = (
@@ -462,9 +463,13 @@ def environment() -> dict[str, object]:
     import onnxruntime
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPOSITORY_ROOT, capture_output=True, text=True
+        ).stdout.strip()
         dirty = bool(
-            subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+            subprocess.run(
+                ["git", "status", "--porcelain"], cwd=REPOSITORY_ROOT, capture_output=True, text=True
+            ).stdout.strip()
         )
     except OSError:
         commit, dirty = "unknown", False
@@ -488,7 +493,7 @@ def run(args: argparse.Namespace) -> Path:
     schemes = list(args.schemes)
     sections = set(args.sections)
     run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
-    out = args.out or ROOT / "reports" / run_id
+    out = args.out or REPOSITORY_ROOT / "reports" / run_id
     out.mkdir(parents=True, exist_ok=True)
     rope_variants = ensure_repository(args.model_repository, schemes, budget)
     measured = {"sections": sorted(sections), "environment": environment(), "budget": asdict(budget)}
@@ -569,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m loadtest.compare", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument(
-        "--model-repository", type=Path, default=ROOT / "model_repository",
+        "--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository",
         help="model repository to serve from; missing schemes and rope scaling variants are exported into it",
     )  # fmt: skip
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES), help="schemes to compare")

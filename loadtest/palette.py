@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.paths import REPOSITORY_ROOT
+
 
 @dataclass(frozen=True)
 class Style:
@@ -89,7 +91,7 @@ def policy_style(int8: bool, rank: int | None = None) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------- Grafana
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards" / "posenc-serve.json"
+DASHBOARD = REPOSITORY_ROOT / "deploy" / "grafana" / "dashboards" / "posenc-serve.json"
 
 
 def _override(pattern: str, color: str) -> dict[str, object]:

@@ -19,8 +19,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from models.cli import HelpFormatter
-from service.process import ROOT, ServerProcess, wait_for
+from contract.cli import HelpFormatter
+from contract.paths import REPOSITORY_ROOT
+from service.process import ServerProcess, wait_for
 
 
 def settle(server: ServerProcess, timeout: float = 30.0) -> None:
@@ -34,7 +35,7 @@ def settle(server: ServerProcess, timeout: float = 30.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
-        "--model-repository", type=Path, default=ROOT / "model_repository",
+        "--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository",
         help="model repository to serve (written by python -m export)",
     )  # fmt: skip
     parser.add_argument("--minutes", type=float, default=10.0, help="length of the measured run")
@@ -55,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         # needs (loaded sessions, ONNX Runtime's arenas at the peak batch shapes); growth from
         # there is what leaks.
         subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest/locustfile.py"), "--headless",
+            [sys.executable, "-m", "locust", "-f", str(REPOSITORY_ROOT / "loadtest/locustfile.py"), "--headless",
              "-u", str(args.users), "-r", str(args.users), "-t", f"{args.warmup_seconds}s", "--host", server.target,
              "--models", args.models, "--max-new-tokens", str(args.max_new_tokens), "--prompt-bytes", "uniform:16:200",
              "--cancel-fraction", str(args.cancel_fraction), "--only-summary"],
-            cwd=ROOT, capture_output=True, check=True,
+            cwd=REPOSITORY_ROOT, capture_output=True, check=True,
         )  # fmt: skip
         settle(server)
         start_rss = server.memory_bytes()
@@ -74,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         sampler = threading.Thread(target=sample_memory, daemon=True)
         sampler.start()
         result = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest/locustfile.py"), "--headless",
+            [sys.executable, "-m", "locust", "-f", str(REPOSITORY_ROOT / "loadtest/locustfile.py"), "--headless",
              "-u", str(args.users), "-r", str(args.users), "-t", f"{int(args.minutes * 60)}s", "--host", server.target,
              "--models", args.models, "--max-new-tokens", str(args.max_new_tokens), "--prompt-bytes", "uniform:16:200",
              "--cancel-fraction", str(args.cancel_fraction), "--csv", str(out / "soak"), "--only-summary"],
-            cwd=ROOT, capture_output=True, text=True,
+            cwd=REPOSITORY_ROOT, capture_output=True, text=True,
         )  # fmt: skip
         elapsed = time.monotonic() - started
         sampling.set()

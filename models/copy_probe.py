@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.cli import HelpFormatter
+from contract.cli import HelpFormatter
 from models.corpus import load_corpus
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER

@@ -23,7 +23,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from models.cli import HelpFormatter
+from contract.cli import HelpFormatter
 from models.positional import SCHEMES
 from models.train import WEIGHTS_DIR, without_options
 

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from models.cli import HelpFormatter
+from contract.cli import HelpFormatter
 
 SCHEMES = ("sinusoidal", "learned", "relative", "rope", "alibi", "none")  # models.positional.SCHEMES' order
 DISTANCES = (32, 128)  # models.train.PROBE_DISTANCES

@@ -44,7 +44,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from models.cli import HelpFormatter
+from contract.cli import HelpFormatter
 from models.corpus import Corpus, load_corpus
 from models.positional import SCHEMES, matched_config
 from models.tokenizer import TOKENIZER

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from models.cli import HelpFormatter
+from contract.cli import HelpFormatter
 from models.positional import SCHEMES, matched_config
 from models.transformer import Transformer
 

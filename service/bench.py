@@ -28,9 +28,10 @@ import onnxruntime as ort
 from prometheus_client import CollectorRegistry
 
 from contract.cache_policy import FULL_POLICY, CachePolicy, parse_cache_policy
+from contract.cli import HelpFormatter
 from contract.manifest import NP_DTYPES, Manifest
+from contract.paths import REPOSITORY_ROOT
 from export.runtime import OnnxCausalLM
-from models.cli import HelpFormatter
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
@@ -41,7 +42,6 @@ from service.engine.request import Request
 from service.engine.runner import ModelRunner, PrefilledPrompt, StoreConfig, default_threads
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess
-from service.server import REPOSITORY_ROOT
 
 CONTEXTS = (128, 256, 512, 1024, 2048)
 SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused")

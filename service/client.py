@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from models.cli import HelpFormatter
+from contract.cli import HelpFormatter
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.channel import TARGET_ENV, default_target, open_channel

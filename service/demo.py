@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from models.cli import HelpFormatter
+from contract.cli import HelpFormatter
+from contract.paths import REPOSITORY_ROOT
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
-from service.server import REPOSITORY_ROOT
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n    for i in range(n):\n'
 

@@ -12,7 +12,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from models.cli import HelpFormatter
+from contract.cli import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:

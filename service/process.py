@@ -16,9 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from contract.paths import REPOSITORY_ROOT
 from service.api import generation_pb2_grpc
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -46,7 +45,7 @@ class ServerProcess:
         # A file, not a pipe: nobody reads a pipe while the server runs, and a full one blocks it.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="posenc-server-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
-            command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
+            command, cwd=REPOSITORY_ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
         )
         credentials = self.credentials
         self.channel = (

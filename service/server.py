@@ -24,8 +24,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from contract.cache_policy import CachePolicyError
+from contract.cli import HelpFormatter
 from contract.manifest import ManifestError
-from models.cli import HelpFormatter
+from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.client import EngineClient, EngineStartError
@@ -38,7 +39,6 @@ from service.servicer import GenerationServicer
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from grpc_tools import protoc
 
-ROOT = Path(__file__).resolve().parents[2]
-PROTO_ROOT = ROOT / "proto"
+from contract.paths import REPOSITORY_ROOT
+
+PROTO_ROOT = REPOSITORY_ROOT / "proto"
 PROTO = "posenc/v1/generation.proto"
 OUT = Path(__file__).resolve().parent
 GENERATED = ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py")

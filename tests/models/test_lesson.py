@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+from contract.paths import REPOSITORY_ROOT
 
 
 def lesson_table(n: int, d: int) -> np.ndarray:
@@ -22,7 +21,12 @@ def lesson_table(n: int, d: int) -> np.ndarray:
 
 def test_lesson_command_prints_the_table_and_the_check() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "models.lesson"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-m", "models.lesson"],
+        cwd=REPOSITORY_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     lines = result.stdout.splitlines()
     assert lines[0] == "Sinusoidal table, 4 positions x 6 dimensions:"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from contract.paths import REPOSITORY_ROOT
 from models.train import RANK_STATE_ENV, main
 
-ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--scheme", "rope", "--steps", "6", "--batch-size", "4", "--context", "32", "--d-model", "32",
         "--n-layers", "1", "--eval-interval", "3", "--eval-windows", "4", "--warmup-steps", "2",
         "--grad-accum", "2", "--copy-share", "0.5", "--device", "cpu"]  # fmt: skip
@@ -24,7 +24,12 @@ def test_two_gloo_ranks_end_with_identical_weights(tmp_path: Path, monkeypatch: 
     env = os.environ | {RANK_STATE_ENV: str(tmp_path / "ddp-state"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     result = subprocess.run(
-        [*command, "-m", "models.train", *ARGS, *paths], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [*command, "-m", "models.train", *ARGS, *paths],
+        cwd=REPOSITORY_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rank0, rank1 = ((tmp_path / "ddp-state" / f"rope.rank{r}.sha256").read_text() for r in (0, 1))

@@ -19,6 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from contract.cache_policy import parse_cache_policy
+from contract.paths import REPOSITORY_ROOT
 from models.streaming import stream_logits, stream_logprobs
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
@@ -26,8 +27,7 @@ from service.api import generation_pb2 as pb
 from service.engine.kv_store import KVLayout, KVStore, NumpyArrays, RowPolicy, capacity_ladder
 from service.process import ServerProcess, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
-WEIGHTS = ROOT / "models" / "weights"
+WEIGHTS = REPOSITORY_ROOT / "models" / "weights"
 SCHEMES = ("sinusoidal", "learned", "relative", "rope", "alibi", "none")
 FORMS = ["full", "window:W", "sinks:S+window:W", "int8", "window:W+int8", "sinks:S+window:W+int8"]
 EVICTION_POSITIONS = {"sinusoidal": "original", "learned": "original"}  # the others: "cache"

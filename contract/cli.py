@@ -1,6 +1,6 @@
 """The help format every `python -m ...` command of the project shares.
 
-It lives in `models`, the package every other one may import, and needs only the standard
+It lives in `contract`, the one package every other may import, and needs only the standard
 library, so a command such as `python -m service.healthcheck` pays nothing for it.
 """
 
