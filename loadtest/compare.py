@@ -50,7 +50,7 @@ from models.positional import SCHEMES
 from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
-from service.engine.admission import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
+from service.api.retry import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
 from service.process import ServerProcess
 
 ROPE_SCALINGS = ("linear", "ntk", "yarn")

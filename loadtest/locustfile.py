@@ -35,7 +35,7 @@ from loadtest.token_latency import LATENCY
 from models.corpus import load_corpus
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
-from service.engine.admission import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
+from service.api.retry import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
 
 grpc_gevent.init_gevent()  # grpcio's blocking calls must yield to gevent
 

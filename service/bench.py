@@ -35,9 +35,9 @@ from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
-from service.engine.client import EngineClient, RequestHandle
-from service.engine.engine import Engine, EngineConfig
-from service.engine.input_processor import GenerateInput
+from service.engine.engine import Engine
+from service.engine.messages import EngineConfig, GenerateInput
+from service.engine_client import EngineClient, RequestHandle
 from service.engine.request import Request
 from service.engine.runner import ModelRunner, PrefilledPrompt, StoreConfig, default_threads
 from service.metrics import ServiceMetrics

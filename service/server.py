@@ -29,10 +29,9 @@ from contract.manifest import ManifestError
 from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
-from service.engine.client import EngineClient, EngineStartError
-from service.engine.core import return_freed_memory_to_the_os
-from service.engine.engine import DrainReport, EngineConfig
-from service.engine.kv_store import KVBudgetError
+from service.engine.messages import DrainReport, EngineConfig
+from service.engine_client import EngineClient, EngineStartError
+from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
 from service.security import BearerTokenInterceptor, read_token, server_credentials
 from service.servicer import GenerationServicer
@@ -352,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop_requested.set())
     try:
         running = serve(config)
-    except (ManifestError, KVBudgetError, CachePolicyError, EngineStartError, RuntimeError) as error:
+    except (ManifestError, CachePolicyError, EngineStartError, RuntimeError) as error:
         logger.error("refusing to start: %s", error)
         return 2
     while not stop_requested.wait(0.5):

@@ -11,11 +11,10 @@ import grpc
 
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
-from service.engine.admission import RETRY_AFTER_KEY
-from service.engine.client import EngineClient, RequestHandle
-from service.engine.errors import ErrorKind, RequestError
-from service.engine.input_processor import GenerateInput
-from service.engine.request import RequestStatus, StreamEvent
+from service.api.retry import RETRY_AFTER_KEY
+from service.engine.messages import ErrorKind, GenerateInput, ModelInfo, RequestError, RequestStatus
+from service.engine.streams import StreamEvent
+from service.engine_client import EngineClient, RequestHandle
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
@@ -65,7 +64,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             engine = self._engine(context)
         except _Aborted as aborted:
             aborted.abort(context)
-        models = [info for _, info in sorted(engine.models.items())]
+        models = [model_info(info) for _, info in sorted(engine.models.items())]
         return pb.ListModelsResponse(models=models)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
@@ -173,6 +172,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _raise_if_aborted(self, handle: RequestHandle) -> None:
         if handle.status in ABORT_CODES:
             raise _Aborted(ABORT_CODES[handle.status], handle.error or handle.status.name.lower())
+
+
+def model_info(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=info.name,
+        scheme=info.scheme,
+        max_positions=info.max_positions,
+        train_context=info.train_context,
+        kv_cache_bytes_per_token=info.kv_cache_bytes_per_token,
+        n_layers=info.n_layers,
+        n_heads=info.n_heads,
+        head_dim=info.head_dim,
+        dtype=info.dtype,
+        max_new_tokens_limit=info.max_new_tokens_limit,
+        max_sequence_tokens=info.max_sequence_tokens,
+        kv_cache_capacity_bytes=info.kv_cache_capacity_bytes,
+        cache_policies=info.cache_policies,
+        default_cache_policy=info.default_cache_policy,
+        eviction_positions=info.eviction_positions,
+    )
 
 
 def _usage(handle: RequestHandle) -> pb.Usage:

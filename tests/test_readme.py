@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from contract.paths import REPOSITORY_ROOT
 
 
 def readme_commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", (REPOSITORY_ROOT / "README.md").read_text(), flags=re.S)
     return [line for block in blocks for line in block.splitlines() if line.startswith("python3 -m venv .venv")]
 
 
@@ -23,5 +22,5 @@ def test_readme_has_exactly_two_setup_commands_creating_dot_venv() -> None:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci_lines = (REPOSITORY_ROOT / ".ci" / "run").read_text().splitlines()
     assert ci_lines[-1] == readme_commands()[1]

@@ -52,15 +52,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from service.engine.errors import ErrorKind, RequestError
-from service.engine.request import Request
+from service.api.retry import MAX_RETRY_AFTER_SECONDS, MIN_RETRY_AFTER_SECONDS
+from service.engine.messages import ErrorKind, RequestError
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of load-shedding refusals: milliseconds
 SMOOTHING = 0.2  # weight of the newest observation in the throughput and step-time averages
-MIN_RETRY_AFTER_SECONDS = 0.05
-MAX_RETRY_AFTER_SECONDS = 5.0  # a hint past this says little: the load will have changed by then
 RETRY_JITTER = 0.2  # hints are spread uniformly over +-20%
 DRAIN_WINDOW_SECONDS = 2.0  # the drain rate counts first tokens over this window
 # Calibration: the newest admitted request's weight in the fit (~30 requests of memory), and a
@@ -76,18 +73,11 @@ TARGET_DEVIATIONS = 1.28
 
 @dataclass(frozen=True)
 class Backlog:
-    """What is ahead of a new request, snapshot by the engine loop each step."""
+    """What is ahead of a new request, snapshot by the engine loop each step (Scheduler.backlog)."""
 
     prompt_tokens: int = 0  # prompts not yet computed (waiting, or admitted and in prefill)
     waiting: int = 0  # requests not yet admitted to the running batch
     running_steps_left: tuple[int, ...] = ()  # decode steps each running sequence has left, ascending
-
-    @classmethod
-    def of(cls, waiting: Iterable[Request], running: Iterable[Request]) -> Backlog:
-        waiting, running = list(waiting), list(running)
-        pending = [r for r in (*waiting, *running) if not r.output_ids]
-        left = sorted(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in running)
-        return cls(sum(len(r.prefill_ids) for r in pending), len(waiting), tuple(left))
 
 
 @dataclass(frozen=True)
@@ -236,18 +226,20 @@ class AdmissionControl:
         seconds = self.calibration.predict(raw)
         return Estimate(raw, seconds, wait, seconds + TARGET_DEVIATIONS * self.calibration.deviation)
 
-    def check(self, request: Request, backlog: Backlog, inbox_tokens: int, inbox: int, model: str) -> Estimate | None:
-        """The request's estimate if it is admitted; RESOURCE_EXHAUSTED (with a retry hint) if it
-        would miss the target."""
+    def check(
+        self, request_id: str, prompt_tokens: int, backlog: Backlog, inbox_tokens: int, inbox: int, model: str
+    ) -> Estimate | None:
+        """The estimate of a new request with `prompt_tokens` to compute, if it is admitted;
+        RESOURCE_EXHAUSTED (with a retry hint) if it would miss the target."""
         if not self.enabled:
             return None
         with self._lock:
-            estimate = self.estimate(len(request.prefill_ids), backlog, inbox_tokens, inbox)
+            estimate = self.estimate(prompt_tokens, backlog, inbox_tokens, inbox)
             admit = estimate is None or estimate.wait <= 0 or estimate.upper <= self.ttft_slo_seconds
             retry_after = None if admit or estimate is None else self._retry_after(estimate.upper)
             self._record(
                 {
-                    "e": "check", "id": request.request_id, "p": len(request.prefill_ids),
+                    "e": "check", "id": request_id, "p": prompt_tokens,
                     "b": [backlog.prompt_tokens, backlog.waiting, list(backlog.running_steps_left)],
                     "it": inbox_tokens, "i": inbox, "est": None if estimate is None else estimate.seconds,
                     "ok": admit, "retry": retry_after,

@@ -1,34 +1,18 @@
-"""The engine core in a process of its own (vLLM v1's EngineCore): decode loops that never wait
-for the GIL behind gRPC threads, and a front end (service.engine.client) that never waits for
-theirs. On two cores this is parallelism the single process did not have.
+"""The engine core process (vLLM v1's EngineCore): the models' engine loops in a process of their
+own, so decode steps never wait for the GIL behind gRPC threads, and the front end
+(service.engine_client) never waits for theirs. On two cores this is parallelism one process lacks.
 
-Two pipes carry msgpack messages (a stream of them, framed by msgpack itself), each a list:
-
-front end -> core (`Command`)
-    [ADD, request id, GenerateInput fields]      answered by [REPLY, request id, error or None]
-    [CANCEL, request id]
-    [SCORE, call id, model, text, cache policy]   answered by [REPLY, call id, error or result]
-    [METRICS, call id]                            answered by [REPLY, call id, None, exposition text]
-    [STOP, grace seconds]                         answered by [STOPPED, finished, cut]
-core -> front end (`Event`)
-    [READY, {model: serialized posenc.v1.ModelInfo}] or [FAILED, message] once, when the models are loaded
-    [OUT, [[request id, text, status, error, final], ...]]: one message per engine step and model,
-        the text each request produced in that step; `final` (usage and times) on its last entry.
-
-The front end starts the core as `python -m service.engine.core` with its pickled CoreConfig on
-stdin and the two pipes' ends inherited (a new pair for every core it starts). A pipe, not a
-message broker: a message is one write and one read, with no I/O threads to wake on either side
-(ZeroMQ's ipc sockets, tried first: 0.80 of the bare runner's single-stream speed, pipes 0.82).
-The core ignores SIGINT and SIGTERM (the front end decides when to drain) and dies with the
-front end (PR_SET_PDEATHSIG, and the end of its command pipe).
+The front end starts it as `python -m service.engine.core` with its pickled CoreConfig on stdin
+and two pipes' ends inherited (a new pair for every core it starts); the messages on them are
+service.engine.messages'. A pipe, not a message broker: a message is one write and one read, with
+no I/O threads to wake on either side. The core ignores SIGINT and SIGTERM (the front end decides
+when to drain) and dies with the front end (PR_SET_PDEATHSIG, and the end of its command pipe).
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import enum
-import functools
 import logging
 import math
 import os
@@ -38,133 +22,92 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
-import msgpack
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from contract.cache_policy import CachePolicyError
 from contract.manifest import ManifestError
-from service.api import generation_pb2 as pb
-from service.engine.engine import Engine, EngineConfig
-from service.engine.errors import RequestError
-from service.engine.input_processor import GenerateInput
+from service.engine.engine import Engine
 from service.engine.kv_store import KVBudgetError
+from service.engine.messages import (
+    Add,
+    Cancel,
+    Command,
+    CoreConfig,
+    Event,
+    Failed,
+    Final,
+    MessageWriter,
+    MetricsQuery,
+    MetricsReply,
+    ModelInfo,
+    Outputs,
+    Ready,
+    Refusal,
+    Reply,
+    RequestError,
+    RequestOutput,
+    RequestStatus,
+    Score,
+    ScoreReply,
+    Stop,
+    Stopped,
+    read_messages,
+)
 from service.engine.output_processor import OutputBatch
-from service.engine.request import Request, RequestStatus
+from service.engine.request import Request
+from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
 
-class Command(enum.IntEnum):
-    ADD = 1
-    CANCEL = 2
-    SCORE = 3
-    METRICS = 4
-    STOP = 5
-
-
-class Event(enum.IntEnum):
-    READY = 1
-    FAILED = 2
-    REPLY = 3
-    OUT = 4
-    STOPPED = 5
-
-
-def packer() -> msgpack.Packer:
-    """One per writer, kept: msgpack.packb makes a Packer per call, whose 256 KiB buffer is an
-    mmap and munmap per message once glibc's mmap threshold is pinned (return_freed_memory_to_the_os),
-    and that cost the decode loop 15% of its single-stream speed."""
-    return msgpack.Packer(use_bin_type=True)
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """One message onto a pipe (a blocking write may still return short when a signal interrupts it)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def read_messages(fd: int) -> Iterator[list[Any]]:
-    """Every message written to the pipe `fd`, until its writer closes it (or dies)."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 30)
-    while True:
-        try:
-            data = os.read(fd, 1 << 16)
-        except OSError:
-            return
-        if not data:
-            return
-        unpacker.feed(data)
-        yield from unpacker
-
-
-def error_fields(error: RequestError) -> list[Any]:
-    return [error.kind.value, error.message, error.retry_after]
-
-
-def model_infos(engine: Engine) -> dict[str, bytes]:
-    """What the front end knows of each served model (ListModels, metric labels): serialized
-    posenc.v1.ModelInfo messages, sent once at READY."""
-    infos = {}
+def model_infos(engine: Engine) -> list[ModelInfo]:
+    """What the front end knows of each served model (ListModels, metric labels), sent once at READY."""
+    infos = []
     for name, model in engine.models.items():
         manifest = model.manifest
-        infos[name] = pb.ModelInfo(
-            name=name,
-            scheme=manifest.scheme,
-            max_positions=manifest.max_positions or 0,
-            train_context=manifest.train_context,
-            kv_cache_bytes_per_token=manifest.kv_bytes_per_token(model.runner.dtype),
-            n_layers=manifest.n_layers,
-            n_heads=manifest.n_heads,
-            head_dim=manifest.head_dim,
-            dtype=model.runner.dtype,
-            max_new_tokens_limit=model.config.max_new_tokens_limit,
-            max_sequence_tokens=model.max_sequence_tokens,
-            kv_cache_capacity_bytes=model.store.capacity_bytes,
-            cache_policies=model.cache_policy_forms,
-            default_cache_policy=str(model.inputs.default_policy),
-            eviction_positions=model.eviction_positions,
-        ).SerializeToString()
+        infos.append(
+            ModelInfo(
+                name=name,
+                scheme=manifest.scheme,
+                max_positions=manifest.max_positions or 0,
+                train_context=manifest.train_context,
+                kv_cache_bytes_per_token=manifest.kv_bytes_per_token(model.runner.dtype),
+                n_layers=manifest.n_layers,
+                n_heads=manifest.n_heads,
+                head_dim=manifest.head_dim,
+                dtype=model.runner.dtype,
+                max_new_tokens_limit=model.config.max_new_tokens_limit,
+                max_sequence_tokens=model.max_sequence_tokens,
+                kv_cache_capacity_bytes=model.store.capacity_bytes,
+                cache_policies=model.cache_policy_forms,
+                default_cache_policy=str(model.inputs.default_policy),
+                eviction_positions=model.eviction_positions,
+            )
+        )
     return infos
-
-
-@dataclass
-class CoreConfig:
-    """Everything the core process needs to start (pickled onto its stdin)."""
-
-    repository: Path
-    engine: EngineConfig
-    names: list[str] | None
-    commands_fd: int  # read end of the front end's commands
-    events_fd: int  # write end of our events
-    log_level: int = logging.INFO
-    environment: dict[str, str] = field(default_factory=dict)
 
 
 class EventSender:
     """The core's events pipe, shared by the publisher, the command thread and score workers."""
 
     def __init__(self, fd: int) -> None:
-        self._fd = fd
+        self._writer = MessageWriter(fd)
         self._lock = threading.Lock()
-        self._packer = packer()
 
-    def send(self, message: list[Any]) -> None:
+    def send(self, message: Event) -> None:
         with self._lock:
             try:
-                write_all(self._fd, self._packer.pack(message))
+                self._writer.send(message)
             except BrokenPipeError:  # the front end is gone: nobody to tell
                 os._exit(1)
 
 
 # A step to deliver (its model's output processor, the step's batch), or a message to send after
 # everything before it.
-_Published = tuple[Callable[[OutputBatch], None] | None, OutputBatch | None, list[Any] | None]
+_Published = tuple[Callable[[OutputBatch], None] | None, OutputBatch | None, Event | None]
 
 
 class StepOutputs:
@@ -188,8 +131,8 @@ class StepOutputs:
         self._sender = sender
         self._interval = interval
         self._lock = threading.Lock()
-        self._entries: list[list[Any]] = []
-        self._pending: dict[str, list[Any]] = {}  # request id -> its entry of this message
+        self._entries: list[RequestOutput] = []
+        self._pending: dict[str, RequestOutput] = {}  # request id -> its entry of this message
         self._steps: collections.deque[_Published | None] = collections.deque()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._idle = False  # the publisher waits for a step without a timeout: wake it for any
@@ -206,27 +149,27 @@ class StepOutputs:
         with self._lock:
             entry = self._pending.get(request.request_id)
             if entry is None:
-                entry = self._pending[request.request_id] = [request.request_id, text, None, None, None]
+                entry = self._pending[request.request_id] = RequestOutput(request.request_id, text)
                 self._entries.append(entry)
             else:
-                entry[1] += text
+                entry.text += text
 
     def close(self, request: Request, text: str, status: RequestStatus, error: str | None) -> None:
-        final = [
+        final = Final(
             len(request.prompt_ids),
             request.delivered_tokens,
             request.arrival_time,
             request.first_token_time,
             request.scheduled_time,
             request.finish_time,
-        ]
+        )
         with self._lock:
             entry = self._pending.get(request.request_id)
             if entry is None:
-                entry = [request.request_id, "", None, None, None]
+                entry = RequestOutput(request.request_id, "")
                 self._entries.append(entry)
-            entry[1] += text
-            entry[2], entry[3], entry[4] = int(status), error, final
+            entry.text += text
+            entry.status, entry.error, entry.final = int(status), error, final
             self._pending.pop(request.request_id, None)
             self.requests.pop(request.request_id, None)
 
@@ -234,7 +177,7 @@ class StepOutputs:
         """A model step's outputs, to be delivered (`deliver`: its model's output processor) and sent."""
         self._enqueue((deliver, batch, None), batch.first_tokens or bool(batch.finishes))
 
-    def flush(self, then: list[Any] | None = None) -> None:
+    def flush(self, then: Event | None = None) -> None:
         """Send what is produced so far (and `then`, a message to send after it), after every step submitted before."""
         self._enqueue((None, None, then), True)
 
@@ -291,12 +234,12 @@ class StepOutputs:
             self._send()
             sent = time.monotonic()
 
-    def _send(self, then: list[Any] | None = None) -> None:
+    def _send(self, then: Event | None = None) -> None:
         """The outputs gathered so far as one message (if any), then `then`."""
         with self._lock:
             entries, self._entries, self._pending = self._entries, [], {}
         if entries:
-            self._sender.send([Event.OUT, entries])
+            self._sender.send(Outputs(entries))
         if then is not None:
             self._sender.send(then)
 
@@ -313,21 +256,6 @@ class ForwardedOutput:
 
     def close(self, text: str, status: RequestStatus, error: str | None = None) -> None:
         self.outputs.close(self.request, text, status, error)
-
-
-def return_freed_memory_to_the_os() -> None:
-    """Pin glibc's mmap threshold and cap its arenas. Batch caches are large arrays whose size
-    changes as sequences come and go; with the default dynamic threshold freed ones stay in
-    per-thread heaps and resident memory creeps up under churn (measured +6.5% in a 10-minute
-    soak). No-op where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    m_mmap_threshold, m_arena_max = -3, -8  # from glibc's malloc.h
-    mallopt(m_mmap_threshold, 256 * 1024)
-    mallopt(m_arena_max, 4)
 
 
 def _die_with_parent() -> None:
@@ -352,18 +280,17 @@ def run_core(config: CoreConfig) -> None:
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry, without=FRONT_END)  # the front end records those
     ProcessCollector(namespace="posenc_engine", registry=registry)  # the core's own memory and CPU
-    try:
-        engine = Engine.from_repository(config.repository, config.engine, metrics, config.names)
-    except (ManifestError, KVBudgetError, CachePolicyError, RuntimeError) as error:
-        sender.send([Event.FAILED, str(error)])
-        raise SystemExit(2) from None
     outputs = StepOutputs(sender, config.engine.stream_interval_ms / 1000)
-    engine.output_sink = outputs.sink
-    for model in engine.models.values():
-        model.deliver = functools.partial(outputs.submit, model.outputs.deliver)
+    try:
+        engine = Engine.from_repository(
+            config.repository, config.engine, metrics, config.names, output_sink=outputs.sink, publish=outputs.submit
+        )
+    except (ManifestError, KVBudgetError, CachePolicyError, RuntimeError) as error:
+        sender.send(Failed(str(error)))
+        raise SystemExit(2) from None
     engine.start()
-    sender.send([Event.READY, model_infos(engine)])
-    if not CommandLoop(engine, outputs, sender, metrics).run(read_messages(config.commands_fd)):
+    sender.send(Ready(model_infos(engine)))
+    if not CommandLoop(engine, outputs, sender, metrics).run(read_messages(config.commands_fd, Command)):
         logger.error("engine core: the front end is gone; exiting")
         os._exit(1)
     outputs.close_publisher()
@@ -377,51 +304,49 @@ class CommandLoop:
         self.engine, self.outputs, self.sender, self.metrics = engine, outputs, sender, metrics
         self.scoring = ThreadPoolExecutor(max_workers=4, thread_name_prefix="score")
 
-    def run(self, commands: Iterator[list[Any]]) -> bool:
+    def run(self, commands: Iterator[Command]) -> bool:
         """Serve commands until STOP (True) or the end of the pipe: the front end is gone (False)."""
-        for message in commands:
-            kind = message[0]
-            if kind == Command.ADD:
-                self.add(message[1], message[2])
-            elif kind == Command.CANCEL:
-                request = self.outputs.requests.get(message[1])
+        for command in commands:
+            if isinstance(command, Add):
+                self.add(command)
+            elif isinstance(command, Cancel):
+                request = self.outputs.requests.get(command.request_id)
                 if request is not None:
                     self.engine.cancel(request)
-            elif kind == Command.SCORE:
-                self.scoring.submit(self.score, *message[1:])
-            elif kind == Command.METRICS:
-                self.sender.send([Event.REPLY, message[1], None, self.metrics.exposition()])
-            elif kind == Command.STOP:
-                self.stop(float(message[1]))
+            elif isinstance(command, Score):
+                self.scoring.submit(self.score, command)
+            elif isinstance(command, MetricsQuery):
+                self.sender.send(MetricsReply(command.call, self.metrics.exposition()))
+            elif isinstance(command, Stop):
+                self.stop(command.grace)
                 return True
         return False
 
-    def add(self, request_id: str, fields: dict[str, Any]) -> None:
-        fields["stop"] = tuple(fields["stop"])
+    def add(self, command: Add) -> None:
         try:
-            self.engine.submit(GenerateInput(**fields), request_id)
+            self.engine.submit(command.input, command.request_id)
         except RequestError as error:
-            self.sender.send([Event.REPLY, request_id, error_fields(error)])
+            self.sender.send(Reply(command.request_id, Refusal.of(error)))
             return
-        self.sender.send([Event.REPLY, request_id, None])
+        self.sender.send(Reply(command.request_id))
 
-    def score(self, call: int, model: str, text: str, cache_policy: str) -> None:
+    def score(self, command: Score) -> None:
         try:
-            scored = self.engine.score(model, text, cache_policy)
+            scored = self.engine.score(command.model, command.text, command.cache_policy)
         except RequestError as error:
-            self.sender.send([Event.REPLY, call, error_fields(error)])
+            self.sender.send(ScoreReply(command.call, Refusal.of(error)))
             return
         except Exception as error:  # one failing request never harms the others
             logger.exception("scoring failed")
-            self.sender.send([Event.REPLY, call, ["INTERNAL", f"scoring failed: {error}", None]])
+            self.sender.send(ScoreReply(command.call, Refusal("INTERNAL", f"scoring failed: {error}")))
             return
-        result = [scored.logprobs.astype("<f8").tobytes(), scored.greedy.astype("<i8").tobytes()]
-        self.sender.send([Event.REPLY, call, None, result])
+        logprobs, greedy = scored.logprobs.astype("<f8").tobytes(), scored.greedy.astype("<i8").tobytes()
+        self.sender.send(ScoreReply(command.call, None, logprobs, greedy))
 
     def stop(self, grace: float) -> None:
         report = self.engine.stop(grace)
         self.scoring.shutdown(wait=True, cancel_futures=True)
-        self.outputs.flush(then=[Event.STOPPED, report.finished, report.cut])  # after the last outputs
+        self.outputs.flush(then=Stopped(report.finished, report.cut))  # after the last outputs
 
 
 if __name__ == "__main__":

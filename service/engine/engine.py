@@ -1,575 +1,53 @@
-"""The engine core: one thread per model runs schedule -> execute -> process outputs, and streams
-each request's new text back through its output stream.
-
-The roles, as vLLM v1 splits them: the input processor (defaults, validation, tokens) runs on
-the caller's thread before a request reaches the core; the scheduler decides who runs and
-reserves their rows in the KV store; the runner computes prompts (on the prefill worker's
-thread) and decode steps; the output processor turns logits into tokens, text and stops.
-Requests arrive through a small inbox. Cancellation and deadlines are honoured at the next
-step boundary, where the sequence's row is freed.
-"""
+"""The engine: every model of one repository, each served by its own ModelEngine loop, behind one
+submit / score / cancel / stop interface (what the engine core process serves, and what the bench
+drives in-process)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from contract.cache_policy import FORM_SYNTAX, CachePolicyError
 from contract.manifest import Manifest, ManifestError
-from service.engine.admission import AdmissionControl, Backlog, open_trace
-from service.engine.errors import ErrorKind, RequestError
-from service.engine.input_processor import GenerateInput, InputLimits, InputProcessor
-from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
-from service.engine.output_processor import Finished, OutputBatch, OutputProcessor, TokenMetrics
-from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
-from service.engine.request import OutputSink, Request, RequestStatus
-from service.engine.runner import DecodePlan, ModelRunner, Scored, StoreConfig
-from service.engine.sampler import Sampler, all_greedy
-from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from service.engine.messages import DrainReport, EngineConfig, ErrorKind, GenerateInput, RequestError, Scored
+from service.engine.model_engine import ModelEngine, check_kv_budget
+from service.engine.output_processor import OutputBatch
+from service.engine.request import Request
+from service.engine.streams import OutputSink
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
-# Gauges (cache bytes, running, queued) are refreshed this often while busy, and whenever idle.
-GAUGE_INTERVAL_SECONDS = 0.02
-
-__all__ = ["Engine", "EngineConfig", "ErrorKind", "GenerateInput", "ModelEngine", "RequestError"]
-
-
-@dataclass
-class EngineConfig:
-    kv_cache_bytes: int = 256 * 1024 * 1024  # per model: the K/V arrays never exceed it
-    block_size: int = 16
-    max_batch_size: int = 32
-    max_queue: int = 128
-    prefill_tokens: int = 512  # prompt tokens per prefill call (longer prompts are chunked)
-    max_new_tokens_limit: int = 1024
-    default_max_new_tokens: int = 64
-    max_sequence_tokens: int = 4096  # prompt + new tokens, for schemes with no hard limit
-    device: str = "auto"
-    kv_backend: str = "auto"  # numpy (CPU) | torch (CUDA; on the CPU too, to run that path)
-    attention: str = "auto"  # decode: fused (GroupQueryAttention graph) where exported | fused | explicit
-    threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
-    prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
-    # The engine core sends a stream's continuing tokens at most this often (first tokens and
-    # finishes at once): each message wakes threads on the other core, which slows the decode step.
-    stream_interval_ms: float = 4.0
-    ttft_slo_seconds: float = 0.0  # refuse requests estimated to miss this time to first token (0: off)
-    admission_trace: str = ""  # folder: admission's measurements, decisions and outcomes per model (JSON lines)
-    # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
-    default_cache_policies: tuple[str, ...] = ()
-
-
-def default_cache_policy(manifest: Manifest, config: EngineConfig) -> str:
-    """The model's default policy string: its own MODEL=POLICY entry, else a bare POLICY, else full."""
-    chosen = "full"
-    for entry in config.default_cache_policies:
-        name, sep, policy = entry.rpartition("=")
-        if not sep:
-            chosen = policy
-    for entry in config.default_cache_policies:
-        name, sep, policy = entry.rpartition("=")
-        if sep and name == manifest.folder.name:
-            chosen = policy
-    return chosen
-
-
-def sequence_limit(manifest: Manifest, config: EngineConfig) -> int:
-    """Prompt (with BOS) + new tokens one request may reach on this model."""
-    return manifest.max_positions or config.max_sequence_tokens
-
-
-def check_kv_budget(manifest: Manifest, config: EngineConfig, dtype: str = "float32") -> None:
-    """Refuse a budget that cannot hold one sequence of the longest allowed length (before any session opens)."""
-    layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, dtype)
-    tokens = sequence_limit(manifest, config)
-    minimum = KVStore.minimum_budget(layout, tokens, config.block_size)
-    if config.kv_cache_bytes < minimum:
-        raise KVBudgetError(
-            f"--kv-cache-bytes {config.kv_cache_bytes} cannot hold one sequence of {tokens} tokens "
-            f"(--max-sequence-tokens, or the model's max_positions) of model {manifest.name!r} at "
-            f"{layout.token_bytes} bytes per token; the minimum is {minimum} bytes (one row of the widest "
-            "capacity class and the row it moves from)"
-        )
-
-
-@dataclass(frozen=True)
-class DrainReport:
-    """Requests in flight when a stop began: how many finished within the grace period, how many were cut."""
-
-    finished: int = 0
-    cut: int = 0
-
-
-class ModelEngine:
-    """Everything that serves one model."""
-
-    def __init__(self, manifest: Manifest, config: EngineConfig, metrics: ServiceMetrics) -> None:
-        self.manifest = manifest
-        self.config = config
-        store = StoreConfig(config.kv_cache_bytes, config.block_size, sequence_limit(manifest, config))
-        self.runner = ModelRunner(
-            manifest,
-            store,
-            config.device,
-            config.threads,
-            config.kv_backend,
-            open_prefill_session=False,
-            attention=config.attention,
-        )
-        self.store = self.runner.store
-        self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)
-        trace = open_trace(Path(config.admission_trace), manifest.folder.name) if config.admission_trace else None
-        self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size, trace)
-        self._admission_trace = trace
-        self._backlog = Backlog()  # what is ahead of a new request, as of the last step
-        limits = InputLimits(config.max_new_tokens_limit, config.default_max_new_tokens, self.store.max_tokens)
-        self.inputs = InputProcessor(manifest, limits)
-        try:
-            self.inputs.default_policy = self.inputs.cache_policy(default_cache_policy(manifest, config))
-        except RequestError as error:
-            raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
-        self.labels = {"model": manifest.name, "scheme": manifest.scheme}
-        self.metrics = metrics
-        labels = self.labels
-        # Children per cache-policy form this model accepts, created up front: at most six each,
-        # and every form's series exists (at zero) before its first request.
-        by_form = {form: {**labels, "policy": form} for form in self.policy_forms}
-        self.outputs = OutputProcessor(
-            self.inputs.eos_token_id,
-            {
-                form: TokenMetrics(
-                    metrics.time_to_first_token.labels(**form_labels),
-                    metrics.inter_token_latency.labels(**form_labels),
-                    metrics.generated_tokens.labels(**form_labels),
-                )
-                for form, form_labels in by_form.items()
-            },
-        )
-        self._steps = {phase: metrics.step_duration.labels(**labels, phase=phase) for phase in ("prefill", "decode")}
-        self._batches = {phase: metrics.batch_size.labels(**labels, phase=phase) for phase in ("prefill", "decode")}
-        self._cancel_latency = metrics.cancellation_latency.labels(**labels)
-        self._gauges = {
-            "physical": metrics.kv_cache_physical.labels(**labels),
-            "peak": metrics.kv_cache_physical_peak.labels(**labels),
-            "classes": metrics.kv_cache_classes.labels(**labels),
-            "running": metrics.running.labels(**labels),
-            "queued": metrics.queued.labels(**labels),
-        }
-        self._used = {form: metrics.kv_cache_used.labels(**form_labels) for form, form_labels in by_form.items()}
-        self._prompt_tokens = {
-            form: metrics.prompt_tokens.labels(**form_labels) for form, form_labels in by_form.items()
-        }
-        self._preemptions = metrics.preemptions.labels(**labels)
-        self._estimated_ttft = metrics.admission_estimated_ttft.labels(**labels)
-        self._estimate_error = metrics.admission_ttft_error.labels(**labels)
-        self._shed = {
-            (reason, form): metrics.requests_shed.labels(**form_labels, reason=reason)
-            for reason in ("ttft_slo", "queue")
-            for form, form_labels in by_form.items()
-        }
-        self._inbox: list[Request] = []
-        self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
-        self._gauges_due = 0.0  # the next gauge update (full steps and steady steps alike)
-        self._housekeeping_due = 0.0  # the next trim of spare rows and stale bindings (full steps)
-        # The steady state: the batch the last full step decoded, while nothing that could change
-        # it has happened (`_changed`: new requests, computed prompts, cancels, a stop; a request
-        # finishing; a deadline). Steps in it skip reaping and scheduling.
-        self._changed = True
-        self._steady: list[Request] = []
-        self._steady_plan: DecodePlan | None = None  # its decode calls, resolved once
-        self._steady_steps = 0  # fast steps left before a sequence needs a wider row
-        self._steady_until = 0.0
-        self.prefill_worker = PrefillWorker(
-            self.runner, config.prefill_tokens, self._deliver_prefilled, self._observe_prefill, manifest.name,
-            config.prefill_nice,
-        )  # fmt: skip
-        self._wake = threading.Condition()
-        self.sampler = Sampler()
-        self.outputs.on_stop = self.wake  # a stop string ended a request: free its row
-        # What the current step produced (tokens, finishes, observations), handed to `deliver`
-        # when the step ends: the output processor's client half, inline here, or (engine core)
-        # on its publisher thread while the next step's graph runs (service.engine.core.StepOutputs).
-        self._batch = OutputBatch()
-        self.deliver: Callable[[OutputBatch], None] = self.outputs.deliver
-        self._stopping = False  # no new requests
-        self._stopped = False  # the loop exits
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{manifest.name}", daemon=True)
-        metrics.kv_cache_capacity.labels(**labels).set(self.store.capacity_bytes)
-        self._update_gauges(time.monotonic())
-
-    @property
-    def max_sequence_tokens(self) -> int:
-        return self.store.max_tokens
-
-    @property
-    def policy_forms(self) -> list[str]:
-        """The cache-policy forms this model accepts (CachePolicy.form: the `policy` metric label)."""
-        forms = ["full"] if self.manifest.cache_eviction is None else ["full", "window", "sinks"]
-        if self.manifest.has_int8_cache:
-            forms += ["int8", *(f"{form}+int8" for form in forms[1:])]
-        return forms
-
-    @property
-    def cache_policy_forms(self) -> list[str]:
-        """The policies this model accepts, as ListModels shows them."""
-        return [FORM_SYNTAX[form] for form in self.policy_forms]
-
-    @property
-    def eviction_positions(self) -> str:
-        eviction = self.manifest.cache_eviction
-        return "" if eviction is None else eviction.positions
-
-    # ------------------------------------------------------------------ requests in
-
-    def submit(self, request: Request) -> None:
-        with self._wake:
-            if self._stopping:
-                raise RequestError(ErrorKind.UNAVAILABLE, "server is shutting down")
-            waiting = len(self.scheduler.waiting) + len(self._inbox)
-            if waiting >= self.config.max_queue:
-                self._shed["queue", request.cache_policy.form].inc()
-                retry_after = self.admission.queue_retry_after(waiting)
-                raise RequestError(
-                    ErrorKind.RESOURCE_EXHAUSTED,
-                    f"queue: {waiting} requests waiting for model {self.manifest.name!r} "
-                    f"(max_queue={self.config.max_queue}); retry after {retry_after:.2f} s",
-                    retry_after=retry_after,
-                )
-            if self.admission.enabled:  # the inbox's prompt tokens are summed only when they are used
-                inbox_tokens = sum(len(r.prefill_ids) for r in self._inbox)
-                try:
-                    request.admission_estimate = self.admission.check(
-                        request, self._backlog, inbox_tokens, len(self._inbox), self.manifest.name
-                    )
-                except RequestError:
-                    self._shed["ttft_slo", request.cache_policy.form].inc()
-                    raise
-            self._inbox.append(request)
-            self._changed = True
-            self._wake.notify()
-
-    def wake(self) -> None:
-        """Something the loop must look at (a cancellation): the next step is a full one."""
-        with self._wake:
-            self._changed = True
-            self._wake.notify()
-
-    # ------------------------------------------------------------------ the loop
-
-    def start(self) -> None:
-        self.prefill_worker.start()
-        self._thread.start()
-
-    def stop(self, timeout: float) -> DrainReport:
-        """Refuse new work, let running work finish within `timeout`, then cancel the rest."""
-        with self._wake:
-            self._stopping = True
-            in_flight = [*self.scheduler.requests(), *self._inbox]
-            self._changed = True
-            self._wake.notify()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (self.scheduler.has_work or self._inbox):
-            time.sleep(0.01)
-        with self._wake:
-            for request in self._inbox:
-                request.finish(RequestStatus.FINISHED_SHUTDOWN, "server shut down")
-            self._inbox.clear()
-        self._stopped = True
-        with self._wake:
-            self._changed = True
-            self._wake.notify()
-        self._thread.join(timeout=5)
-        self.prefill_worker.stop()
-        if self._admission_trace is not None:
-            self._admission_trace.close()
-        cut = sum(1 for r in in_flight if r.status is RequestStatus.FINISHED_SHUTDOWN)
-        return DrainReport(len(in_flight) - cut, cut)
-
-    def _deliver_prefilled(self, results: list[PrefillResult]) -> None:
-        with self._wake:
-            self._prefilled.extend(results)
-            self._changed = True
-            self._wake.notify()
-
-    def _loop(self) -> None:
-        busy = False
-        while True:
-            changed = False
-            # Busy with nothing new (an arrival sets `_changed` under the lock): no lock this step.
-            if not busy or self._changed:
-                with self._wake:
-                    # Idle (nothing decoding, or only prompts in the worker): sleep until new work,
-                    # a computed prompt or a cancellation; the timeout keeps deadlines honoured.
-                    if not busy and not self._inbox and not self._prefilled and not self._stopped:
-                        self._wake.wait(timeout=0.05)
-                    if self._stopped:
-                        break
-                    for request in self._inbox:
-                        try:
-                            self.scheduler.add(request)
-                        except QueueFullError as error:
-                            request.finish(RequestStatus.FINISHED_ERROR, str(error))
-                    self._inbox.clear()
-                    changed, self._changed = self._changed, False
-            try:
-                busy = self.step(changed)
-            except Exception:  # a bug must not kill the loop silently
-                logger.exception("engine step failed for %s", self.manifest.name)
-                busy = False
-            self._hand_over()
-        for request in self.scheduler.requests():
-            self._finish(request, RequestStatus.FINISHED_SHUTDOWN, "server shut down")
-        self._hand_over()
-
-    def _hand_over(self) -> None:
-        """The step's outputs go to `deliver` (nothing when the step produced nothing)."""
-        if self._batch:
-            batch, self._batch = self._batch, OutputBatch()
-            self.deliver(batch)
-
-    def step(self, changed: bool = True) -> bool:
-        """One iteration: reap aborted, write computed prompts, schedule, decode, process outputs.
-        False when it found nothing to run (the loop may sleep). `changed`: something arrived since
-        the last step (without it, a steady batch decodes again at once: see `_steady`)."""
-        if self._steady_steps > 0 and not changed and time.monotonic() < self._steady_until:
-            self._decode_steady()
-            return True
-        self._steady_steps = 0
-        self._reap_aborted()
-        with self._wake:
-            prefilled, self._prefilled = self._prefilled, []
-        joined = self._join(prefilled)
-        output = self.scheduler.schedule()
-        self._snapshot_backlog()
-        if output.preempted:
-            self._preemptions.inc(len(output.preempted))
-        if output.admitted:
-            self._start_prefill(output.admitted)
-        if output.decode:
-            self._decode(output.decode)
-        busy = bool(joined or output.decode)
-        now = time.monotonic()
-        if not busy or now >= self._housekeeping_due:  # every step would cost ~3% of a small step
-            self.store.trim()  # classes left mostly spare by leavers give rows back
-            self.runner.forget_calls()
-            self._housekeeping_due = now + GAUGE_INTERVAL_SECONDS
-            self._update_gauges(now)
-        self._hold_steady(output, joined)
-        return busy
-
-    def _hold_steady(self, output: SchedulerOutput, joined: int) -> None:
-        """After a full step: the batch it decoded is steady when every running sequence decoded
-        and none finished, nothing waits or joined, and the store is as it was (until the next
-        deadline)."""
-        running = self.scheduler.running
-        if (
-            joined
-            or output.admitted
-            or output.preempted
-            or self.scheduler.waiting
-            or not output.decode
-            or len(output.decode) != len(running)
-            or any(r is not s for r, s in zip(output.decode, running, strict=True))
-        ):
-            return
-        deadlines = [r.deadline for r in running if r.deadline is not None]
-        self._steady = running[:]
-        self._steady_plan = self.runner.plan_decode([r.request_id for r in running])  # the store holds still
-        self._steady_steps = self.scheduler.steady_steps(self._steady)
-        self._steady_until = min(deadlines, default=math.inf)
-
-    def _reap_aborted(self) -> None:
-        now = time.monotonic()
-        for request in self.scheduler.requests():
-            if request.detokenizer.stopped:  # the output processor found a stop string
-                self._finish(request, RequestStatus.FINISHED_STOP)
-            elif request.cancelled.is_set():
-                self._finish(request, RequestStatus.FINISHED_CANCELLED, "cancelled by the client")
-            elif request.deadline is not None and now >= request.deadline:
-                request.cancel_time = request.deadline
-                self._finish(request, RequestStatus.FINISHED_DEADLINE, "deadline exceeded")
-
-    def _start_prefill(self, admitted: list[Request]) -> None:
-        now = time.monotonic()
-        for request in admitted:
-            if request.attempt == 0:
-                request.scheduled_time = now
-                self._prompt_tokens[request.cache_policy.form].inc(len(request.prompt_ids))
-        self.prefill_worker.submit([PrefillJob(r, r.attempt, r.prefill_ids) for r in admitted])
-
-    def _join(self, results: list[PrefillResult]) -> int:
-        """Computed prompts are written into their rows; first tokens are sampled. Returns how many joined."""
-        ready = []
-        for result in results:
-            request = result.job.request
-            if request.status.finished or request.attempt != result.job.attempt:
-                continue  # finished or preempted meanwhile: its row is already free
-            if result.error is not None:
-                self._fail([request], result.error)
-            elif result.prompt is not None:  # None: given up (cancel or deadline, reaped here)
-                ready.append(result)
-        if not ready:
-            return 0
-        for result in ready:
-            assert result.prompt is not None
-            if result.prompt.policy is None:
-                result.prompt.policy = self.runner.row_policy(result.job.request.cache_policy)
-        try:
-            self.runner.join([r.prompt for r in ready])  # type: ignore[misc]
-        except Exception as error:
-            self._fail([r.job.request for r in ready], error)
-            return 0
-        requests = [r.job.request for r in ready]
-        for request in requests:
-            request.num_computed_tokens = request.prefill_length
-        # After a preemption the next token is already known: no sample.
-        fresh = [row for row, r in enumerate(requests) if not r.output_ids]
-        if fresh:
-            logits = np.stack([ready[row].prompt.logits for row in fresh])  # type: ignore[union-attr]
-            self._sample([requests[row] for row in fresh], logits)
-            self._observe_first_tokens([requests[row] for row in fresh])
-        return len(ready)
-
-    def _observe_first_tokens(self, requests: list[Request]) -> None:
-        """Admission learns from each first token: the drain rate, and its estimate against what happened."""
-        for request in requests:
-            if request.first_token_time is None:
-                continue  # its sampling failed
-            realised = request.first_token_time - request.arrival_time
-            estimate = request.admission_estimate
-            self.admission.observe_first_token(request.request_id, estimate, realised)
-            if estimate is not None:
-                self._estimated_ttft.observe(estimate.seconds)
-                self._estimate_error.observe(realised - estimate.seconds)
-
-    def _snapshot_backlog(self) -> None:
-        """What is ahead of a new request as of this step, for admission control (when it is on)."""
-        if self.admission.enabled:
-            with self._wake:
-                self._backlog = Backlog.of(self.scheduler.waiting, self.scheduler.running)
-
-    def _decode_steady(self) -> None:
-        """Steps of the steady batch back to back, each handing its outputs over, until something
-        changes (`_changed`, a finish, a deadline) or a row fills: the loop's fast path, with per
-        step only what a step must do (feed, graph, sample, append), and the gauges when due."""
-        requests, plan = self._steady, self._steady_plan
-        greedy, snapshot = all_greedy(requests), self.admission.enabled
-        while True:
-            self._steady_steps -= 1
-            if snapshot:
-                self._snapshot_backlog()
-            self._decode(requests, plan, greedy)
-            self._hand_over()
-            now = time.monotonic()
-            if self._steady_steps <= 0 or self._changed or now >= self._steady_until:
-                return
-            if now >= self._gauges_due:  # the store's layout is unchanged: only sizes to report
-                self.scheduler.note_growth(requests)
-                self._update_gauges(now)
-
-    def _decode(self, requests: list[Request], plan: DecodePlan | None = None, greedy: bool = False) -> None:
-        """One graph step for these sequences (every member of the store), through `plan` (the
-        steady batch's, or one made here); then each one's next token is sampled (`greedy`: every
-        one is, known beforehand), and those it ends (or whose sampling failed) are finished."""
-        started = time.monotonic()
-        try:
-            plan = plan or self.runner.plan_decode([r.request_id for r in requests])
-            logits = self.runner.decode_planned(plan, [r.output_ids[-1] for r in requests])
-        except Exception as error:  # fail only the sequences of this call
-            self._fail(requests, error)
-            return
-        now = time.monotonic()
-        # Observed where the step's outputs are delivered (the publisher, in the engine core).
-        self._batch.records.append((self._observe_decode_step, (now - started, len(requests))))
-        for request in requests:
-            request.num_computed_tokens = request.num_tokens
-        self._sample(requests, logits, now, greedy)
-
-    def _sample(
-        self, requests: list[Request], logits: np.ndarray, now: float | None = None, greedy: bool = False
-    ) -> None:
-        """Each request's next token (sampled at `now`: after the graph call); those it ends, or
-        whose sampling failed, are finished."""
-        tokens = self.sampler.sample_batch(requests, logits, greedy)
-        now = time.monotonic() if now is None else now
-        self._finish_all(self.outputs.accept(requests, tokens, now, self._batch))
-
-    def _observe_decode_step(self, step: tuple[float, int]) -> None:
-        seconds, batch = step
-        self._steps["decode"].observe(seconds)
-        self.admission.observe_decode(seconds)
-        self._batches["decode"].observe(batch)
-
-    def _finish_all(self, finished: list[Finished]) -> None:
-        for done in finished:
-            self._finish(done.request, done.status, done.error)
-
-    def _fail(self, requests: list[Request], error: Exception) -> None:
-        logger.error("model %s: ONNX Runtime failed for %d request(s): %s", self.manifest.name, len(requests), error)
-        for request in requests:
-            self._finish(request, RequestStatus.FINISHED_ERROR, f"inference failed: {error}")
-
-    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """Its row is freed at once; its final event follows its last text (`deliver`)."""
-        self._steady_steps = 0
-        request.status = status  # the loop skips it from now on
-        self.scheduler.remove(request)  # frees its row in the store at once
-        self.sampler.forget(request.request_id)
-        if status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_DEADLINE) and request.cancel_time:
-            self._cancel_latency.observe(time.monotonic() - request.cancel_time)
-        self._batch.finishes.append(Finished(request, status, error))
-
-    def _observe_prefill(self, seconds: float, batch: int, tokens: int) -> None:
-        self._steps["prefill"].observe(seconds)
-        self._batches["prefill"].observe(batch)
-        self.admission.observe_prefill(seconds, tokens)
-
-    def _update_gauges(self, now: float) -> None:
-        self._gauges_due = now + GAUGE_INTERVAL_SECONDS
-        with self.metrics.gauge_lock:  # a scrape sees all of this update or none of it
-            self._set_gauges()
-
-    def _set_gauges(self) -> None:
-        stats = self.store.stats()
-        forms = {request.request_id: request.cache_policy.form for request in self.scheduler.requests()}
-        held = dict.fromkeys(self._used, 0)
-        for sequence, nbytes in self.store.held_bytes().items():
-            held[forms[sequence]] += nbytes
-        for form, gauge in self._used.items():
-            gauge.set(held[form])
-        self._gauges["physical"].set(stats.physical_bytes)
-        self._gauges["peak"].set(stats.peak_physical_bytes)
-        self._gauges["classes"].set(stats.classes)
-        self._gauges["running"].set(len(self.scheduler.running))
-        self._gauges["queued"].set(len(self.scheduler.waiting) + len(self._inbox))
+__all__ = ["Engine", "ModelEngine"]
 
 
 class Engine:
     """All models of one repository, by name."""
 
-    def __init__(self, models: dict[str, ModelEngine]) -> None:
+    def __init__(
+        self, models: dict[str, ModelEngine], output_sink: Callable[[Request], OutputSink] | None = None
+    ) -> None:
+        """`output_sink`: where a new request's text goes: its own OutputStream when None (in-process
+        readers), or the engine core's per-step collector (service.engine.core)."""
         self.models = models
         self._ids = itertools.count()
-        # Where a new request's text goes: its own OutputStream (in-process readers), or the
-        # engine core's per-step collector (service.engine.core).
-        self.output_sink: Callable[[Request], OutputSink] | None = None
+        self.output_sink = output_sink
 
     @classmethod
     def from_repository(
-        cls, repository: Path, config: EngineConfig, metrics: ServiceMetrics, names: list[str] | None = None
+        cls,
+        repository: Path,
+        config: EngineConfig,
+        metrics: ServiceMetrics,
+        names: list[str] | None = None,
+        output_sink: Callable[[Request], OutputSink] | None = None,
+        publish: Callable[[Callable[[OutputBatch], None], OutputBatch], None] | None = None,
     ) -> Engine:
         """Load every model folder (or those named); a bad manifest, file or budget stops the start
-        before any session opens."""
+        before any session opens. `output_sink` and `publish`: see Engine and ModelEngine."""
         if not repository.is_dir():
             raise ManifestError(f"{repository}: model repository does not exist")
         folders = sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
@@ -590,7 +68,7 @@ class Engine:
                 raise ManifestError(f"{repository}: only rope scaling variants; name the ones to serve in --models")
         for manifest in manifests:
             check_kv_budget(manifest, config)
-        return cls({m.folder.name: ModelEngine(m, config, metrics) for m in manifests})
+        return cls({m.folder.name: ModelEngine(m, config, metrics, publish) for m in manifests}, output_sink)
 
     def model(self, name: str) -> ModelEngine:
         try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from contract.cache_policy import FIELD as POLICY_FIELD
 from contract.cache_policy import FULL_POLICY, CachePolicy, CachePolicyError, parse_cache_policy
 from contract.manifest import Manifest
-from service.engine.errors import ErrorKind, RequestError
+from service.engine.messages import ErrorKind, GenerateInput, RequestError
 from service.engine.request import SamplingParams
 
 
@@ -21,22 +21,6 @@ class InputLimits:
     max_new_tokens_limit: int
     default_max_new_tokens: int
     max_sequence_tokens: int  # prompt (with BOS) + new tokens, for this model on this server
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """A generation request as the caller gave it: None means "not set, use the default"."""
-
-    model: str
-    prompt: str
-    max_new_tokens: int | None = None
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float | None = None
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    deadline: float | None = None  # time.monotonic() seconds
-    cache_policy: str = ""  # empty: the model's default
 
 
 class InputProcessor:

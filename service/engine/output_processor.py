@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.request import FIRST_FINAL, Request, RequestStatus
+from service.engine.messages import FIRST_FINAL, RequestStatus
+from service.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,14 @@ class OutputBatch:
 
 
 class OutputProcessor:
-    def __init__(self, eos_token_id: int, metrics: dict[str, TokenMetrics]) -> None:
-        """`metrics`: by cache-policy form (CachePolicy.form), each request's tokens counted under its own."""
+    def __init__(
+        self, eos_token_id: int, metrics: dict[str, TokenMetrics], on_stop: Callable[[], None] = lambda: None
+    ) -> None:
+        """`metrics`: by cache-policy form (CachePolicy.form), each request's tokens counted under its own.
+        `on_stop`: called (on the delivering thread) when a stop string finished a request the loop still holds."""
         self.eos_token_id = eos_token_id
         self._metrics = metrics
-        # Called (on the delivering thread) when a stop string finished a request the loop still holds.
-        self.on_stop: Callable[[], None] = lambda: None
+        self.on_stop = on_stop
 
     def accept(
         self, requests: list[Request], tokens: list[int | Exception], now: float, batch: OutputBatch

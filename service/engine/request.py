@@ -1,42 +1,16 @@
-"""Engine-side request types: what the servicer hands in and what streams back."""
+"""A request inside the engine core: its tokens, sampling parameters, cache policy and progress."""
 
 from __future__ import annotations
 
-import enum
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 from contract.cache_policy import FULL_POLICY, CachePolicy
+from service.engine.admission import Estimate
 from service.engine.detokenizer import IncrementalDetokenizer
-
-if TYPE_CHECKING:
-    from service.engine.admission import Estimate
-
-
-class RequestStatus(enum.IntEnum):
-    """Ordered: everything from FINISHED_LENGTH on is final."""
-
-    WAITING = 0
-    RUNNING = 1
-    FINISHED_LENGTH = 2
-    FINISHED_STOP = 3
-    FINISHED_EOS = 4
-    FINISHED_CANCELLED = 5
-    FINISHED_DEADLINE = 6
-    FINISHED_ERROR = 7
-    FINISHED_SHUTDOWN = 8  # cancelled because the server stopped before it finished
-
-    @property
-    def finished(self) -> bool:
-        return self >= FIRST_FINAL
-
-
-# The first final status, as a module name: `status >= FIRST_FINAL` is what `finished` says, for hot
-# loops (the property, with its lookup on the enum class, costs ~0.4 us a call).
-FIRST_FINAL = RequestStatus.FINISHED_LENGTH
+from service.engine.messages import RequestStatus
+from service.engine.streams import OutputSink, OutputStream
 
 
 @dataclass(frozen=True)
@@ -47,77 +21,6 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
-
-
-@dataclass
-class StreamEvent:
-    """New text since the consumer last looked; `status` is final on the last event."""
-
-    text: str
-    status: RequestStatus
-    error: str | None = None
-
-
-class OutputSink(Protocol):
-    """Where a request's text goes as it is produced (an OutputStream, or the engine core's collector)."""
-
-    def put(self, text: str) -> None: ...
-
-    def close(self, text: str, status: RequestStatus, error: str | None = None) -> None: ...
-
-
-class OutputStream:
-    """Engine -> consumer hand-off that merges what the consumer has not taken yet.
-
-    While the consumer keeps up it gets one event per step; when it falls behind (a slow
-    client, a busy gRPC thread) the waiting texts are joined into one event instead of
-    piling up, as vLLM's output collector does. The engine never blocks on a consumer.
-    The consumer is woken through a C queue, one item per batch of new text: measured with
-    the core decoding one stream read by this process, a threading.Event here (a Condition
-    and a dozen Python-level lock operations per token on the reading side) cost the core's
-    decode step 8-10 us more (543 against 536, 570 against 561 us, alternating requests).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
-        self._signalled = False  # a wake-up is queued that the consumer has not taken
-        self._text = ""
-        self._final: StreamEvent | None = None
-        self._closed = False  # the final event was taken: later calls answer at once
-
-    def put(self, text: str) -> None:
-        with self._lock:
-            self._text += text
-            if self._signalled:
-                return
-            self._signalled = True
-        self._wakeups.put(None)
-
-    def close(self, text: str, status: RequestStatus, error: str | None = None) -> None:
-        with self._lock:
-            self._final = StreamEvent(self._text + text, status, error)
-            self._text = ""
-            if self._signalled:
-                return
-            self._signalled = True
-        self._wakeups.put(None)
-
-    def get(self, timeout: float | None = None) -> StreamEvent | None:
-        """Everything new since the last call (None on timeout); final once closed."""
-        if not self._closed:
-            try:
-                self._wakeups.get(timeout=timeout)
-            except queue.Empty:
-                return None
-        with self._lock:
-            self._signalled = False
-            if self._final is not None:  # a closed stream stays readable
-                self._closed = True
-                final, self._final = self._final, StreamEvent("", self._final.status, self._final.error)
-                return final
-            text, self._text = self._text, ""
-        return StreamEvent(text, RequestStatus.RUNNING)
 
 
 @dataclass(eq=False)  # identity: requests are compared in scheduler lists every step

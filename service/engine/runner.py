@@ -58,6 +58,7 @@ from service.engine.kv_store import (
     RowPolicy,
     TorchArrays,
 )
+from service.engine.messages import Scored
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +115,6 @@ class RunnerTimings:
 
     graph: float = 0.0
     cache: float = 0.0
-
-
-@dataclass
-class Scored:
-    """A text scored teacher-forced: per token after the first, its log-probability and the token
-    the model found most likely there (its greedy prediction)."""
-
-    logprobs: np.ndarray  # (T-1,) float64
-    greedy: np.ndarray  # (T-1,) int64
 
 
 @dataclass

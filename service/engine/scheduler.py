@@ -14,7 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.engine.request import Request, RequestStatus
+from service.engine.admission import Backlog
+from service.engine.messages import RequestStatus
+from service.engine.request import Request
 
 
 class QueueFullError(RuntimeError):
@@ -140,3 +142,11 @@ class Scheduler:
 
     def requests(self) -> list[Request]:
         return [*self.running, *self.waiting]
+
+    def backlog(self) -> Backlog:
+        """What is ahead of a new request now: prompts not yet computed (waiting, or admitted and
+        in prefill), the waiting count, and the decode steps each running sequence has left."""
+        waiting, running = list(self.waiting), self.running
+        pending = [r for r in (*waiting, *running) if not r.output_ids]
+        left = sorted(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in running)
+        return Backlog(sum(len(r.prefill_ids) for r in pending), len(waiting), tuple(left))

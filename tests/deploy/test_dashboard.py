@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from contract.paths import REPOSITORY_ROOT
 from loadtest.palette import DASHBOARD, grafana_overrides
 from service.api import generation_pb2 as pb
-from service.process import ROOT, ServerProcess, free_port
+from service.process import ServerProcess, free_port
 
-PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+PROMETHEUS_CONFIG = REPOSITORY_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 VARIABLES = ("scheme", "model", "instance", "policy")
 ROWS = ("Latency", "Memory", "Load and admission", "Replicas")
 # Policies the test sends (one per form the label can take), and the form each is counted under.
@@ -103,7 +104,7 @@ def test_series_colours_are_the_palette_s() -> None:
 
 
 def test_dashboard_only_queries_metrics_the_service_defines() -> None:
-    defined = (ROOT / "service" / "metrics.py").read_text()
+    defined = (REPOSITORY_ROOT / "service" / "metrics.py").read_text()
     for expr in queries():
         for metric in re.findall(r"posenc_[a-z_]+", expr):
             base = re.sub(r"_(bucket|sum|count|total)$", "", metric)

@@ -11,34 +11,35 @@ from pathlib import Path
 import pytest
 import yaml
 
+from contract.paths import REPOSITORY_ROOT
 from service.api import generation_pb2 as pb
-from service.process import ROOT, ServerProcess
+from service.process import ServerProcess
 
-PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+PROMETHEUS_CONFIG = REPOSITORY_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 Tool = Callable[[str], str]
 
 
 def test_compose_file_validates_and_every_path_exists(tool: Tool) -> None:
-    subprocess.run([tool("docker-compose"), "config", "-q"], cwd=ROOT, check=True)
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    subprocess.run([tool("docker-compose"), "config", "-q"], cwd=REPOSITORY_ROOT, check=True)
+    compose = yaml.safe_load((REPOSITORY_ROOT / "docker-compose.yml").read_text())
     for name, service in compose["services"].items():
         build = service.get("build")
         if build:
-            context = ROOT / build["context"]
+            context = REPOSITORY_ROOT / build["context"]
             assert (context / build.get("dockerfile", "Dockerfile")).is_file(), name
             target = build.get("target")
             assert re.search(rf"^FROM .* AS {target}$", (context / "Dockerfile").read_text(), re.M), (name, target)
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("."):
-                assert (ROOT / source).exists(), (name, source)
+                assert (REPOSITORY_ROOT / source).exists(), (name, source)
     assert compose["services"]["server"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
 
 def test_compose_puts_every_replica_behind_the_proxy() -> None:
     """`--scale server=N` works: replicas publish no host port (N containers cannot share one),
     answer as `server`, and the proxy, the only published gRPC port, runs the shipped nginx.conf."""
-    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    services = yaml.safe_load((REPOSITORY_ROOT / "docker-compose.yml").read_text())["services"]
     for name in ("server", "server-cpu"):
         assert "ports" not in services[name], name
         assert services[name]["networks"]["default"]["aliases"] == ["server"], name

@@ -23,13 +23,14 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from packaging.requirements import Requirement
 
+from contract.paths import REPOSITORY_ROOT
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
-from service.process import ROOT, free_port
+from service.process import free_port
 
-DOCKERFILE = ROOT / "Dockerfile"
-DOCKERFILES = [DOCKERFILE, *sorted((ROOT / "deploy" / "standin").glob("*.Dockerfile"))]
-HOST_COMPOSE = ROOT / "deploy" / "compose.host.yml"
+DOCKERFILE = REPOSITORY_ROOT / "Dockerfile"
+DOCKERFILES = [DOCKERFILE, *sorted((REPOSITORY_ROOT / "deploy" / "standin").glob("*.Dockerfile"))]
+HOST_COMPOSE = REPOSITORY_ROOT / "deploy" / "compose.host.yml"
 
 
 def hadolint() -> str:
@@ -108,7 +109,7 @@ def image_app(tmp: Path) -> Path:
         if line.startswith("COPY ") and "--from" not in line:
             *sources, dest = line.split()[1:]
             for pattern in sources:
-                for source in ROOT.glob(pattern):
+                for source in REPOSITORY_ROOT.glob(pattern):
                     target = app / dest / source.name if dest.endswith("/") else app / dest
                     if source.is_dir():
                         shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
@@ -220,9 +221,9 @@ def test_host_network_compose_validates_and_its_parts_agree(tool) -> None:  # ty
                 assert (HOST_COMPOSE.parent / volume.split(":")[0]).exists(), (name, volume)
     replicas = [s["environment"] for name, s in services.items() if name.startswith("replica-")]
     assert len(replicas) == 2
-    upstream = (ROOT / "deploy" / "nginx" / "upstream.host.conf").read_text()
+    upstream = (REPOSITORY_ROOT / "deploy" / "nginx" / "upstream.host.conf").read_text()
     assert re.findall(r"server 127\.0\.0\.1:(\d+)", upstream) == [r["POSENC_PORT"] for r in replicas]
-    prometheus_config = ROOT / "deploy" / "prometheus" / "prometheus.host.yml"
+    prometheus_config = REPOSITORY_ROOT / "deploy" / "prometheus" / "prometheus.host.yml"
     subprocess.run([tool("promtool"), "check", "config", str(prometheus_config)], check=True, capture_output=True)
     (job,) = yaml.safe_load(prometheus_config.read_text())["scrape_configs"]
     assert job["static_configs"] == [{"targets": [f"127.0.0.1:{r['POSENC_METRICS_PORT']}" for r in replicas]}]
@@ -230,6 +231,6 @@ def test_host_network_compose_validates_and_its_parts_agree(tool) -> None:  # ty
 
 
 def test_smoke_script_is_executable_and_parses() -> None:
-    smoke = ROOT / "deploy" / "smoke.sh"
+    smoke = REPOSITORY_ROOT / "deploy" / "smoke.sh"
     assert os.access(smoke, os.X_OK)
     subprocess.run(["bash", "-n", str(smoke)], check=True)

@@ -12,10 +12,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service.process import ROOT
+from contract.paths import REPOSITORY_ROOT
 
-K8S = ROOT / "deploy" / "k8s"
-NGINX_DIR = ROOT / "deploy" / "nginx"
+K8S = REPOSITORY_ROOT / "deploy" / "k8s"
+NGINX_DIR = REPOSITORY_ROOT / "deploy" / "nginx"
 # The oldest Kubernetes release the manifests promise (maintained upstream when this was written)
 # and the newest one the pinned kubernetes-validate ships schemas for.
 VERSIONS = ("1.31.0", "1.37.0")
@@ -58,7 +58,7 @@ def test_server_deployment_probes_health_over_grpc_and_carries_its_models(varian
         assert container[probe]["grpc"] == {"port": 50051}, probe  # health service "" (the whole server)
     assert container["image"] == f"posenc-serve:{variant}"
     # The image carries the model repository (exported at build time); nothing is mounted.
-    dockerfile = (ROOT / "Dockerfile").read_text()
+    dockerfile = (REPOSITORY_ROOT / "Dockerfile").read_text()
     assert "python -m export --out /models" in dockerfile and "POSENC_MODEL_REPOSITORY=/models" in dockerfile
     assert "volumeMounts" not in container
     resources = container["resources"]
@@ -120,7 +120,7 @@ def test_the_autoscaler_targets_the_deployment_on_gauges_the_service_exports() -
         "kind": "Deployment",
         "name": "posenc-serve",
     }
-    defined = (ROOT / "service" / "metrics.py").read_text()
+    defined = (REPOSITORY_ROOT / "service" / "metrics.py").read_text()
     names = [metric["pods"]["metric"]["name"] for metric in autoscaler["spec"]["metrics"]]
     assert names == ["posenc_queued_sequences", "posenc_running_sequences"]
     for name in names:

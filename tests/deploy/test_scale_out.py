@@ -24,12 +24,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from contract.paths import REPOSITORY_ROOT
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.channel import RETRY_SERVICE_CONFIG, open_channel
-from service.process import ROOT, ServerProcess, free_port, wait_for
+from service.process import ServerProcess, free_port, wait_for
 
-NGINX_DIR = ROOT / "deploy" / "nginx"
+NGINX_DIR = REPOSITORY_ROOT / "deploy" / "nginx"
 LISTEN = "listen 50051 http2;"
 TOKEN = "scale-out-test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

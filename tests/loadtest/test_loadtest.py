@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from contract.paths import REPOSITORY_ROOT
 from loadtest.compare import main as compare_main
 from loadtest.compare import rotated
 from models.positional import SCHEMES
-from service.process import ROOT, ServerProcess, wait_for
+from service.process import ServerProcess, wait_for
+
+LOCUSTFILE = REPOSITORY_ROOT / "loadtest" / "locustfile.py"
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +48,12 @@ def test_locust_aggregate_counts_rpcs_and_token_latency_is_reported_apart(
 ) -> None:
     before = served_rpcs(server)
     command = [
-        sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "-u", "4",
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "4",
         "-r", "4", "-t", "6s", "--host", server.target, "--csv", str(tmp_path / "run"), "--models", "alibi:2,learned:1",
         "--prompt-bytes", "64,300", "--only-summary",
     ]  # fmt: skip
     env = {**os.environ, "LOCUST_MAX_NEW_TOKENS": "8"}  # options read their LOCUST_* variables too
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(command, cwd=REPOSITORY_ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = result.stderr  # Locust logs its summary to stderr, and the token latency table below it
     counts = request_counts(summary)
@@ -80,7 +83,7 @@ def test_locust_aggregate_counts_rpcs_and_token_latency_is_reported_apart(
 
 def test_locust_help_lists_the_scenario_options() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "loadtest", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "loadtest", "--help"], cwd=REPOSITORY_ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     for flag, env in [("--models", "LOCUST_MODELS"), ("--max-new-tokens", "LOCUST_MAX_NEW_TOKENS"),

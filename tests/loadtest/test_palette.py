@@ -13,6 +13,8 @@ from pathlib import Path
 
 import matplotlib
 
+from contract.paths import REPOSITORY_ROOT
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
@@ -24,9 +26,8 @@ from matplotlib.figure import Figure
 from loadtest import palette
 from loadtest.report import WITHIN, cheapest_within, figures, int8_ratio, sequence_bytes
 from models.positional import SCHEMES
-from service.process import ROOT
 
-REFERENCE_RESULTS = ROOT / "reports" / "reference" / "results.json"
+REFERENCE_RESULTS = REPOSITORY_ROOT / "reports" / "reference" / "results.json"
 # Keywords of matplotlib calls that set a colour.
 COLOR_KEYWORDS = {"color", "colors", "c", "facecolor", "facecolors", "edgecolor", "edgecolors", "ecolor",
                   "markerfacecolor", "markeredgecolor", "cmap", "colormap"}  # fmt: skip
@@ -72,7 +73,9 @@ def test_the_palette_covers_every_scheme_and_needs_no_matplotlib() -> None:
     assert len({s.color for s in palette.SCHEMES.values()}) == len(SCHEMES)
     assert len({s.marker for s in palette.SCHEMES.values()}) == len(SCHEMES)
     code = "import sys; sys.modules['matplotlib'] = None; import loadtest.palette; print('ok')"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPOSITORY_ROOT, capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "ok"
 
 
@@ -136,9 +139,9 @@ def test_every_series_of_every_figure_takes_the_palette_s_colour_and_marker(
 
 def _plotting_modules() -> list[Path]:
     """Every Python file of the repository that imports matplotlib, the palette excepted."""
-    skip = {ROOT / ".venv", ROOT / "loadtest" / "palette.py"}
+    skip = {REPOSITORY_ROOT / ".venv", REPOSITORY_ROOT / "loadtest" / "palette.py"}
     found = []
-    for path in ROOT.rglob("*.py"):
+    for path in REPOSITORY_ROOT.rglob("*.py"):
         if any(path == s or s in path.parents for s in skip) or any(p.startswith(".") for p in path.parts):
             continue
         if "matplotlib" in path.read_text():
@@ -150,15 +153,15 @@ def test_no_plotting_call_names_a_colour_of_its_own() -> None:
     """AST check: no call in a plotting module passes a literal colour (or colormap), and every
     series-drawing call passes a colour: a palette name or a palette function's keywords."""
     modules = _plotting_modules()
-    assert ROOT / "loadtest" / "report.py" in modules
+    assert REPOSITORY_ROOT / "loadtest" / "report.py" in modules
     problems = []
     for path in modules:
-        if path.is_relative_to(ROOT / "tests"):
+        if path.is_relative_to(REPOSITORY_ROOT / "tests"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
-            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            where = f"{path.relative_to(REPOSITORY_ROOT)}:{node.lineno}"
             for keyword in node.keywords:
                 if keyword.arg in COLOR_KEYWORDS and any(
                     isinstance(n, ast.Constant) and isinstance(n.value, str) for n in ast.walk(keyword.value)

@@ -17,10 +17,8 @@ import grpc
 import pytest
 
 from service.api import generation_pb2 as pb
+from service.api.retry import MAX_RETRY_AFTER_SECONDS, MIN_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
 from service.engine.admission import (
-    MAX_RETRY_AFTER_SECONDS,
-    MIN_RETRY_AFTER_SECONDS,
-    RETRY_AFTER_KEY,
     RETRY_JITTER,
     AdmissionControl,
     Backlog,
@@ -28,8 +26,9 @@ from service.engine.admission import (
     Estimate,
     replay,
 )
-from service.engine.errors import ErrorKind, RequestError
+from service.engine.messages import ErrorKind, RequestError
 from service.engine.request import Request, SamplingParams
+from service.engine.scheduler import Scheduler
 from service.process import ServerProcess
 
 TRACES = Path(__file__).parent / "data"
@@ -54,10 +53,13 @@ class Clock:
 # ---------------------------------------------------------------------------------- the estimate
 
 
-def test_backlog_counts_prompts_not_yet_computed_and_steps_left() -> None:
+def test_the_scheduler_s_backlog_counts_prompts_not_yet_computed_and_steps_left() -> None:
     waiting = [request(100), request(50)]
     running = [request(30, 10, generated=0), request(40, 10, generated=7), request(20, 5, generated=1)]
-    backlog = Backlog.of(waiting, running)
+    scheduler = Scheduler(kv=None)  # type: ignore[arg-type]  # backlog() reads the queues only
+    scheduler.waiting.extend(waiting)
+    scheduler.running.extend(running)
+    backlog = scheduler.backlog()
     assert backlog.prompt_tokens == 100 + 50 + 30  # the running one without a first token is still in prefill
     assert backlog.waiting == 2
     assert backlog.running_steps_left == (3, 4, 10)
@@ -65,20 +67,20 @@ def test_backlog_counts_prompts_not_yet_computed_and_steps_left() -> None:
 
 def test_nothing_is_refused_until_prefill_is_measured_or_when_off() -> None:
     backlog = Backlog(prompt_tokens=10**6, waiting=100)
-    assert AdmissionControl(0.5, 8).check(request(100), backlog, 0, 0, "alibi") is None  # not measured yet
+    assert AdmissionControl(0.5, 8).check("r", 100, backlog, 0, 0, "alibi") is None  # not measured yet
     off = AdmissionControl(0.0, 8)
     off.observe_prefill(1.0, 1000)
-    assert off.check(request(100), backlog, 0, 0, "alibi") is None
+    assert off.check("r", 100, backlog, 0, 0, "alibi") is None
 
 
 def test_a_request_that_would_miss_the_target_is_refused_with_a_hint() -> None:
     admission = AdmissionControl(0.5, 8)
     admission.observe_prefill(1.0, 1000)  # 1000 tokens/s
-    admitted = admission.check(request(100), Backlog(prompt_tokens=300), 0, 0, "alibi")  # 0.3 + 0.1 s
+    admitted = admission.check("r", 100, Backlog(prompt_tokens=300), 0, 0, "alibi")  # 0.3 + 0.1 s
     assert admitted == Estimate(raw=pytest.approx(0.4), seconds=pytest.approx(0.4), wait=pytest.approx(0.3),
                                 upper=pytest.approx(0.4))  # fmt: skip
     with pytest.raises(RequestError) as refused:
-        admission.check(request(100), Backlog(prompt_tokens=300), 200, 2, "alibi")  # 0.5 + 0.1 s
+        admission.check("r", 100, Backlog(prompt_tokens=300), 200, 2, "alibi")  # 0.5 + 0.1 s
     assert refused.value.kind is ErrorKind.RESOURCE_EXHAUSTED
     # Nothing has left the queue yet: the hint is the estimate's excess over the target, jittered.
     assert 0.1 * (1 - RETRY_JITTER) <= refused.value.retry_after <= 0.1 * (1 + RETRY_JITTER)
@@ -94,7 +96,7 @@ def test_a_full_batch_makes_a_request_wait_for_the_soonest_ending_sequence() -> 
     behind_one = Backlog(prompt_tokens=0, waiting=1, running_steps_left=(30, 80))
     assert admission.wait_seconds(behind_one, 0, 0) == pytest.approx(0.80)
     with pytest.raises(RequestError):
-        admission.check(request(10), Backlog(0, 2, (30, 80)), 0, 0, "alibi")  # a second round: 0.8 + 0.3 s
+        admission.check("r", 10, Backlog(0, 2, (30, 80)), 0, 0, "alibi")  # a second round: 0.8 + 0.3 s
     room = Backlog(prompt_tokens=0, waiting=0, running_steps_left=(30,))
     assert admission.wait_seconds(room, 0, 0) == 0.0
 
@@ -102,7 +104,7 @@ def test_a_full_batch_makes_a_request_wait_for_the_soonest_ending_sequence() -> 
 def test_a_request_with_nothing_ahead_is_admitted_however_long_its_prompt() -> None:
     admission = AdmissionControl(0.1, 8)
     admission.observe_prefill(1.0, 100)
-    admission.check(request(4000), Backlog(), 0, 0, "alibi")
+    admission.check("r", 4000, Backlog(), 0, 0, "alibi")
 
 
 # ---------------------------------------------------------------------------------- calibration
@@ -147,10 +149,10 @@ def test_a_model_faster_than_its_queue_arithmetic_is_admitted_once_calibrated() 
     admission.observe_prefill(1.0, 1000)
     backlog = Backlog(prompt_tokens=500)
     with pytest.raises(RequestError):
-        admission.check(request(100), backlog, 0, 0, "learned")
+        admission.check("r", 100, backlog, 0, 0, "learned")
     for raw, realised in synthetic_trace(0.5, 0.0, noise=0.01, count=100):
         admission.calibration.observe(raw, realised)
-    estimate = admission.check(request(100), backlog, 0, 0, "learned")
+    estimate = admission.check("r", 100, backlog, 0, 0, "learned")
     assert estimate is not None and estimate.raw == pytest.approx(0.6) and estimate.upper <= 0.4
 
 
@@ -191,7 +193,7 @@ def test_retry_hints_queue_refused_requests_at_the_drain_rate() -> None:
     hints = []
     for _ in range(20):
         with pytest.raises(RequestError) as refused:
-            admission.check(request(100), backlog, 0, 0, "alibi")
+            admission.check("r", 100, backlog, 0, 0, "alibi")
         hints.append(refused.value.retry_after)
     for position, hint in enumerate(hints):
         expected = 0.1 + 0.1 * position
@@ -201,7 +203,7 @@ def test_retry_hints_queue_refused_requests_at_the_drain_rate() -> None:
         clock.now += 0.1
         admission.observe_first_token(f"later-{index}", None, 0.2)
     with pytest.raises(RequestError) as again:
-        admission.check(request(100), backlog, 0, 0, "alibi")
+        admission.check("r", 100, backlog, 0, 0, "alibi")
     assert again.value.retry_after <= 0.1 * (1 + RETRY_JITTER)
 
 
@@ -213,7 +215,7 @@ def test_retry_hints_stay_within_their_bounds() -> None:
     hints = []
     for _ in range(50):
         with pytest.raises(RequestError) as refused:
-            admission.check(request(10), Backlog(prompt_tokens=2000), 0, 0, "rope")
+            admission.check("r", 10, Backlog(prompt_tokens=2000), 0, 0, "rope")
         hints.append(refused.value.retry_after)
     assert all(MIN_RETRY_AFTER_SECONDS <= h <= MAX_RETRY_AFTER_SECONDS for h in hints)
     assert max(hints) > 0.8 * MAX_RETRY_AFTER_SECONDS

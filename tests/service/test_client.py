@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.process import ROOT, ServerProcess, free_port
+from contract.paths import REPOSITORY_ROOT
+from service.process import ServerProcess, free_port
 
 
 def run_client(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "service.client", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(command, cwd=REPOSITORY_ROOT, capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_client_without_a_service_exits_1_and_says_where_the_address_comes_from() -> None:

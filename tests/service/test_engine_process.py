@@ -10,8 +10,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,9 +21,10 @@ from prometheus_client import CollectorRegistry
 
 from loadtest.streaming import timed_stream
 from service.api import generation_pb2 as pb
-from service.engine.core import Event, StepOutputs
+from service.engine.core import StepOutputs
+from service.engine.messages import Outputs, RequestOutput, RequestStatus, Stopped
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor, TokenMetrics
-from service.engine.request import Request, RequestStatus, SamplingParams
+from service.engine.request import Request, SamplingParams
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
 from service.server import parse_config
@@ -129,17 +131,17 @@ def test_core_dies_with_the_front_end(server: ServerProcess) -> None:
 
 class _Sender:
     def __init__(self) -> None:
-        self.sent: list[list[object]] = []
+        self.sent: list[Any] = []
 
-    def send(self, message: list[object]) -> None:
+    def send(self, message: Any) -> None:
         self.sent.append(message)
 
 
-def _processor() -> OutputProcessor:
+def _processor(on_stop: Callable[[], None] = lambda: None) -> OutputProcessor:
     metrics = ServiceMetrics(CollectorRegistry())
     labels = {"model": "m", "scheme": "alibi", "policy": "full"}
     children = [metrics.time_to_first_token, metrics.inter_token_latency, metrics.generated_tokens]
-    return OutputProcessor(257, {"full": TokenMetrics(*(child.labels(**labels) for child in children))})
+    return OutputProcessor(257, {"full": TokenMetrics(*(child.labels(**labels) for child in children))}, on_stop)
 
 
 def test_step_outputs_deliver_each_step_on_the_publisher_and_send_it_as_one_message() -> None:
@@ -160,14 +162,14 @@ def test_step_outputs_deliver_each_step_on_the_publisher_and_send_it_as_one_mess
     outputs.submit(processor.deliver, first)
     a.status = RequestStatus.FINISHED_LENGTH  # as the loop marks it when it decides
     outputs.submit(processor.deliver, OutputBatch(tokens=[(a, ord("z"), now)], finishes=[Finished(a, a.status)]))
-    outputs.flush(then=["after"])
+    outputs.flush(then=Stopped(0, 0))
     outputs.close_publisher()
     assert observed == [(0.25, "publisher")]  # observations are applied there
-    assert sender.sent[0] == [Event.OUT, [["a", "x", None, None, None], ["b", "y", None, None, None]]]
-    (entry,) = sender.sent[1][1]
-    assert entry[:4] == ["a", "z", int(RequestStatus.FINISHED_LENGTH), None]
-    assert entry[4][:2] == [3, 2]  # prompt and completion tokens
-    assert sender.sent[2] == ["after"]
+    assert sender.sent[0] == Outputs([RequestOutput("a", "x"), RequestOutput("b", "y")])
+    (entry,) = sender.sent[1].entries
+    assert (entry.request_id, entry.text, entry.status, entry.error) == ("a", "z", RequestStatus.FINISHED_LENGTH, None)
+    assert (entry.final.prompt_tokens, entry.final.completion_tokens) == (3, 2)
+    assert sender.sent[2] == Stopped(0, 0)
     assert "a" not in outputs.requests and "b" in outputs.requests
 
 
@@ -176,9 +178,8 @@ def test_a_stop_string_found_after_the_loop_moved_on_ends_the_text_and_the_count
     text ends before the stop string and its usage counts the tokens up to it, not the extra one."""
     sender = _Sender()
     outputs = StepOutputs(sender)  # type: ignore[arg-type]
-    processor = _processor()
     stops: list[bool] = []
-    processor.on_stop = lambda: stops.append(True)
+    processor = _processor(on_stop=lambda: stops.append(True))
     request = Request("r", "m", [1], SamplingParams(16, stop=("END",)), 257)
     request.output = outputs.sink(request)
     now = time.monotonic()
@@ -187,10 +188,10 @@ def test_a_stop_string_found_after_the_loop_moved_on_ends_the_text_and_the_count
     request.status = RequestStatus.FINISHED_STOP  # the loop's next step reaps it
     outputs.submit(processor.deliver, OutputBatch(finishes=[Finished(request, RequestStatus.FINISHED_STOP)]))
     outputs.close_publisher()
-    text = "".join(entry[1] for message in sender.sent for entry in message[1])
-    final = sender.sent[-1][1][-1]
+    text = "".join(entry.text for message in sender.sent for entry in message.entries)
+    final = sender.sent[-1].entries[-1]
     assert text == "ok" and stops == [True]
-    assert final[2] == int(RequestStatus.FINISHED_STOP) and final[4][1] == 5  # o k E N D
+    assert final.status == RequestStatus.FINISHED_STOP and final.final.completion_tokens == 5  # o k E N D
 
 
 class _TimedSender(_Sender):
@@ -198,7 +199,7 @@ class _TimedSender(_Sender):
         super().__init__()
         self.times: list[float] = []
 
-    def send(self, message: list[object]) -> None:
+    def send(self, message: Any) -> None:
         self.times.append(time.monotonic())
         super().send(message)
 
@@ -221,7 +222,7 @@ def test_paced_outputs_send_first_tokens_and_finishes_at_once_and_the_rest_toget
     time.sleep(interval / 4)
     assert len(sender.sent) == 1  # waiting for the interval
     assert wait_for(lambda: len(sender.sent) == 2, timeout=interval * 2)
-    assert sender.sent[1] == [Event.OUT, [["r", "bcd", None, None, None]]]  # three steps, one message
+    assert sender.sent[1] == Outputs([RequestOutput("r", "bcd")])  # three steps, one message
     assert sender.times[1] - started >= interval * 0.9
     outputs.submit(processor.deliver, OutputBatch(tokens=[(request, ord("e"), now)]))
     ended = time.monotonic()
@@ -229,8 +230,8 @@ def test_paced_outputs_send_first_tokens_and_finishes_at_once_and_the_rest_toget
     outputs.submit(processor.deliver, OutputBatch(finishes=[Finished(request, request.status)]))
     assert wait_for(lambda: len(sender.sent) == 3, timeout=interval / 2)  # the end cuts the wait short
     assert sender.times[2] - ended < interval / 2
-    (entry,) = sender.sent[2][1]
-    assert entry[:3] == ["r", "e", int(RequestStatus.FINISHED_LENGTH)] and entry[4][1] == 5
+    (entry,) = sender.sent[2].entries
+    assert (entry.text, entry.status, entry.final.completion_tokens) == ("e", RequestStatus.FINISHED_LENGTH, 5)
     outputs.close_publisher()
 
 

@@ -10,8 +10,10 @@ import pytest
 
 from service.api import build
 from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.request import OutputStream, RequestStatus, SamplingParams, StreamEvent
+from service.engine.messages import RequestStatus
+from service.engine.request import SamplingParams
 from service.engine.sampler import Sampler, probabilities
+from service.engine.streams import OutputStream, StreamEvent
 
 
 def test_sampler_filters() -> None:

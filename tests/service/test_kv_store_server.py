@@ -14,8 +14,9 @@ from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.bench import mixed_lengths_workload
-from service.engine.engine import Engine, EngineConfig
+from service.engine.engine import Engine
 from service.engine.kv_store import KVLayout, KVStore
+from service.engine.messages import EngineConfig
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
 
@@ -28,7 +29,7 @@ def test_a_scrape_during_a_gauge_update_sees_all_of_it(repository: Path) -> None
     to finish instead of pairing new used bytes with old physical ones."""
     metrics = ServiceMetrics(CollectorRegistry())
     model = Engine.from_repository(repository, EngineConfig(threads=1), metrics, ["alibi"]).models["alibi"]
-    physical = model._gauges["physical"]
+    physical = model.metrics.physical
     set_physical = physical.set
     scraped: list[bytes] = []
     scraper = threading.Thread(target=lambda: scraped.append(metrics.exposition()))

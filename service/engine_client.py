@@ -1,5 +1,6 @@
-"""The front end's side of the engine core (service.engine.core): start it, pass requests in,
-route each step's outputs to the requests' streams, and notice when it dies.
+"""The front end's handle on the engine core process (service.engine.core): start it, pass requests
+in, route each step's outputs to the requests' streams, and notice when it dies. It speaks only
+service.engine.messages, so the front end loads neither onnxruntime nor the engine.
 
 gRPC threads call `submit`, `cancel` and `score`; one reader thread receives every event the
 core sends; one watcher thread waits on the core's process. When the core dies unexpectedly,
@@ -24,17 +25,35 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from service.api import generation_pb2 as pb
-from service.engine.core import Command, CoreConfig, Event, packer, read_messages, write_all
-from service.engine.engine import DrainReport, EngineConfig
-from service.engine.errors import ErrorKind, RequestError
-from service.engine.input_processor import GenerateInput
-from service.engine.request import OutputStream, RequestStatus
-from service.engine.runner import Scored
+from service.engine.messages import (
+    Add,
+    Cancel,
+    CoreConfig,
+    DrainReport,
+    EngineConfig,
+    ErrorKind,
+    Event,
+    Failed,
+    Final,
+    GenerateInput,
+    MessageWriter,
+    MetricsQuery,
+    MetricsReply,
+    ModelInfo,
+    Outputs,
+    Ready,
+    Reply,
+    RequestError,
+    RequestStatus,
+    Score,
+    Scored,
+    ScoreReply,
+    Stop,
+    Stopped,
+    read_messages,
+)
+from service.engine.streams import OutputStream
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +85,15 @@ class RequestHandle:
     scheduled_time: float | None = None
     finish_time: float | None = None
 
-    def receive(self, text: str, status: int | None, error: str | None, final: list[Any] | None) -> None:
+    def receive(self, text: str, status: int | None, error: str | None, final: Final | None) -> None:
         if status is None:
             self.text += text
             self.output.put(text)
             return
         if final is not None:
-            self.prompt_tokens, self.completion_tokens, arrival, first, scheduled, finish = final
-            self.arrival_time, self.first_token_time, self.scheduled_time, self.finish_time = (
-                arrival,
-                first,
-                scheduled,
-                finish,
-            )
+            self.prompt_tokens, self.completion_tokens = final.prompt_tokens, final.completion_tokens
+            self.arrival_time, self.first_token_time = final.arrival_time, final.first_token_time
+            self.scheduled_time, self.finish_time = final.scheduled_time, final.finish_time
         self.finish(RequestStatus(status), error, text)
 
     def finish(self, status: RequestStatus, error: str | None, text: str = "") -> None:
@@ -104,15 +119,14 @@ class EngineClient:
     ) -> None:
         self.repository, self.config, self.names = repository, config, names
         self.on_serving, self.on_give_up = on_serving, on_give_up
-        self.models: dict[str, pb.ModelInfo] = {}  # what ListModels answers, from the core
-        self._commands_fd: int | None = None  # write end of the running core's command pipe
+        self.models: dict[str, ModelInfo] = {}  # what ListModels answers, from the core
+        self._commands: MessageWriter | None = None  # the running core's command pipe (used under _send_lock)
         self._send_lock = threading.Lock()
-        self._packer = packer()  # used under _send_lock
         self._handles: dict[str, RequestHandle] = {}
-        self._calls: dict[str | int, Future[list[Any]]] = {}
+        self._calls: dict[str | int, Future[Event]] = {}
         self._call_ids = itertools.count()
         self._ids = itertools.count()
-        self._ready: Future[dict[str, pb.ModelInfo]] = Future()
+        self._ready: Future[dict[str, ModelInfo]] = Future()
         self._stopped: Future[DrainReport] = Future()
         self._process: subprocess.Popen[bytes] | None = None
         self._serving = False
@@ -156,9 +170,9 @@ class EngineClient:
         assert process.stdin is not None
         process.stdin.write(pickle.dumps(config))
         process.stdin.close()
-        old, self._commands_fd = self._commands_fd, commands_write
+        old, self._commands = self._commands, MessageWriter(commands_write)
         if old is not None:
-            os.close(old)
+            os.close(old.fd)
         self._process = process
         self._reader = threading.Thread(
             target=self._read_events, args=(events_read,), name="engine-events", daemon=True
@@ -233,7 +247,7 @@ class EngineClient:
         if process is not None and process.poll() is None:
             try:
                 if self._ready.done() and self._ready.exception() is None:  # it serves: let it drain
-                    self._send([Command.STOP, timeout])
+                    self._send(Stop(timeout))
                     report = self._stopped.result(timeout + 30)
             except RequestError:
                 pass  # it is not there to hear it
@@ -248,9 +262,9 @@ class EngineClient:
         if self._reader is not None:
             self._reader.join(2)  # ends at the core's exit (end of its events pipe)
         with self._send_lock:
-            if self._commands_fd is not None:
-                os.close(self._commands_fd)
-                self._commands_fd = None
+            if self._commands is not None:
+                os.close(self._commands.fd)
+                self._commands = None
         return report
 
     @property
@@ -263,21 +277,21 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    def _send(self, message: list[Any]) -> None:
+    def _send(self, command: Add | Cancel | Score | MetricsQuery | Stop) -> None:
         """One command down the pipe; with no core there (it died, or stopped) it fails at once."""
         with self._send_lock:
             try:
-                if self._commands_fd is None:
+                if self._commands is None:
                     raise BrokenPipeError
-                write_all(self._commands_fd, self._packer.pack(message))
+                self._commands.send(command)
             except (BrokenPipeError, OSError):
                 raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not running") from None
 
-    def _call(self, key: str | int, message: list[Any], timeout: float) -> list[Any]:
-        future: Future[list[Any]] = Future()
+    def _call(self, key: str | int, command: Add | Score | MetricsQuery, timeout: float) -> Event:
+        future: Future[Event] = Future()
         self._calls[key] = future
         try:
-            self._send(message)
+            self._send(command)
         except RequestError:
             self._calls.pop(key, None)
             raise
@@ -296,47 +310,32 @@ class EngineClient:
         request_id = f"{raw.model}-{next(self._ids)}"
         handle = RequestHandle(request_id, raw.model)
         self._handles[request_id] = handle
-        fields = {
-            "model": raw.model,
-            "prompt": raw.prompt,
-            "max_new_tokens": raw.max_new_tokens,
-            "temperature": raw.temperature,
-            "top_k": raw.top_k,
-            "top_p": raw.top_p,
-            "seed": raw.seed,
-            "stop": list(raw.stop),
-            "deadline": raw.deadline,
-            "cache_policy": raw.cache_policy,
-        }
         try:
-            reply = self._call(request_id, [Command.ADD, request_id, fields], CALL_TIMEOUT_SECONDS)
+            reply = self._call(request_id, Add(request_id, raw), CALL_TIMEOUT_SECONDS)
         except RequestError:
             self._handles.pop(request_id, None)
             raise
-        if reply[0] is not None:
+        assert isinstance(reply, Reply)
+        if reply.refusal is not None:
             self._handles.pop(request_id, None)
-            kind, message, retry_after = reply[0]
-            raise RequestError(ErrorKind(kind), message, retry_after)
+            raise reply.refusal.error()
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
         if not handle.status.finished:
             try:
-                self._send([Command.CANCEL, handle.request_id])
+                self._send(Cancel(handle.request_id))
             except RequestError:
                 pass  # no core: the request has ended (or is about to) with UNAVAILABLE
 
     def score(self, model: str, text: str, cache_policy: str = "", timeout: float | None = None) -> Scored:
         self._check_serving()
         call = next(self._call_ids)
-        reply = self._call(call, [Command.SCORE, call, model, text, cache_policy], min(timeout or 3600.0, 3600.0))
-        if reply[0] is not None:
-            kind, message, retry_after = reply[0]
-            if kind == "INTERNAL":
-                raise RuntimeError(message)
-            raise RequestError(ErrorKind(kind), message, retry_after)
-        logprobs, greedy = reply[1]
-        return Scored(np.frombuffer(logprobs, dtype="<f8").copy(), np.frombuffer(greedy, dtype="<i8").copy())
+        reply = self._call(call, Score(call, model, text, cache_policy), min(timeout or 3600.0, 3600.0))
+        assert isinstance(reply, ScoreReply)
+        if reply.refusal is not None:
+            raise reply.refusal.error()
+        return reply.scored()
 
     def metrics_text(self, timeout: float = 5.0) -> bytes | None:
         """The core's /metrics exposition, or None when it is not there to answer."""
@@ -344,35 +343,37 @@ class EngineClient:
             return None
         call = next(self._call_ids)
         try:
-            return self._call(call, [Command.METRICS, call], timeout)[1]
+            reply = self._call(call, MetricsQuery(call), timeout)
         except RequestError:
             return None
+        assert isinstance(reply, MetricsReply)
+        return reply.exposition
 
     # ------------------------------------------------------------------ events
 
     def _read_events(self, fd: int) -> None:
         """One core's events, until it exits (the end of its pipe)."""
         try:
-            for message in read_messages(fd):
-                self._dispatch(message)
+            for event in read_messages(fd, Event):
+                self._dispatch(event)
         finally:
             os.close(fd)
 
-    def _dispatch(self, message: list[Any]) -> None:
-        kind = message[0]
-        if kind == Event.OUT:
+    def _dispatch(self, event: Event) -> None:
+        if isinstance(event, Outputs):
             handles = self._handles
-            for request_id, text, status, error, final in message[1]:
-                handle = handles.get(request_id) if status is None else handles.pop(request_id, None)
+            for entry in event.entries:
+                status = entry.status
+                handle = handles.get(entry.request_id) if status is None else handles.pop(entry.request_id, None)
                 if handle is not None:
-                    handle.receive(text, status, error, final)
-        elif kind == Event.REPLY:
-            future = self._calls.pop(message[1], None)
+                    handle.receive(entry.text, status, entry.error, entry.final)
+        elif isinstance(event, Reply | ScoreReply | MetricsReply):
+            future = self._calls.pop(event.request_id if isinstance(event, Reply) else event.call, None)
             if future is not None and not future.done():
-                future.set_result(message[2:])
-        elif kind == Event.READY:
-            self._ready.set_result({name: pb.ModelInfo.FromString(data) for name, data in message[1].items()})
-        elif kind == Event.FAILED:
-            self._ready.set_exception(EngineStartError(message[1]))
-        elif kind == Event.STOPPED:
-            self._stopped.set_result(DrainReport(message[1], message[2]))
+                future.set_result(event)
+        elif isinstance(event, Ready):
+            self._ready.set_result({info.name: info for info in event.models})
+        elif isinstance(event, Failed):
+            self._ready.set_exception(EngineStartError(event.message))
+        elif isinstance(event, Stopped):
+            self._stopped.set_result(DrainReport(event.finished, event.cut))

@@ -1,0 +1,331 @@
+"""The process boundary between the front end and the engine core: every type that crosses it, and
+the framing of the two pipes that carry them.
+
+The front end (service.engine_client, the servicer, the server) imports this module, never the
+engine itself, so it loads neither onnxruntime nor the model code. Messages are typed msgspec
+structs sent as MessagePack arrays (vLLM v1's EngineCoreRequest / EngineCoreOutputs are the same
+idea); each frame is a 4-byte little-endian length and the message.
+
+front end -> core (`Command`)
+    Add(request id, GenerateInput)       answered by Reply(request id, error or None)
+    Cancel(request id)
+    Score(call, model, text, policy)     answered by ScoreReply(call, error or the scores)
+    MetricsQuery(call)                   answered by MetricsReply(call, exposition text)
+    Stop(grace seconds)                  answered by Stopped(finished, cut)
+core -> front end (`Event`)
+    Ready(model infos) or Failed(message), once, when the models are loaded
+    Outputs([RequestOutput ...]): what each request produced since the last one; a request's last
+        entry carries its status and `final` (usage and times).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+
+# ---------------------------------------------------------------------------- what a request is
+
+
+class ErrorKind(enum.Enum):
+    """Why a request was refused; each front end maps it to its own status code."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class RequestError(Exception):
+    """`retry_after`: seconds after which the same request would likely be accepted (load shedding)."""
+
+    def __init__(self, kind: ErrorKind, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.message, self.retry_after = kind, message, retry_after
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_LENGTH on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_LENGTH = 2
+    FINISHED_STOP = 3
+    FINISHED_EOS = 4
+    FINISHED_CANCELLED = 5
+    FINISHED_DEADLINE = 6
+    FINISHED_ERROR = 7
+    FINISHED_SHUTDOWN = 8  # cancelled because the server stopped before it finished
+
+    @property
+    def finished(self) -> bool:
+        return self >= FIRST_FINAL
+
+
+# The first final status, as a module name: `status >= FIRST_FINAL` is what `finished` says, for hot
+# loops (the property looks itself up on the enum class at every call).
+FIRST_FINAL = RequestStatus.FINISHED_LENGTH
+
+
+class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
+    """A generation request as the caller gave it: None means "not set, use the default"."""
+
+    model: str
+    prompt: str
+    max_new_tokens: int | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float | None = None
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    deadline: float | None = None  # time.monotonic() seconds
+    cache_policy: str = ""  # empty: the model's default
+
+
+@dataclass
+class Scored:
+    """A text scored teacher-forced: per token after the first, its log-probability and the token
+    the model found most likely there (its greedy prediction)."""
+
+    logprobs: np.ndarray  # (T-1,) float64
+    greedy: np.ndarray  # (T-1,) int64
+
+
+# ---------------------------------------------------------------------------- the engine's settings
+
+
+@dataclass
+class EngineConfig:
+    kv_cache_bytes: int = 256 * 1024 * 1024  # per model: the K/V arrays never exceed it
+    block_size: int = 16
+    max_batch_size: int = 32
+    max_queue: int = 128
+    prefill_tokens: int = 512  # prompt tokens per prefill call (longer prompts are chunked)
+    max_new_tokens_limit: int = 1024
+    default_max_new_tokens: int = 64
+    max_sequence_tokens: int = 4096  # prompt + new tokens, for schemes with no hard limit
+    device: str = "auto"
+    kv_backend: str = "auto"  # numpy (CPU) | torch (CUDA; on the CPU too, to run that path)
+    attention: str = "auto"  # decode: fused (GroupQueryAttention graph) where exported | fused | explicit
+    threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
+    prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
+    # The engine core sends a stream's continuing tokens at most this often (first tokens and
+    # finishes at once): each message wakes threads on the other core, which slows the decode step.
+    stream_interval_ms: float = 4.0
+    ttft_slo_seconds: float = 0.0  # refuse requests estimated to miss this time to first token (0: off)
+    admission_trace: str = ""  # folder: admission's measurements, decisions and outcomes per model (JSON lines)
+    # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
+    default_cache_policies: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """Requests in flight when a stop began: how many finished within the grace period, how many were cut."""
+
+    finished: int = 0
+    cut: int = 0
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """What the front end knows of a served model (ListModels, metric labels), as the core loaded it."""
+
+    name: str
+    scheme: str
+    max_positions: int  # 0: no hard limit
+    train_context: int
+    kv_cache_bytes_per_token: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    dtype: str
+    max_new_tokens_limit: int
+    max_sequence_tokens: int
+    kv_cache_capacity_bytes: int
+    cache_policies: list[str]
+    default_cache_policy: str
+    eviction_positions: str
+
+
+@dataclass
+class CoreConfig:
+    """Everything the core process needs to start (pickled onto its stdin by the front end)."""
+
+    repository: Path
+    engine: EngineConfig
+    names: list[str] | None
+    commands_fd: int  # read end of the front end's commands
+    events_fd: int  # write end of our events
+    log_level: int = logging.INFO
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+class Add(msgspec.Struct, tag=1, array_like=True):
+    request_id: str
+    input: GenerateInput
+
+
+class Cancel(msgspec.Struct, tag=2, array_like=True):
+    request_id: str
+
+
+class Score(msgspec.Struct, tag=3, array_like=True):
+    call: int
+    model: str
+    text: str
+    cache_policy: str
+
+
+class MetricsQuery(msgspec.Struct, tag=4, array_like=True):
+    call: int
+
+
+class Stop(msgspec.Struct, tag=5, array_like=True):
+    grace: float
+
+
+Command = Add | Cancel | Score | MetricsQuery | Stop
+
+# ---------------------------------------------------------------------------- events
+
+
+class Refusal(msgspec.Struct, array_like=True):
+    """A RequestError on the wire (kind "INTERNAL": a bug, not the request's fault)."""
+
+    kind: str
+    message: str
+    retry_after: float | None = None
+
+    @classmethod
+    def of(cls, error: RequestError) -> Refusal:
+        return cls(error.kind.value, error.message, error.retry_after)
+
+    def error(self) -> Exception:
+        if self.kind == "INTERNAL":
+            return RuntimeError(self.message)
+        return RequestError(ErrorKind(self.kind), self.message, self.retry_after)
+
+
+class Final(msgspec.Struct, array_like=True):
+    """How a request ended: its usage and times (the core's time.monotonic(); one clock per host)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    scheduled_time: float | None
+    finish_time: float | None
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """The text one request produced since its last entry; `status` (and `final`) on its last."""
+
+    request_id: str
+    text: str
+    status: int | None = None
+    error: str | None = None
+    final: Final | None = None
+
+
+class Ready(msgspec.Struct, tag=11, array_like=True):
+    models: list[ModelInfo]
+
+
+class Failed(msgspec.Struct, tag=12, array_like=True):
+    message: str
+
+
+class Reply(msgspec.Struct, tag=13, array_like=True):
+    request_id: str
+    refusal: Refusal | None = None
+
+
+class ScoreReply(msgspec.Struct, tag=14, array_like=True):
+    call: int
+    refusal: Refusal | None = None
+    logprobs: bytes = b""  # little-endian float64
+    greedy: bytes = b""  # little-endian int64
+
+    def scored(self) -> Scored:
+        return Scored(np.frombuffer(self.logprobs, dtype="<f8").copy(), np.frombuffer(self.greedy, dtype="<i8").copy())
+
+
+class MetricsReply(msgspec.Struct, tag=15, array_like=True):
+    call: int
+    exposition: bytes
+
+
+class Outputs(msgspec.Struct, tag=16, array_like=True):
+    entries: list[RequestOutput]
+
+
+class Stopped(msgspec.Struct, tag=17, array_like=True):
+    finished: int
+    cut: int
+
+
+Event = Ready | Failed | Reply | ScoreReply | MetricsReply | Outputs | Stopped
+
+# ---------------------------------------------------------------------------- framing
+
+_HEADER = struct.Struct("<I")
+M = TypeVar("M")
+
+
+class MessageWriter:
+    """Frames messages onto a pipe. One per writer, kept with its buffer: a message costs one
+    encode into a reused buffer and one write, with no allocation (the decode loop sends one every
+    few milliseconds). Not thread-safe: callers that share it hold a lock."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._encoder = msgspec.msgpack.Encoder()
+        self._buffer = bytearray()
+
+    def send(self, message: msgspec.Struct) -> None:
+        buffer = self._buffer
+        self._encoder.encode_into(message, buffer, _HEADER.size)
+        _HEADER.pack_into(buffer, 0, len(buffer) - _HEADER.size)
+        write_all(self.fd, buffer)
+
+
+def write_all(fd: int, data: bytes | bytearray) -> None:
+    """One frame onto a pipe (a blocking write may still return short when a signal interrupts it)."""
+    with memoryview(data) as view:
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def read_messages(fd: int, kind: type[M]) -> Iterator[M]:
+    """Every message written to the pipe `fd`, decoded as `kind`, until its writer closes it (or dies)."""
+    decoder = msgspec.msgpack.Decoder(kind)
+    buffer = bytearray()
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:
+            return
+        if not data:
+            return
+        buffer += data
+        start, size = 0, len(buffer)
+        messages = []
+        while size - start >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(buffer, start)
+            end = start + _HEADER.size + length
+            if size < end:
+                break
+            messages.append(decoder.decode(bytes(buffer[start + _HEADER.size : end])))
+            start = end
+        del buffer[:start]
+        yield from messages

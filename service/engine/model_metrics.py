@@ -1,0 +1,46 @@
+"""One model's Prometheus children, resolved once: the engine loop records through these attributes
+and never looks a label set up per step (a `labels()` call costs more than the observation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.engine.output_processor import TokenMetrics
+from service.metrics import ServiceMetrics
+
+
+class ModelMetrics:
+    """Children per cache-policy form this model accepts, created up front: at most six each, and
+    every form's series exists (at zero) before its first request."""
+
+    def __init__(self, metrics: ServiceMetrics, model: str, scheme: str, forms: list[str]) -> None:
+        labels = {"model": model, "scheme": scheme}
+        by_form = {form: {**labels, "policy": form} for form in forms}
+        self.gauge_lock = metrics.gauge_lock
+        self.tokens = {
+            form: TokenMetrics(
+                metrics.time_to_first_token.labels(**form_labels),
+                metrics.inter_token_latency.labels(**form_labels),
+                metrics.generated_tokens.labels(**form_labels),
+            )
+            for form, form_labels in by_form.items()
+        }
+        self.step_seconds = {p: metrics.step_duration.labels(**labels, phase=p) for p in ("prefill", "decode")}
+        self.batch_size = {p: metrics.batch_size.labels(**labels, phase=p) for p in ("prefill", "decode")}
+        self.cancel_latency = metrics.cancellation_latency.labels(**labels)
+        self.physical = metrics.kv_cache_physical.labels(**labels)
+        self.peak = metrics.kv_cache_physical_peak.labels(**labels)
+        self.classes = metrics.kv_cache_classes.labels(**labels)
+        self.capacity = metrics.kv_cache_capacity.labels(**labels)
+        self.running = metrics.running.labels(**labels)
+        self.queued = metrics.queued.labels(**labels)
+        self.used = {form: metrics.kv_cache_used.labels(**form_labels) for form, form_labels in by_form.items()}
+        self.prompt_tokens = {form: metrics.prompt_tokens.labels(**fl) for form, fl in by_form.items()}
+        self.preemptions = metrics.preemptions.labels(**labels)
+        self.estimated_ttft = metrics.admission_estimated_ttft.labels(**labels)
+        self.estimate_error = metrics.admission_ttft_error.labels(**labels)
+        self.shed: dict[tuple[str, str], Any] = {
+            (reason, form): metrics.requests_shed.labels(**form_labels, reason=reason)
+            for reason in ("ttft_slo", "queue")
+            for form, form_labels in by_form.items()
+        }
