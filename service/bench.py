@@ -37,9 +37,9 @@ from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.engine.engine import Engine
 from service.engine.messages import EngineConfig, GenerateInput
-from service.engine_client import EngineClient, RequestHandle
 from service.engine.request import Request
 from service.engine.runner import ModelRunner, PrefilledPrompt, StoreConfig, default_threads
+from service.engine_client import EngineClient, RequestHandle
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess
 
