@@ -10,10 +10,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.mixed import mixed_lengths_workload
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
-from service.bench import mixed_lengths_workload
 from service.engine.engine import Engine
 from service.engine.kv_store import KVLayout, KVStore
 from service.engine.messages import EngineConfig

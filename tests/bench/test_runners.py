@@ -1,35 +1,13 @@
-"""The benchmark's own measuring helpers: a figure it prints must mean what its label says."""
+"""The benchmark's step-time fixtures: a figure it prints must mean what its label says."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
+from bench.runners import batch_runner, bounded_step_seconds, policy_runner, step_seconds
 from contract.cache_policy import parse_cache_policy
-from service.bench import (
-    batch_runner,
-    bounded_step_seconds,
-    decode_rate,
-    decode_tokens_per_second_core,
-    decode_tokens_per_second_genai,
-    median_of,
-    policy_runner,
-    step_seconds,
-)
-
-
-def test_decode_rate_counts_tokens_between_first_and_last_chunk() -> None:
-    assert decode_rate([(10.0, 1), (10.5, 3), (11.0, 101)]) == 100.0
-    # A reader that got everything in one chunk measured nothing: no figure, not a crash.
-    assert math.isnan(decode_rate([(10.0, 256)]))
-
-
-def test_median_leaves_out_runs_without_a_figure() -> None:
-    figures = iter([math.nan, 3.0, 1.0])
-    assert median_of(lambda: next(figures)) == 2.0
-    assert math.isnan(median_of(lambda: math.nan))
 
 
 def test_step_time_is_measured_at_a_fixed_context(repository: Path) -> None:
@@ -62,10 +40,3 @@ def test_an_int8_policy_row_is_held_in_int8(repository: Path) -> None:
     (klass,) = int8.store.batches()
     assert klass.kind == "int8"
     assert int8.store.stats().physical_bytes / full.store.stats().physical_bytes == (32 + 4) / (4 * 32)
-
-
-def test_single_stream_figures_come_from_the_paths_they_name(repository: Path) -> None:
-    """The engine core figure is read from a real core process; genai runs with the threads asked."""
-    assert decode_tokens_per_second_core(repository, "alibi", 48, 1) > 0
-    genai = decode_tokens_per_second_genai(repository / "alibi", 48, 1)
-    assert genai is None or genai > 0  # None: onnxruntime-genai not installed

@@ -1,0 +1,88 @@
+"""Serving benchmark, measured side by side in one run: `python -m bench`.
+
+Prints single-stream decode tokens/s through gRPC versus an in-process ONNX Runtime loop and
+onnxruntime-genai on the same ONNX files; aggregate tokens/s at several concurrencies; decode
+step time versus context length per scheme; the share of step time spent handling the KV
+cache; and KV bytes per token. Figures, not verdicts: ratios are computed within the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench.fused import print_fused_steps
+from bench.mixed import print_mixed_lengths
+from bench.policies import print_policy_steps
+from bench.share import print_cache_share
+from bench.steps import print_step_table
+from bench.throughput import print_throughput
+from contract.cli import HelpFormatter
+from contract.manifest import Manifest
+from contract.paths import REPOSITORY_ROOT
+from service.engine.runner import default_threads
+
+SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository",
+        help="model repository to serve (written by python -m export)",
+    )  # fmt: skip
+    parser.add_argument("--model", default="alibi", help="model for the single-stream and concurrency figures")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads per session (0: half the cores)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=256, help="tokens per single-stream request (the concurrency runs use half)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], metavar="STREAMS",
+        help="concurrent streams the aggregate throughput is measured at",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="fewer steps and contexts")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="rounds of the throughput section (single stream: every layer once, medians of three runs; "
+        "aggregate: one sweep over every concurrency); figures and ratios are their medians",
+    )  # fmt: skip
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the service and runners run")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+        help=f"which parts to run, from {' '.join(SECTIONS)}",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    repository: Path = args.model_repository
+    server_threads = args.threads  # 0: the server's own default (decode half the cores, prefill all)
+    args.threads = args.threads or default_threads()  # decode threads, for the in-process figures
+    folders = sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
+    steps = 5 if args.quick else 20
+
+    print_kv_bytes(folders)
+    device_flags = ["--device", args.device]
+    if "mixed" in args.sections:
+        print_mixed_lengths(repository, args.model, server_threads, device_flags, args.quick)
+    if "throughput" in args.sections:
+        print_throughput(args, repository, server_threads, device_flags, steps)
+    if "steps" in args.sections:
+        print_step_table(folders, args, steps)
+    if "share" in args.sections:
+        print_cache_share(repository / args.model, args, steps)
+    if "policies" in args.sections:
+        print_policy_steps(folders, args, steps)
+    if "fused" in args.sections:
+        print_fused_steps(folders, args, steps)
+    return 0
+
+
+def print_kv_bytes(folders: list[Path]) -> None:
+    """The header every run prints, whatever its sections: KV bytes per token and position limit per model."""
+    print("KV bytes per token (float32, K and V of every layer):")
+    for folder in folders:
+        manifest = Manifest.load(folder)
+        limit = manifest.max_positions or "unbounded"
+        print(f"  {manifest.name:<12} {manifest.kv_bytes_per_token():>6} B/token   positions: {limit}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

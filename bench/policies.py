@@ -1,0 +1,48 @@
+"""The policies section: decode step time and KV bytes per sequence under each cache policy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from bench.runners import bounded_step_seconds, policy_runner, step_seconds
+from contract.cache_policy import parse_cache_policy
+from contract.manifest import Manifest
+
+POLICY_HISTORY = 2048  # tokens a sequence has seen when its step time per cache policy is measured
+BENCH_POLICIES = ("full", "window:256", "sinks:4+window:252", "window:64", "int8", "window:256+int8")
+logger = logging.getLogger(__name__)
+
+
+def print_policy_steps(folders: list[Path], args: argparse.Namespace, steps: int) -> None:
+    """Decode step time per cache policy at POLICY_HISTORY tokens of history, batch 1 and 8."""
+    print(
+        f"\nDecode step time (ms, median, batch 1 / batch 8) per cache policy after {POLICY_HISTORY} tokens of "
+        "history, and KV bytes per sequence (a bounded row evicts and appends one token per step):"
+    )
+    names = list(BENCH_POLICIES)
+    print("  " + f"{'model':<12}" + "".join(f"{p:>22}" for p in names))
+    for folder in folders:
+        manifest = Manifest.load(folder)
+        if manifest.is_scaling_variant:
+            continue
+        cells = []
+        for text in names:
+            policy = parse_cache_policy(text)
+            if manifest.max_positions is not None and POLICY_HISTORY >= manifest.max_positions:
+                cells.append(f"{'not servable':>22}")
+                continue
+            try:
+                one = policy_runner(folder, 1, POLICY_HISTORY, policy, args.threads, args.device)
+            except (AssertionError, ValueError) as error:  # an export without this policy
+                cells.append(f"{'n/a':>22}")
+                logger.debug("%s %s: %s", manifest.name, text, error)
+                continue
+            eight = policy_runner(folder, 8, POLICY_HISTORY, policy, args.threads, args.device)
+            timing = bounded_step_seconds if policy.bounded else step_seconds
+            per_sequence = one.store.stats().physical_bytes
+            cells.append(
+                f"{timing(one, steps) * 1000:6.2f} /{timing(eight, steps) * 1000:6.2f} {per_sequence / 1e6:5.2f}MB"
+            )
+        print(f"  {manifest.name:<12}" + "".join(cells))
