@@ -174,7 +174,9 @@ def test_a_bounded_policy_bounds_the_cache_of_a_long_generation(repository: Path
     """One sampled GenerateStream per model at once (window:256, rope sinks:4+window:252; alibi
     20000 tokens, the others 2000, see LONG_RUNS). /metrics every ~0.5 s: once a stream is 1000
     tokens in, its model's posenc_kv_cache_physical_bytes never grows more than one block over
-    its value then, and never exceeds one row of the class holding 256 tokens; 0 once done.
+    its value then, and never exceeds one row of the class holding 256 tokens; 0 once done. Each
+    stream also samples as it passes 1000 tokens and every 500 after, so a stream that finishes
+    within one interval of the background sampler is still checked.
     learned (a 256-position table) refuses window:256 with 20000 new tokens, naming the limit."""
     models = [*LONG_RUNS, "learned"]
     server = ServerProcess(
@@ -194,11 +196,14 @@ def test_a_bounded_policy_bounds_the_cache_of_a_long_generation(repository: Path
         done = threading.Event()
         samples: list[tuple[dict[str, int], dict[str, float]]] = []
 
+        def take_sample() -> None:
+            seen = dict(progress)
+            values = {m: server.metric("posenc_kv_cache_physical_bytes", model=m) for m in LONG_RUNS}
+            samples.append((seen, values))
+
         def sample() -> None:
             while not done.is_set():
-                seen = dict(progress)
-                values = {m: server.metric("posenc_kv_cache_physical_bytes", model=m) for m in LONG_RUNS}
-                samples.append((seen, values))
+                take_sample()
                 done.wait(0.5)
 
         def stream(model: str) -> tuple[int, int, int]:
@@ -208,8 +213,14 @@ def test_a_bounded_policy_bounds_the_cache_of_a_long_generation(repository: Path
                 cache_policy=long_policy(model),
             )  # fmt: skip
             last = None
+            # The stream samples as it passes these too: one that finishes within the background
+            # sampler's interval is still seen past 1000 tokens.
+            checkpoint = 1000
             for chunk in server.stub.GenerateStream(request, timeout=600):
                 progress[model] += len(chunk.text.encode("utf-8"))
+                if progress[model] >= checkpoint:
+                    take_sample()
+                    checkpoint = progress[model] + 500
                 last = chunk
             assert last is not None
             progress[model] = -1  # finished: later samples belong to no stream
