@@ -2,7 +2,7 @@
 and tell it when to come back.
 
 Past saturation a server that admits everything grows its queue until every request waits too
-long and goodput falls to nothing (measured before this existed: 0.02x at 32 users on 2 cores).
+long and goodput falls to nothing (docs/measurements.md).
 Shedding instead keeps the admitted ones within target, as TGI's `max_concurrent_requests` and
 Triton's queue policy do, but from a measured estimate rather than a fixed count.
 
@@ -16,9 +16,9 @@ The estimate. A request's first token waits for
 That queue arithmetic (the *raw* estimate) leaves out what a model's own pace adds: the gaps
 between prefill calls, the engine step a computed prompt waits for before its first token is
 sampled, the CPU the decode steps and gRPC threads take. How much depends on the model: a
-short-context model serving 30-60 requests/s spends more of each request in those gaps than a
-long-prompt one at 8/s (the reference run admitted `learned` requests whose first token took
-0.54 s against a 0.4 s target). So each model calibrates its own estimate against what happened:
+short-context model serving many small requests a second spends more of each request in those
+gaps than a long-prompt one (uncalibrated, the reference run admitted `learned` requests that
+missed the target). So each model calibrates its own estimate against what happened:
 every admitted request's realised time to first token is regressed on its raw estimate
 (`Calibration`: exponentially weighted least squares, realised = offset + slope * raw), and the
 target is checked against the fitted line plus TARGET_DEVIATIONS of its recent errors, because the
@@ -30,9 +30,9 @@ The retry hint. A refused request is told to come back when it would meet the ta
 excess of its estimate over the target has drained, and after every request refused before it has
 had its turn, at the rate first tokens are leaving the queue (a virtual queue of retry tickets,
 one per refusal, spaced by that drain rate). A ±20% jitter keeps returning clients from arriving
-in waves. Without the tickets a saturated server told every refused client "0.05 s", and 24
-waiting clients came back 200 times a second to be refused again (each a full gRPC round trip of
-the same CPU the admitted requests needed).
+in waves. Without the tickets a saturated server told every refused client the minimum hint, and
+the waiting clients came back many times a second to be refused again (each a full gRPC round
+trip of the same CPU the admitted requests needed).
 
 A request with nothing ahead of it is always admitted, even if its own prompt alone takes longer
 than the target: refusing it would refuse it forever.

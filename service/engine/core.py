@@ -123,8 +123,7 @@ class StepOutputs:
     `interval` paces the messages: after one is sent, steps that only continue streams wait until
     `interval` seconds have passed and go out together (a first token, a finish or a flush goes at
     once). Every wake-up on the other core (publisher, the front end's reader, its consumer) slows
-    the decoding one: on two cores one message per step cost the core ~20% of the bare runner's
-    single-stream speed. 0: one message per step.
+    the decoding one (docs/measurements.md). 0: one message per step.
     """
 
     def __init__(self, sender: EventSender, interval: float = 0.0) -> None:

@@ -298,7 +298,7 @@ class ModelEngine:
             self._decode(output.decode)
         busy = bool(joined or output.decode)
         now = time.monotonic()
-        if not busy or now >= self._housekeeping_due:  # every step would cost ~3% of a small step
+        if not busy or now >= self._housekeeping_due:  # every step would cost a small step a few percent
             self.store.trim()  # classes left mostly spare by leavers give rows back
             self.runner.forget_calls()
             self._housekeeping_due = now + GAUGE_INTERVAL_SECONDS
