@@ -1,5 +1,5 @@
 """The int8 K/V cache's number format: one definition, used by the store (numpy; its torch backend
-repeats these few lines with torch's operations, service/engine/kv_store.py), the
+repeats these few lines with torch's operations, service/engine/kv/arrays.py), the
 PyTorch reference (models/streaming.py) and the serving-int8 graph (which only dequantizes).
 
 Symmetric per-token quantization: each cached token's key (or value) vector of one head, `head_dim`

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from contract.cache_policy import CachePolicyError
 from contract.manifest import ManifestError
 from service.engine.engine import Engine
-from service.engine.kv_store import KVBudgetError
+from service.engine.kv import KVBudgetError
 from service.engine.messages import (
     Add,
     Cancel,

@@ -24,7 +24,7 @@ from contract.cache_policy import FORM_SYNTAX, CachePolicyError
 from contract.manifest import Manifest
 from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.input_processor import InputLimits, InputProcessor
-from service.engine.kv_store import KVBudgetError, KVLayout, KVStore
+from service.engine.kv import KVBudgetError, KVLayout, KVStore
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
 from service.engine.model_metrics import ModelMetrics
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor

@@ -47,16 +47,15 @@ from contract.graph import (
 )
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import NP_DTYPES, SERVING_INT8, FusedAttention, Manifest, serving_variant
-from service.engine.kv_store import (
+from service.engine.kv import (
     INT8,
     Array,
     Backend,
     CapacityClass,
     KVLayout,
     KVStore,
-    NumpyArrays,
     RowPolicy,
-    TorchArrays,
+    make_backend,
 )
 from service.engine.messages import Scored
 
@@ -89,17 +88,6 @@ def default_threads() -> int:
     """Intra-op threads of the decode session: half the cores (the prefill session gets them all,
     at a lower priority, see PrefillWorker)."""
     return max(1, (os.cpu_count() or 2) // 2)
-
-
-def make_backend(on_gpu: bool, kind: str = "auto") -> Backend:
-    """numpy on the CPU; torch tensors on CUDA. `kind="torch"` runs the torch path on the CPU."""
-    if on_gpu:
-        return TorchArrays("cuda")
-    if kind == "torch":
-        return TorchArrays("cpu")
-    if kind not in ("auto", "numpy"):
-        raise ValueError(f"kv backend must be auto, numpy or torch, got {kind!r}")
-    return NumpyArrays()
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from models.streaming import stream_logits, stream_logprobs
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
-from service.engine.kv_store import KVLayout, KVStore, NumpyArrays, RowPolicy, capacity_ladder
+from service.engine.kv import KVLayout, KVStore, NumpyArrays, RowPolicy, capacity_ladder
 from service.process import ServerProcess, wait_for
 
 WEIGHTS = REPOSITORY_ROOT / "models" / "weights"

@@ -28,7 +28,7 @@ from models.tokenizer import TOKENIZER
 from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
-from service.engine.kv_store import INT8, Int8KV, KVLayout, KVStore, RowPolicy, TorchArrays
+from service.engine.kv import INT8, Int8KV, KVLayout, KVStore, RowPolicy, TorchArrays
 from service.engine.runner import ModelRunner, StoreConfig
 from service.process import ServerProcess
 

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from service.engine.kv_store import KVBudgetError, KVLayout, KVStore, TorchArrays, capacity_ladder
+from service.engine.kv import KVBudgetError, KVLayout, KVStore, TorchArrays, capacity_ladder
 from service.engine.request import Request, SamplingParams
 from service.engine.scheduler import QueueFullError, Scheduler
 

@@ -15,7 +15,7 @@ from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.engine.engine import Engine
-from service.engine.kv_store import KVLayout, KVStore
+from service.engine.kv import KVLayout, KVStore
 from service.engine.messages import EngineConfig
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for

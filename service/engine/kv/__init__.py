@@ -1,0 +1,37 @@
+"""The KV store and its parts: every sequence's K/V cache for one model, within a memory budget.
+
+- `layout`: what one token's cache is made of (`KVLayout`) and the storage kinds (float, `INT8`).
+- `arrays`: where the memory lives (`NumpyArrays` on the host, `TorchArrays` on CPU or CUDA).
+- `rows`: how a class stores its rows (`FloatRows`, `Int8Rows` with per-token scales).
+- `classes`: dense in-place batches of one row width (`CapacityClass`) on a ladder of widths,
+  and a row's cache policy and eviction state (`RowPolicy`).
+- `store`: the owner of it all (`KVStore`), whose accounting is its allocation.
+
+Why capacity classes (compared side by side with `python -m service.bench`): one left-padded batch
+wastes most of its memory with mixed lengths; a block pool gathered inside the graph would copy the
+whole batch cache every step; classes keep the in-place serving graph and cost one graph call per
+class.
+"""
+
+from service.engine.kv.arrays import Array, Backend, NumpyArrays, TorchArrays, make_backend
+from service.engine.kv.classes import CapacityClass, RowPolicy, capacity_ladder
+from service.engine.kv.layout import INT8, KVLayout
+from service.engine.kv.rows import Int8KV
+from service.engine.kv.store import KVBudgetError, KVStore, StoreStats
+
+__all__ = [
+    "INT8",
+    "Array",
+    "Backend",
+    "CapacityClass",
+    "Int8KV",
+    "KVBudgetError",
+    "KVLayout",
+    "KVStore",
+    "NumpyArrays",
+    "RowPolicy",
+    "StoreStats",
+    "TorchArrays",
+    "capacity_ladder",
+    "make_backend",
+]

@@ -1,0 +1,299 @@
+"""The KV store: the one owner of a model's K/V memory, sized by the budget the scheduler admits against.
+
+Sequences live in capacity classes (classes.py). Each class with rows costs one graph call per
+step, mostly fixed cost, so a sequence whose own rung has no rows joins the rung above when that
+one has (`_placement`: the row is still >= 64% used). For the same reason a class whose rows would
+all stay >= 64% full one rung up moves there whole when one of them fills (`_movers`): one
+re-allocation, and still one call per step.
+
+Accounting and memory are the same thing here: `reserve` allocates the row (or grows the class
+array) at once, or says no, and refuses anything that would take the allocated bytes, counted
+with the old array still alive while a class is re-allocated, above the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.engine.kv.arrays import Array, Backend, NumpyArrays
+from service.engine.kv.classes import GROWTH, CapacityClass, RowPolicy, capacity_ladder
+from service.engine.kv.layout import INT8, KVLayout
+
+# A class moves up the ladder as a whole when each of its rows would be at least this full there.
+PROMOTED_FILL = 1 / GROWTH**2
+
+
+class KVBudgetError(ValueError):
+    """The budget cannot hold one sequence of the longest allowed length."""
+
+
+def _populated(klass: CapacityClass | None) -> bool:
+    return klass is not None and bool(klass.members or klass.reserved)
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    used_tokens: int  # tokens held or promised (rounded up to blocks in used_bytes)
+    used_bytes: int
+    physical_bytes: int  # K/V arrays allocated now
+    peak_physical_bytes: int  # high-water mark, counting both arrays while a class is re-allocated
+    capacity_bytes: int
+    sequences: int
+    classes: int
+
+
+class KVStore:
+    """Every sequence's cache for one model, within `budget_bytes` of allocated K/V memory."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        budget_bytes: int,
+        block_size: int,
+        max_tokens: int,
+        backend: Backend | None = None,
+        rotary_inv_freq: np.ndarray | None = None,
+    ) -> None:
+        """`rotary_inv_freq`: a RoPE model's inverse frequencies, with which bounded policies move sink keys."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.layout, self.block_size, self.max_tokens = layout, block_size, max_tokens
+        self.backend: Backend = backend or NumpyArrays()
+        self.rotary_inv_freq = rotary_inv_freq
+        self.block_bytes = block_size * layout.token_bytes
+        self.capacity_bytes = budget_bytes // self.block_bytes * self.block_bytes
+        self.ladder = capacity_ladder(max_tokens, block_size)
+        minimum = self.minimum_budget(layout, max_tokens, block_size)
+        if self.capacity_bytes < minimum:
+            raise KVBudgetError(
+                f"kv cache budget {budget_bytes} bytes cannot hold one sequence of {max_tokens} tokens "
+                f"(needs at least {minimum} bytes)"
+            )
+        self.classes: dict[int, CapacityClass] = {}  # float rows (the layout's dtype), by capacity
+        self.kinds: dict[str, dict[int, CapacityClass]] = {layout.dtype: self.classes, INT8: {}}
+        self.capacity_of: dict[str, int] = {}  # sequence -> the capacity of its class
+        self.kind_of: dict[str, str] = {}  # sequence -> the storage kind of its class
+        self.tokens: dict[str, int] = {}  # sequence -> tokens reserved
+        self.physical_bytes = 0
+        self.peak_physical_bytes = 0
+
+    @staticmethod
+    def minimum_budget(layout: KVLayout, max_tokens: int, block_size: int) -> int:
+        """One sequence of `max_tokens`, including its move from the class below (both rows alive)."""
+        ladder = capacity_ladder(max_tokens, block_size)
+        below = ladder[-2] if len(ladder) > 1 else 0
+        return -(-(ladder[-1] + below) // block_size) * block_size * layout.token_bytes  # whole blocks
+
+    def class_for(self, tokens: int) -> int:
+        for capacity in self.ladder:
+            if capacity >= tokens:
+                return capacity
+        raise ValueError(f"{tokens} tokens exceed the store's max_tokens={self.max_tokens}")
+
+    def _placement(self, own: int, kind: str) -> int:
+        """The class a sequence whose own rung of the ladder is `own` goes to: that one, or the next
+        one up when that one holds rows and its own holds none. Every class with members costs one
+        graph call per step, mostly fixed cost, so a row one rung wider (still >= 64% used) beats
+        a call of its own."""
+        classes = self.kinds[kind]
+        if _populated(classes.get(own)):
+            return own
+        rung = self.ladder.index(own)
+        if rung + 1 < len(self.ladder) and _populated(classes.get(self.ladder[rung + 1])):
+            return self.ladder[rung + 1]
+        return own
+
+    def _class_of(self, sequence_id: str) -> CapacityClass | None:
+        capacity = self.capacity_of.get(sequence_id)
+        return None if capacity is None else self.kinds[self.kind_of[sequence_id]].get(capacity)
+
+    # ------------------------------------------------------------------ accounting = allocation
+
+    def capacity(self, sequence_id: str) -> int:
+        """Tokens the sequence's row holds (0: none reserved)."""
+        return self.capacity_of.get(sequence_id, 0)
+
+    def reserve(self, sequence_id: str, tokens: int, int8: bool = False) -> bool:
+        """Make room for `tokens` tokens of the sequence: a row for a new one (written later by
+        `write`; `int8`: in an int8 class), a move to a wider class of its kind when its row is
+        full. False, with nothing changed, when that would take the allocated memory above the budget."""
+        if tokens > self.max_tokens:
+            return False
+        current = self.capacity_of.get(sequence_id)
+        kind = self.kind_of.get(sequence_id) or (INT8 if int8 else self.layout.dtype)
+        if current is not None and current >= tokens:
+            self.tokens[sequence_id] = max(tokens, self.tokens.get(sequence_id, 0))
+            return True
+        own = self.class_for(tokens)
+        target = self._placement(own, kind)
+        moving = self._class_of(sequence_id)
+        movers, rows_needed = [sequence_id], 1
+        if moving is not None and sequence_id in moving.members:
+            movers = self._movers(moving, sequence_id, target)
+            # Members as full as this one move this step too: room for them in one re-allocation.
+            full = int((moving.lengths[: len(moving.members)] >= moving.capacity).sum())
+            rows_needed = max(len(movers), full)
+        destination = self._room(target, rows_needed, kind)
+        if destination is None and target != own:
+            target = own  # the rung above cannot grow within the budget: the sequence's own rung
+            destination = self._room(target, rows_needed, kind)
+        if destination is None:
+            self.trim(all_spare=True)
+            destination = self._room(target, rows_needed, kind)
+            if destination is None:
+                return False
+        if destination.free_rows < len(movers):
+            movers = [sequence_id]  # no room for its whole class within the budget: the sequence alone
+        destination.reserved.add(sequence_id)
+        source = self._class_of(sequence_id)  # trim may have re-made it
+        if source is not None:
+            if sequence_id in source.members:  # a move: the rows' caches go with them, on the device
+                for mover in reversed(movers):  # the last rows first: no row is copied twice
+                    row = source.members.index(mover)
+                    destination.write(mover, source.row_cache(row), int(source.lengths[row]), source.policies[row])
+                    source.remove(mover)
+                    self.capacity_of[mover] = target
+            else:
+                source.reserved.discard(sequence_id)
+            self._release_if_empty(source)
+        self.capacity_of[sequence_id] = target
+        self.kind_of[sequence_id] = kind
+        self.tokens[sequence_id] = max(tokens, self.tokens.get(sequence_id, 0))
+        return True
+
+    def _movers(self, source: CapacityClass, sequence_id: str, target: int) -> list[str]:
+        """Who moves to `target` with a sequence whose row in `source` is full: the whole class when
+        every member would fill at least PROMOTED_FILL of a row there (one class stays one graph
+        call per step, where moving one by one would hold two calls per step until the last one
+        moved, and re-allocate the wider class once per mover); else the sequence alone."""
+        batch = len(source.members)
+        if batch > 1 and not source.bounded and int(source.lengths[:batch].min()) >= PROMOTED_FILL * target:
+            return list(source.members)
+        return [sequence_id]
+
+    def _room(self, capacity: int, rows_needed: int, kind: str) -> CapacityClass | None:
+        """The class with `rows_needed` free rows, grown if it must be: with an eighth more rows of
+        headroom if that fits, else exactly. Over the budget, the free rows it already has, else
+        grown by the one row that must be."""
+        existing = self.kinds[kind].get(capacity)
+        if existing is not None and existing.free_rows >= rows_needed:
+            return existing
+        held = 0 if existing is None else existing.rows - existing.free_rows
+        wanted = held + rows_needed
+        for rows in dict.fromkeys((wanted + wanted // 8, wanted)):
+            grown = self._reallocate(capacity, rows, kind)
+            if grown is not None:
+                return grown
+        if existing is not None and existing.free_rows > 0:
+            return existing
+        return self._reallocate(capacity, held + 1, kind) if rows_needed > 1 else None
+
+    def _reallocate(self, capacity: int, rows: int, kind: str) -> CapacityClass | None:
+        """A new array for the class with `rows` rows, members copied over; None if the old and the
+        new array together would exceed the budget."""
+        old = self.kinds[kind].get(capacity)
+        new_bytes = rows * capacity * self.layout.kind_token_bytes(kind)
+        if self.physical_bytes + new_bytes > self.capacity_bytes:
+            return None
+        self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes + new_bytes)
+        fresh = CapacityClass(self.backend, self.layout, capacity, rows, self.rotary_inv_freq, kind)
+        if old is not None:
+            fresh.copy_members_from(old)
+            self.physical_bytes -= old.nbytes
+        self.kinds[kind][capacity] = fresh
+        self.physical_bytes += fresh.nbytes
+        return fresh
+
+    def _release_if_empty(self, klass: CapacityClass) -> None:
+        if not klass.members and not klass.reserved:
+            self.physical_bytes -= klass.nbytes
+            del self.kinds[klass.kind][klass.capacity]
+
+    def all_classes(self) -> list[CapacityClass]:
+        return [klass for classes in self.kinds.values() for klass in classes.values()]
+
+    def has_class(self, key: tuple[int, str]) -> bool:
+        capacity, kind = key
+        return capacity in self.kinds[kind]
+
+    def trim(self, all_spare: bool = False) -> None:
+        """Give back spare rows where more than a quarter of a class is spare (`all_spare`: every
+        spare row, when memory ran out), if the copy fits beside the old array."""
+        for klass in self.all_classes():
+            held = klass.rows - klass.free_rows
+            if all_spare and held and klass.free_rows:
+                self._reallocate(klass.capacity, held, klass.kind)
+            elif held and klass.free_rows > max(1, klass.rows // 4):
+                self._reallocate(klass.capacity, held + held // 8, klass.kind)
+
+    def free(self, sequence_id: str) -> None:
+        """The sequence is done (finished, aborted or preempted): its row is free at once."""
+        klass = self._class_of(sequence_id)
+        self.capacity_of.pop(sequence_id, None)
+        self.kind_of.pop(sequence_id, None)
+        self.tokens.pop(sequence_id, None)
+        if klass is None:
+            return
+        if sequence_id in klass.members:
+            klass.remove(sequence_id)
+        klass.reserved.discard(sequence_id)
+        self._release_if_empty(klass)
+
+    def write(self, sequence_id: str, kv: Array, length: int, policy: RowPolicy | None = None) -> None:
+        """A prefilled prompt's cache, (tensors, heads, length, head_dim), into its reserved row
+        (float K/V, quantized there for an int8 row; or an int8 row's own `Int8KV`)."""
+        klass = self._class_of(sequence_id)
+        if klass is None or sequence_id not in klass.reserved:
+            raise KeyError(f"sequence {sequence_id!r} holds no reserved row")
+        if length > klass.capacity:
+            raise ValueError(f"sequence {sequence_id!r}: {length} tokens exceed its row of {klass.capacity}")
+        klass.write(sequence_id, kv, length, policy)
+
+    # ------------------------------------------------------------------ reading
+
+    def batches(self) -> Iterator[CapacityClass]:
+        """Classes with members, float ones then int8 ones, each narrowest first: one graph call
+        each per decode step."""
+        for classes in self.kinds.values():
+            for capacity in sorted(classes):
+                if classes[capacity].members:
+                    yield classes[capacity]
+
+    def members(self) -> list[str]:
+        return [sequence for klass in self.batches() for sequence in klass.members]
+
+    def rewind(self, tokens: int) -> None:
+        """Take back every member's last `tokens` tokens (benchmarks measure steps at a fixed context)."""
+        for klass in self.batches():
+            klass.rewind(tokens)
+
+    def holders(self) -> list[str]:
+        return list(self.capacity_of)
+
+    def length(self, sequence_id: str) -> int:
+        klass = self._class_of(sequence_id)
+        assert klass is not None, f"sequence {sequence_id!r} holds no row"
+        return int(klass.lengths[klass.members.index(sequence_id)])
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes each sequence holds or is promised (its tokens in whole blocks of its storage kind):
+        the engine sums them by cache-policy form for the `policy` label."""
+        blocks = {sequence: -(-tokens // self.block_size) for sequence, tokens in self.tokens.items()}
+        return {
+            sequence: count * self.block_size * self.layout.kind_token_bytes(self.kind_of[sequence])
+            for sequence, count in blocks.items()
+        }
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            used_tokens=sum(self.tokens.values()),
+            used_bytes=sum(self.held_bytes().values()),
+            physical_bytes=self.physical_bytes,
+            peak_physical_bytes=self.peak_physical_bytes,
+            capacity_bytes=self.capacity_bytes,
+            sequences=len(self.capacity_of),
+            classes=len(self.all_classes()),
+        )
