@@ -1,8 +1,7 @@
-"""ONNX Runtime execution for one model: a model session (the graph calls) plus the KV store.
+"""ONNX Runtime execution for one model: its sessions (the graph calls) plus the KV store.
 
-Every call binds its inputs and outputs by data pointer (IO binding) to arrays of the store's
-backend: numpy on the CPU, torch tensors on CUDA (or on the CPU, to run the GPU path's code in
-CI). Decode runs the in-place serving graph (float32, or float16 on a GPU) once per capacity
+Every call binds its inputs and outputs by data pointer to arrays of the store's backend
+(model_session.py). Decode runs the in-place serving graph (float32, or float16 on a GPU) once per capacity
 class of the store: the graph reads each class's cache where it lies and returns only the new
 token's K/V, which the store writes into the next column of each row on the same device.
 
@@ -23,7 +22,6 @@ state; their caches are written into the rows the scheduler reserved, on the eng
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -32,56 +30,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
-from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
 from contract.cache_policy import CachePolicy
-from contract.graph import (
-    ATTENTION_MASK,
-    INPUT_IDS,
-    LOGITS,
-    POSITION_IDS,
-    cache_input_names,
-    left_pad_batch,
-    new_kv_names,
-    present_names,
-)
+from contract.graph import left_pad_batch
 from contract.graph import target_logprobs as log_probabilities
-from contract.manifest import NP_DTYPES, SERVING_INT8, FusedAttention, Manifest, serving_variant
-from service.engine.kv import (
-    INT8,
-    Array,
-    Backend,
-    CapacityClass,
-    KVLayout,
-    KVStore,
-    RowPolicy,
-    make_backend,
-)
+from contract.manifest import Manifest, serving_variant
+from service.engine.kv import INT8, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
 from service.engine.messages import Scored
+from service.engine.model_session import GraphBinder, ModelSession, cache_graphs, choose_providers, fused_graph
 
 logger = logging.getLogger(__name__)
-
-ORT_DTYPES = {**NP_DTYPES, "int64": np.int64, "int8": np.int8}
-# How decode attends: the fused graph where exported and the rows allow it, only it (refusing a
-# model without it), or always the explicit serving graph.
-ATTENTION_MODES = ("auto", "fused", "explicit")
-
-
-@functools.cache
-def ort_element_type(dtype: object) -> type:
-    """The element type ONNX Runtime binds for a numpy or torch dtype, keyed by the dtype itself:
-    str() of a numpy dtype costs ~9 us, and a decode call binds 20 arrays."""
-    return ORT_DTYPES[str(dtype).removeprefix("torch.")]
-
-
-def choose_providers(device: str) -> list[str]:
-    """`auto` takes CUDA when this onnxruntime build has it, else CPU."""
-    available = ort.get_available_providers()
-    if device == "cuda" and "CUDAExecutionProvider" not in available:
-        raise RuntimeError(f"--device cuda: this onnxruntime has no CUDA provider (has {', '.join(available)})")
-    if device in ("cuda", "auto") and "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
 
 
 def default_threads() -> int:
@@ -127,15 +85,6 @@ class StreamedPrompt(PrefilledPrompt):
 STREAM_TOKENS_PER_YIELD = 64
 
 
-@dataclass(frozen=True)
-class CacheGraph:
-    """The serving graph that reads classes of one storage kind, and how their arrays feed it."""
-
-    variant: str
-    dtype: str  # of its activations and outputs (logits, new K/V)
-    cache_names: list[list[str]]  # input names per cache array of the class (K/V; INT8: also scales)
-
-
 @dataclass
 class _DecodeCall:
     """A class's decode call, bound once for its current arrays and batch size."""
@@ -159,45 +108,10 @@ class DecodePlan:
     order: np.ndarray | None  # for each of ids, its row of the classes' logits stacked (None: the same)
 
 
-class ModelSession:
-    """One ONNX Runtime session whose calls are bound to backend arrays by pointer."""
-
-    def __init__(self, path: str, providers: list[str], threads: int, arena: bool, backend: Backend) -> None:
-        options = ort.SessionOptions()
-        # arena=False for prompts: their intermediates grow with batch x length^2 and an arena would
-        # hold its all-time peak resident (a 10-minute soak grew 21% that way).
-        options.enable_cpu_mem_arena = arena
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        # Spinning intra-op threads would take the cores the other session, the engine and the
-        # gRPC threads need between calls (measured: +30% single-stream tokens/s without it).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(path, options, providers=providers)
-        self.backend = backend
-        # onnxruntime's Python IOBinding resolves the device by name on every bind (a decode call
-        # binds 20 arrays, re-made whenever a class's membership changes) and run_with_iobinding
-        # checks for WebGPU graph capture on every call: their C bindings (onnxruntime==1.31.1,
-        # pinned) take the device resolved once. Re-making a 1-row class's call: 596 -> 466 us (232 with
-        # `ort_element_type`).
-        self._device = OrtDevice.make(backend.device_type, backend.device_id)._get_c_device()
-        self._run = self.session._sess.run_with_iobinding
-
-    def bind(self, inputs: dict[str, Array], outputs: dict[str, Array]) -> ort.IOBinding:
-        binding = self.session.io_binding()
-        raw, device, pointer = binding._iobinding, self._device, self.backend.pointer
-        for names, bind_fn in ((inputs, raw.bind_input), (outputs, raw.bind_output)):
-            for name, array in names.items():
-                bind_fn(name, device, ort_element_type(array.dtype), list(array.shape), pointer(array))
-        return binding
-
-    def run(self, binding: ort.IOBinding) -> None:
-        self.backend.synchronize()
-        self._run(binding._iobinding, None)
-
-
 class ModelRunner:
+    """One model's graph calls and its KV store: prompts and scoring on any thread, the store's writes
+    and the decode steps on the engine thread."""
+
     def __init__(
         self,
         manifest: Manifest,
@@ -220,24 +134,21 @@ class ModelRunner:
         self.eviction = manifest.cache_eviction
         rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
         self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)
-        # The graph of each storage kind: the float serving graph, and serving-int8 when exported.
-        self.graphs = {self.dtype: CacheGraph(self.variant, self.dtype, cache_input_names(manifest.n_layers))}
-        if manifest.has_int8_cache:
-            self.graphs[INT8] = CacheGraph(SERVING_INT8, "float32", cache_input_names(manifest.n_layers, int8=True))
+        self.graphs = cache_graphs(manifest, self.dtype)  # by storage kind
+        self.binder = GraphBinder(self.backend, self.layout, manifest.vocab_size, self.graphs)
         self.threads = threads or default_threads()
         self.prefill_threads = threads or os.cpu_count() or 1
         # The decode calls (engine thread), one session per storage kind.
         self.sessions = {kind: self._session(self.threads, True, graph.variant) for kind, graph in self.graphs.items()}
         self.session = self.sessions[self.dtype]
         # The fused decode graph (full float rows), where exported and `attention` allows it.
-        self.fused = self._fused_attention(attention)
+        self.fused = fused_graph(manifest, self.dtype, attention)
         self.fused_session = self._session(self.threads, True, self.fused.variant) if self.fused else None
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
         self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
         if open_prefill_session:
             self.open_prefill_session()
-        self.new_names = new_kv_names(manifest.n_layers)
         self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
         self.timings = RunnerTimings()
         self._calls: dict[tuple[int, str], _DecodeCall] = {}  # by class (capacity, kind)
@@ -253,35 +164,11 @@ class ModelRunner:
         }
         self.prefill_session = self.prefill_sessions[self.dtype]
 
-    def _fused_attention(self, attention: str) -> FusedAttention | None:
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
-        fused = self.manifest.fused_attention
-        usable = fused if fused is not None and fused.dtype == self.dtype and fused.shares_cache_buffer else None
-        if attention == "fused" and usable is None:
-            raise ValueError(f"--attention fused: model {self.manifest.name!r} has no fused {self.dtype} decode graph")
-        return None if attention == "explicit" else usable
-
     def _session(self, threads: int, arena: bool, variant: str) -> ModelSession:
         path = str(self.manifest.onnx_path(variant))
         return ModelSession(path, self.providers, threads, arena, self.backend)
 
     # ------------------------------------------------------------------ prompts (any thread)
-
-    def _bind(
-        self, session: ModelSession, ids: Array, mask: Array, positions: Array, past: list[Array], kind: str
-    ) -> tuple[ort.IOBinding, Array, Array]:
-        """A graph call bound to these inputs (`past`: the cache arrays of a `kind` class, each
-        (2L, B, heads, P, hd or 1)) and to new output arrays for logits (B, T, vocab) and the new
-        tokens' K/V (2L, B, heads, T, hd)."""
-        layout, batch, width, graph = self.layout, ids.shape[0], ids.shape[1], self.graphs[kind]
-        new_kv = self.backend.zeros((layout.tensors, batch, layout.n_heads, width, layout.head_dim), graph.dtype)
-        logits = self.backend.zeros((batch, width, self.manifest.vocab_size), graph.dtype)
-        inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
-        for names, array in zip(graph.cache_names, past, strict=True):
-            inputs.update(zip(names, array, strict=True))
-        outputs = {LOGITS: logits, **dict(zip(self.new_names, new_kv, strict=True))}
-        return session.bind(inputs, outputs), logits, new_kv
 
     def _prompt_call(
         self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Array | None, last_only: bool
@@ -294,7 +181,7 @@ class ModelRunner:
         if past is None:
             past = backend.zeros((layout.tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
-        binding, logits, new_kv = self._bind(session, *inputs, [past], self.dtype)
+        binding, logits, new_kv = self.binder.bind(session, *inputs, [past], self.dtype)
         session.run(binding)
         host_logits = backend.download(logits[:, -1:] if last_only else logits)
         return host_logits.astype(np.float32), new_kv
@@ -405,9 +292,10 @@ class ModelRunner:
         assert past is not None
         row = CapacityClass(self.backend, self.layout, capacity, 1, self.store.rotary_inv_freq, kind)
         row.write(request_id, past[:, 0], len(head), self.row_policy(policy))
-        binding, step_logits, new_kv = self._bind(session, row.input_ids, row.mask, row.positions, row.arrays, kind)
+        binder = self.binder
+        binding, step_logits, new_kv = binder.bind(session, row.input_ids, row.mask, row.positions, row.arrays, kind)
         for done, token in enumerate(token_ids[budget:], start=1):
-            self._set_ids(row.input_ids[:, 0], np.asarray([token], dtype=np.int64))
+            binder.set_ids(row.input_ids[:, 0], np.asarray([token], dtype=np.int64))
             session.run(binding)
             row.append_step(new_kv)
             last = self.backend.download(step_logits[0]).astype(np.float32)  # (1, vocab), a copy
@@ -464,7 +352,7 @@ class ModelRunner:
         for klass, call, picks in plan.parts:
             fed = tokens if picks is None else [tokens[position] for position in picks]
             started = time.perf_counter()
-            self._set_ids(klass.input_ids[: len(fed), 0], fed)
+            self.binder.set_ids(klass.input_ids[: len(fed), 0], fed)
             call.session.run(call.binding)
             after_graph = time.perf_counter()
             klass.append_step(call.new_kv)
@@ -477,12 +365,6 @@ class ModelRunner:
         stacked = np.concatenate(parts)
         return stacked if plan.order is None else stacked[plan.order]
 
-    def _set_ids(self, target: Array, values: np.ndarray | list[int]) -> None:
-        if isinstance(target, np.ndarray):
-            target[:] = values
-        else:
-            target.copy_(self.backend.torch.from_numpy(np.asarray(values, dtype=np.int64)))  # type: ignore[union-attr]
-
     def _decode_call(self, klass: CapacityClass) -> _DecodeCall:
         """The class's decode call bound to the leading rows of its arrays and preallocated
         outputs, re-made only when the class is re-allocated or its membership changes."""
@@ -494,11 +376,11 @@ class ModelRunner:
         inputs = (klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch])
         if self._decodes_fused(klass):
             assert self.fused_session is not None
-            binding, logits = self._bind_in_place(self.fused_session, *inputs, past[0])
+            binding, logits = self.binder.bind_in_place(self.fused_session, *inputs, past[0])
             call = _DecodeCall(klass.version, self.fused_session, binding, None, logits)
         else:
             session = self.sessions[klass.kind]
-            binding, logits, new_kv = self._bind(session, *inputs, past, klass.kind)
+            binding, logits, new_kv = self.binder.bind(session, *inputs, past, klass.kind)
             call = _DecodeCall(klass.version, session, binding, new_kv, logits)
         self._calls[klass.key] = call
         return call
@@ -507,17 +389,6 @@ class ModelRunner:
         """The fused graph takes a class of full rows in its own dtype (it cannot shift a bounded
         row by one token, nor read int8 rows' per-token scales)."""
         return self.fused is not None and klass.kind == self.fused.dtype and not klass.bounded
-
-    def _bind_in_place(
-        self, session: ModelSession, ids: Array, mask: Array, positions: Array, cache: Array
-    ) -> tuple[ort.IOBinding, Array]:
-        """A fused decode call: `cache` (2L, B, heads, C, hd) bound as past and present alike, so the
-        kernel writes the new token's K/V into each row at its length; logits (B, 1, vocab) out."""
-        logits = self.backend.zeros((ids.shape[0], 1, self.manifest.vocab_size), "float32")
-        inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
-        inputs.update(zip(cache_input_names(self.manifest.n_layers)[0], cache, strict=True))
-        outputs = {LOGITS: logits, **dict(zip(present_names(self.manifest.n_layers), cache, strict=True))}
-        return session.bind(inputs, outputs), logits
 
     def forget_calls(self, everything: bool = False) -> None:
         """Drop the bindings (and output buffers) of classes that no longer exist, or all of them."""
