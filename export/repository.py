@@ -38,7 +38,7 @@ from contract.manifest import (
     variant_dtype,
 )
 from contract.paths import REPOSITORY_ROOT
-from export.evaluate import bits_per_byte, evaluation_sequences
+from export.evaluate import onnx_bits_per_byte
 from export.fused import export_fused
 from export.manifest import build_manifest, genai_config, write_json
 from export.onnx import OPSET, export_onnx
@@ -54,11 +54,12 @@ from export.verify import (
     tolerance,
     torch_reference,
 )
+from models.checkpoints import WEIGHTS_DIR
 from models.config import ModelConfig, RopeScaling
 from models.corpus import load_corpus
+from models.evaluation import evaluation_sequences
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 
 DEFAULT_OUT = REPOSITORY_ROOT / "model_repository"
@@ -256,7 +257,7 @@ def verify_model(
         report = check_fused_graph(reference, folder, prompts, threads=threads)
         fused = report.max_abs if report.greedy_equal else float("nan")
     runtime = OnnxCausalLM(folder, threads=threads)
-    test_bpb = {context: bits_per_byte(runtime, windows) for context, windows in sequences.items()}
+    test_bpb = {context: onnx_bits_per_byte(runtime, windows) for context, windows in sequences.items()}
     return Verification(parity, int8, test_bpb, fused)
 
 

@@ -44,10 +44,10 @@ from loadtest.cache_budget import CacheBudgetPlan, measure_cache_budgets, score_
 from loadtest.probes import Scorer, copy_text, depth_text, passkey_text
 from loadtest.streaming import timed_stream
 from models import emergence
+from models.checkpoints import WEIGHTS_DIR
 from models.config import RopeScaling
 from models.corpus import load_corpus
 from models.positional import SCHEMES
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
 from service.api.retry import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
