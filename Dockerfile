@@ -73,7 +73,7 @@ RUN pip install '.[loadtest]'
 
 FROM runtime AS locust
 COPY --from=locust-deps /opt/venv /opt/venv
-# loadtest/ may import anything: the Locust users take the probes' span alphabet from models/ (code only).
+# loadtest/ may import anything: the Locust users take their prompts from models/ (corpus and tokenizer; code only).
 COPY models/*.py models/
 COPY loadtest loadtest
 USER 10001
