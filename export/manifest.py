@@ -156,6 +156,50 @@ def genai_config(config: ModelConfig, onnx_file: str) -> dict[str, object]:
     }
 
 
+TOKENIZER_JSON = "tokenizer.json"
+SPECIAL_TOKENS = {"bos_token_id": "<|bos|>", "eos_token_id": "<|eos|>", "pad_token_id": "<|pad|>"}
+
+
+def byte_characters() -> list[str]:
+    """GPT-2's byte-to-unicode table (what a ByteLevel pre-tokenizer writes each byte as): printable
+    bytes stand for themselves, the others take the code points from 256 on, in order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
+
+
+def huggingface_tokenizer() -> dict[str, object]:
+    """The byte vocabulary as a Hugging Face `tokenizer.json` (read by `tokenizers`, transformers and
+    onnxruntime-genai): a ByteLevel pre-tokenizer and a BPE model without merges whose token for each
+    byte has the byte's value as id, BOS prepended by the post-processor, and the specials after 255.
+    The specials are vocabulary entries, not added tokens: `tokenizers` cuts added tokens out of the
+    input text, and the service never does (a text holding "<|eos|>" is those seven bytes), while no
+    merge can join bytes into a special. Decoding renders them by name."""
+    specials = {SPECIAL_TOKENS[key]: int(value) for key, value in TOKENIZER.manifest().items() if key in SPECIAL_TOKENS}
+    bos = SPECIAL_TOKENS["bos_token_id"]
+    single = [{"SpecialToken": {"id": bos, "type_id": 0}}] if TOKENIZER.add_bos else []
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [*single, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [*single, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 0}}],
+            "special_tokens": {bos: {"id": bos, "ids": [specials[bos]], "tokens": [bos]}} if single else {},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": {**{char: byte for byte, char in enumerate(byte_characters())}, **specials}, "merges": [],
+        },
+    }
+
+
 def write_json(path: Path, data: dict[str, object]) -> None:
     path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
 

@@ -305,10 +305,11 @@ class EngineClient:
         if not self._serving:
             raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not serving (starting, restarting or stopping)")
 
-    def submit(self, raw: GenerateInput) -> RequestHandle:
+    def submit(self, raw: GenerateInput, output: OutputStream | None = None) -> RequestHandle:
+        """`output`: where the request's text goes (an asynchronous front end passes its own kind)."""
         self._check_serving()
         request_id = f"{raw.model}-{next(self._ids)}"
-        handle = RequestHandle(request_id, raw.model)
+        handle = RequestHandle(request_id, raw.model, output or OutputStream())
         self._handles[request_id] = handle
         try:
             reply = self._call(request_id, Add(request_id, raw), CALL_TIMEOUT_SECONDS)

@@ -58,7 +58,7 @@ LABELS = ("model", "scheme")
 POLICY_LABELS = (*LABELS, "policy")  # policy: the form of the request's cache policy (CachePolicy.form)
 
 
-# What the gRPC front end records itself (RPC accounting, engine restarts); the engine core process
+# What the front end (gRPC and HTTP) records itself (RPC accounting, engine restarts); the engine core process
 # records every other series, and /metrics serves both (service.server.MetricsHandler).
 FRONT_END = ("requests", "request_duration", "engine_restarts")
 
@@ -78,8 +78,11 @@ class ServiceMetrics:
         self.gauge_lock = threading.Lock()
         kw = {"registry": None}
         self.requests = Counter(
-            "posenc_requests", "RPCs of posenc.v1.Generation, each counted once with the status code its client saw.",
-            [*LABELS, "method", "code"], **kw,
+            "posenc_requests",
+            "Calls of either front end, each counted once with the status code its client saw: api=grpc (RPCs of "
+            "posenc.v1.Generation) or api=http (the OpenAI-compatible API: method is the path, code the gRPC name "
+            "of its HTTP status, so one panel reads both).",
+            [*LABELS, "method", "code", "api"], **kw,
         )  # fmt: skip
         self.requests_shed = Counter(
             "posenc_requests_shed",
@@ -88,8 +91,8 @@ class ServiceMetrics:
             [*POLICY_LABELS, "reason"], **kw,
         )  # fmt: skip
         self.request_duration = Histogram(
-            "posenc_request_duration_seconds", "Request latency from arrival to last token.", [*LABELS, "method"],
-            buckets=LATENCY_BUCKETS, **kw,
+            "posenc_request_duration_seconds", "Request latency from arrival to last token.",
+            [*LABELS, "method", "api"], buckets=LATENCY_BUCKETS, **kw,
         )  # fmt: skip
         self.time_to_first_token = Histogram(
             "posenc_time_to_first_token_seconds", "Arrival to first generated token.", POLICY_LABELS,

@@ -33,7 +33,9 @@ from service.engine.messages import DrainReport, EngineConfig
 from service.engine_client import EngineClient, EngineStartError
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
-from service.security import BearerTokenInterceptor, read_token, server_credentials
+from service.openai_api.app import OpenAIApi
+from service.openai_api.server import HttpServer
+from service.security import BearerTokenInterceptor, read_token, server_credentials, ssl_context
 from service.servicer import GenerationServicer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class ServerConfig:
     port: int = 50051
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # 0 = no metrics endpoint
+    http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` (0 = none)
     grace_seconds: float = 10.0
     workers: int = 128
     tls_cert: Path | None = None
@@ -98,6 +101,12 @@ ENGINE_FLAGS = {
 SERVER_FLAGS = {
     "host": ("--host", str, "address to bind the gRPC port"),
     "port": ("--port", int, "gRPC port"),
+    "http_port": (
+        "--http-port",
+        int,
+        "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health), "
+        "bound on --host beside gRPC with the same engine, token and TLS (0 disables)",
+    ),
     "metrics_host": ("--metrics-host", str, "address to bind /metrics"),
     "metrics_port": ("--metrics-port", int, "Prometheus /metrics port (0 disables)"),
     "grace_seconds": (
@@ -230,6 +239,7 @@ class RunningServer:
         )
         self.engine: EngineClient | None = None
         self.metrics_server = None
+        self.http: HttpServer | None = None
         self.stopped = threading.Event()
         self._engine_went_down = False
         self.give_up = threading.Event()  # set when the engine core cannot be kept running
@@ -246,6 +256,7 @@ class RunningServer:
         else:
             self.port = self.server.add_insecure_port(address)
         self.server.start()
+        self._configure_http()
         self._load_models()
 
     def _configure_services(self) -> None:
@@ -260,6 +271,20 @@ class RunningServer:
                 self.config.metrics_host, self.config.metrics_port, lambda: self.engine
             )
 
+    def _configure_http(self) -> None:
+        """The OpenAI-compatible API on this process's engine client (one core, one KV budget, one admission)."""
+        config = self.config
+        if not config.http_port:
+            return
+        api = OpenAIApi(
+            lambda: self.engine, lambda: self.servicer.draining, self.metrics, self.servicer.labels, config.auth_token
+        )
+        context = None
+        if config.tls_cert and config.tls_key:
+            context = ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+        self.http = HttpServer(api, config.host, config.http_port, context)
+        self.http.start()
+
     def _load_models(self) -> None:
         """Start the engine core process and wait for its models; health follows whether it serves."""
         self.engine = EngineClient(
@@ -269,8 +294,8 @@ class RunningServer:
         self.servicer.engine = self.engine
         self.engine.start()
         logger.info(
-            "serving %s on %s:%d (metrics on %s:%d)", ", ".join(self.engine.models), self.config.host, self.port,
-            self.config.metrics_host, self.config.metrics_port,
+            "serving %s on %s:%d (HTTP %s, metrics on %s:%d)", ", ".join(self.engine.models), self.config.host,
+            self.port, self.http.port if self.http else "off", self.config.metrics_host, self.config.metrics_port,
         )  # fmt: skip
 
     def _engine_serving(self, serving: bool) -> None:
@@ -303,6 +328,8 @@ class RunningServer:
         report = self.engine.stop(grace) if self.engine is not None else DrainReport()
         # Finished requests' handlers still send their last message: give them what is left of the grace.
         left = max(0.5, grace - (time.monotonic() - started))
+        if self.http is not None:
+            self.http.stop(left)
         self.server.stop(left).wait(left + 1)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
@@ -351,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop_requested.set())
     try:
         running = serve(config)
-    except (ManifestError, CachePolicyError, EngineStartError, RuntimeError) as error:
+    except (ManifestError, CachePolicyError, EngineStartError, RuntimeError, OSError) as error:
         logger.error("refusing to start: %s", error)
         return 2
     while not stop_requested.wait(0.5):

@@ -88,6 +88,8 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
     stop: tuple[str, ...] = ()
     deadline: float | None = None  # time.monotonic() seconds
     cache_policy: str = ""  # empty: the model's default
+    ignore_eos: bool = False  # never end at EOS (its logit is masked)
+    min_tokens: int = 0  # EOS cannot end the request before this many new tokens
 
 
 @dataclass

@@ -26,7 +26,16 @@ class Sampler:
         return token
 
     def sample_batch(self, requests: list[Request], logits: np.ndarray, greedy: bool = False) -> list[int | Exception]:
-        """`greedy`: the caller knows every request is (a steady batch checks once, `all_greedy`)."""
+        """`greedy`: the caller knows every request is (a steady batch checks once, `all_greedy`).
+        Rows whose request may not end yet (ignore_eos, or fewer than min_tokens new tokens) get
+        their EOS logit masked first, so their token is still a sample of the other tokens (vLLM's
+        min-tokens logits processor)."""
+        banned = [
+            row for row, r in enumerate(requests) if r.params.ignore_eos or len(r.output_ids) < r.params.min_tokens
+        ]
+        if banned:
+            logits = np.array(logits, copy=True)
+            logits[banned, [requests[row].eos_token_id for row in banned]] = -np.inf
         if greedy or all_greedy(requests):
             return logits.argmax(axis=1).tolist()  # one argmax (as sample_rows would)
         return self.sample_rows([r.request_id for r in requests], [r.params for r in requests], logits)

@@ -129,3 +129,34 @@ def test_output_stream_merges_what_the_consumer_has_not_taken_and_stays_readable
     assert stream.get(timeout=1) == StreamEvent("de", RequestStatus.FINISHED_LENGTH)
     for _ in range(2):  # closed: every later call answers at once, with no text
         assert stream.get(timeout=None) == StreamEvent("", RequestStatus.FINISHED_LENGTH)
+
+
+def test_eos_is_masked_while_a_request_may_not_end() -> None:
+    """ignore_eos masks EOS always, min_tokens until that many tokens exist; other rows keep theirs."""
+    from service.engine.request import Request
+
+    eos = 257
+    logits = np.zeros((3, 259), dtype=np.float32)
+    logits[:, eos] = 10.0  # EOS is every row's argmax
+    logits[:, 65] = 5.0
+
+    def request(params: SamplingParams, produced: int) -> Request:
+        made = Request("r", "m", [256], params, eos)
+        made.output_ids = [66] * produced
+        return made
+
+    rows = [
+        request(SamplingParams(8, ignore_eos=True), 7),
+        request(SamplingParams(8, min_tokens=4), 3),
+        request(SamplingParams(8, min_tokens=4), 4),
+    ]
+    assert Sampler().sample_batch(rows, logits, greedy=True) == [65, 65, eos]
+    assert logits[0, eos] == 10.0  # the caller's logits are untouched
+    sampled = [request(SamplingParams(8, temperature=1.0, seed=s, ignore_eos=True), 0) for s in range(50)]
+    assert eos not in Sampler().sample_batch(sampled, np.repeat(logits[:1], 50, axis=0))
+    assert SamplingParams(8, min_tokens=4).eos_allowed(4) and not SamplingParams(8, min_tokens=4).eos_allowed(3)
+    assert not SamplingParams(8, ignore_eos=True).eos_allowed(100)
+    other = np.random.default_rng(0).standard_normal((4, 259)).astype(np.float32)
+    other[:, eos] = -5.0  # masking a logit that was never the argmax changes nothing
+    never = [request(SamplingParams(8, ignore_eos=True), 0) for _ in range(4)]
+    assert Sampler().sample_batch(never, other, greedy=True) == other.argmax(axis=1).tolist()
