@@ -30,7 +30,7 @@ from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.messages import DrainReport, EngineConfig
-from service.engine_client import EngineClient, EngineStartError
+from service.engine_client import EngineClient, EngineStartError, ResumeObserver
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
 from service.security import BearerTokenInterceptor, read_token, server_credentials
@@ -262,9 +262,12 @@ class RunningServer:
 
     def _load_models(self) -> None:
         """Start the engine core process and wait for its models; health follows whether it serves."""
+        resume = ResumeObserver(
+            self.metrics.resumed_requests.inc, self.metrics.resume_failures.inc, self.metrics.resume_stall.observe
+        )
         self.engine = EngineClient(
             self.config.model_repository, self.config.engine, self.config.models or None,
-            on_serving=self._engine_serving, on_give_up=self._give_up,
+            on_serving=self._engine_serving, on_give_up=self._give_up, resume=resume,
         )  # fmt: skip
         self.servicer.engine = self.engine
         self.engine.start()
