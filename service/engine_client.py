@@ -333,16 +333,23 @@ class EngineClient:
                 future.set_exception(RequestError(ErrorKind.UNAVAILABLE, message))
 
     def stop(self, timeout: float) -> DrainReport:
-        """Drain: the core lets running work finish within `timeout`, cuts the rest, and exits."""
+        """Drain: running requests finish within `timeout` (a call the transport accepted just before
+        it closed is still taken), then the core cuts the rest and exits."""
         self._stopping = True
+        in_flight = list(self._handles.values())
+        deadline = time.monotonic() + timeout
+        while self._serving and time.monotonic() < deadline and any(not h.done.is_set() for h in self._running()):
+            time.sleep(0.02)
         self._serving = False
         process = self._process
         report = DrainReport()
         if process is not None and process.poll() is None:
             try:
                 if self._ready.done() and self._ready.exception() is None:  # it serves: let it drain
-                    self._send(Stop(timeout))
-                    report = self._stopped.result(timeout + 30)
+                    self._send(Stop(max(0.0, deadline - time.monotonic())))
+                    self._stopped.result(timeout + 30)
+                    cut = sum(1 for h in in_flight if h.status is RequestStatus.FINISHED_SHUTDOWN)
+                    report = DrainReport(len(in_flight) - cut, cut)
             except RequestError:
                 pass  # it is not there to hear it
             except FutureTimeout:
@@ -360,6 +367,9 @@ class EngineClient:
                 os.close(self._commands.fd)
                 self._commands = None
         return report
+
+    def _running(self) -> list[RequestHandle]:
+        return list(self._handles.values())  # a copy: other threads add and remove handles
 
     @property
     def serving(self) -> bool:
