@@ -377,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     logger.info(
         "stopping: health NOT_SERVING; new calls served for %g s more, then the port closes and running "
-        "requests have up to %g s to finish", config.drain_delay_seconds, config.grace_seconds,
+        "requests have up to %g s to finish",
+        config.drain_delay_seconds,
+        config.grace_seconds,
     )
     started = time.monotonic()
     report = running.stop()
