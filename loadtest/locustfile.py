@@ -36,6 +36,7 @@ from models.corpus import load_corpus
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.api.retry import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
+from service.channel import open_channel
 
 grpc_gevent.init_gevent()  # grpcio's blocking calls must yield to gevent
 
@@ -72,7 +73,9 @@ class GenerationUser(User):
     def on_start(self) -> None:
         options = self.environment.parsed_options
         self._rng = random.Random(id(self))
-        self.channel = grpc.insecure_channel(self.host)
+        # The retry policy every client should carry: a draining replica's port closes (GOAWAY) and a
+        # call refused with UNAVAILABLE before it started is sent again, elsewhere behind a proxy.
+        self.channel = open_channel(self.host)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         models = self._list_models()
         self.limits = {m.name: m.max_positions for m in models}

@@ -30,7 +30,7 @@ from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.messages import DrainReport, EngineConfig
-from service.engine_client import EngineClient, EngineStartError
+from service.engine_client import EngineClient, EngineStartError, ResumeObserver
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
 from service.openai_api.app import OpenAIApi
@@ -52,6 +52,7 @@ class ServerConfig:
     metrics_port: int = 9464  # 0 = no metrics endpoint
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` (0 = none)
     grace_seconds: float = 10.0
+    drain_delay_seconds: float = 0.0  # SIGTERM: NOT_SERVING but still serving this long, then GOAWAY
     workers: int = 128
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -112,7 +113,14 @@ SERVER_FLAGS = {
     "grace_seconds": (
         "--grace-seconds",
         float,
-        "on SIGTERM: how long running requests may finish (health NOT_SERVING, new calls UNAVAILABLE)",
+        "on SIGTERM, after --drain-delay-seconds: how long running requests may finish while the port "
+        "accepts no new calls (GOAWAY)",
+    ),
+    "drain_delay_seconds": (
+        "--drain-delay-seconds",
+        float,
+        "on SIGTERM: health says NOT_SERVING but new calls are still served this long, so proxies and "
+        "Kubernetes readiness move new calls elsewhere before the port closes (0: close at once)",
     ),
     "workers": ("--workers", int, "gRPC handler threads"),
 }
@@ -242,6 +250,7 @@ class RunningServer:
         self.http: HttpServer | None = None
         self.stopped = threading.Event()
         self._engine_went_down = False
+        self._draining = False
         self.give_up = threading.Event()  # set when the engine core cannot be kept running
         self.gave_up: str | None = None  # why the engine core could not be kept running (exit non-zero)
 
@@ -277,7 +286,8 @@ class RunningServer:
         if not config.http_port:
             return
         api = OpenAIApi(
-            lambda: self.engine, lambda: self.servicer.draining, self.metrics, self.servicer.labels, config.auth_token
+            lambda: self.engine, lambda: self.servicer.draining, self.metrics, self.servicer.labels, config.auth_token,
+            leaving=lambda: self._draining,
         )
         context = None
         if config.tls_cert and config.tls_key:
@@ -287,9 +297,12 @@ class RunningServer:
 
     def _load_models(self) -> None:
         """Start the engine core process and wait for its models; health follows whether it serves."""
+        resume = ResumeObserver(
+            self.metrics.resumed_requests.inc, self.metrics.resume_failures.inc, self.metrics.resume_stall.observe
+        )
         self.engine = EngineClient(
             self.config.model_repository, self.config.engine, self.config.models or None,
-            on_serving=self._engine_serving, on_give_up=self._give_up,
+            on_serving=self._engine_serving, on_give_up=self._give_up, resume=resume,
         )  # fmt: skip
         self.servicer.engine = self.engine
         self.engine.start()
@@ -302,7 +315,7 @@ class RunningServer:
         if serving and self._engine_went_down:
             self.metrics.engine_restarts.inc()
         self._engine_went_down = not serving
-        if not self.servicer.draining:
+        if not self._draining:
             up, down = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
             self._set_health(up if serving else down)
 
@@ -316,21 +329,27 @@ class RunningServer:
             self.health.set(name, status)
 
     def stop(self, grace: float | None = None) -> DrainReport:
-        """Drain visibly, then stop. While running requests finish (up to `grace` seconds) the port
-        stays open: health says NOT_SERVING and new calls get UNAVAILABLE with the reason, so a
-        client or proxy retries them elsewhere. Then the port closes and what is left is cut."""
+        """Drain without refusing a call: health says NOT_SERVING at once, while new calls are still
+        served for `drain_delay_seconds` (proxies, Kubernetes readiness and clients that watch health
+        move new calls elsewhere meanwhile); then the port stops accepting (GOAWAY: a proxy sends the
+        call to another replica, a client's retry policy reconnects elsewhere) while running requests
+        finish, up to `grace` seconds; what is left then is cut."""
         if self.stopped.is_set():
             return DrainReport()
         grace = self.config.grace_seconds if grace is None else grace
-        started = time.monotonic()
+        self._draining = True  # health stays NOT_SERVING whatever the engine core does
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer.draining = True
+        if grace > 0:  # stop(0): at once (the engine core could not be kept running)
+            time.sleep(max(0.0, self.config.drain_delay_seconds))
+        started = time.monotonic()
+        closed = self.server.stop(grace)  # running calls go on; new ones are not accepted
+        self.servicer.draining = True  # a handler that starts now (HTTP keeps its port) is refused with the reason
         report = self.engine.stop(grace) if self.engine is not None else DrainReport()
         # Finished requests' handlers still send their last message: give them what is left of the grace.
         left = max(0.5, grace - (time.monotonic() - started))
         if self.http is not None:
             self.http.stop(left)
-        self.server.stop(left).wait(left + 1)
+        closed.wait(left + 1)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         self.metrics.unregister()
@@ -386,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
             running.stop(0)
             return 1
     logger.info(
-        "stopping: health NOT_SERVING, new calls UNAVAILABLE, running requests have up to %g s to finish",
+        "stopping: health NOT_SERVING; new calls served for %g s more, then the port closes and running "
+        "requests have up to %g s to finish",
+        config.drain_delay_seconds,
         config.grace_seconds,
     )
     started = time.monotonic()

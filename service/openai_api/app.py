@@ -51,8 +51,12 @@ class OpenAIApi:
     def __init__(
         self, engine: Callable[[], EngineClient | None], draining: Callable[[], bool], metrics: ServiceMetrics,
         labels: Labels, token: str | None = None, submit_threads: int = 64,
+        leaving: Callable[[], bool] | None = None,
     ) -> None:  # fmt: skip
+        """`draining`: new calls are refused (503); `leaving`: /health says 503 (from the start of a
+        drain, while new calls are still served for the drain delay, so proxies move away first)."""
         self._engine, self._draining, self._metrics, self._labels = engine, draining, metrics, labels
+        self._leaving = leaving or draining
         self._expected = bearer(token) if token else None
         # EngineClient.submit blocks until the core accepts or refuses (a pipe round trip): off the loop.
         self._submitter = ThreadPoolExecutor(submit_threads, thread_name_prefix="http-submit")
@@ -114,7 +118,7 @@ class OpenAIApi:
 
     async def _health(self, request: web.Request) -> web.Response:
         engine = self._engine()
-        serving = engine is not None and engine.serving and not self._draining()
+        serving = engine is not None and engine.serving and not self._leaving()
         return web.json_response({"status": "serving" if serving else "not serving"}, status=200 if serving else 503)
 
     async def _models(self, request: web.Request) -> web.Response:

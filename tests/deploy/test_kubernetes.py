@@ -69,7 +69,11 @@ def test_server_deployment_probes_health_over_grpc_and_carries_its_models(varian
     # SIGKILL only after the preStop pause and the server's own drain.
     env = {item["name"]: item.get("value") for item in container["env"]}
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["spec"]["terminationGracePeriodSeconds"] > pause + float(env["POSENC_GRACE_SECONDS"])
+    drain = float(env["POSENC_DRAIN_DELAY_SECONDS"]) + float(env["POSENC_GRACE_SECONDS"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pause + drain
+    # NOT_SERVING is served at least one readiness period before the port closes.
+    readiness = container["readinessProbe"]
+    assert float(env["POSENC_DRAIN_DELAY_SECONDS"]) >= readiness["periodSeconds"] * readiness["failureThreshold"]
 
 
 def test_cpu_and_gpu_deployments_differ_only_where_they_must() -> None:

@@ -264,9 +264,11 @@ def test_a_draining_replica_s_refusals_are_retried_on_the_other(
 def test_sigterm_on_one_replica_loses_no_call_and_its_streams_finish(
     proxy: Proxy, replicas: list[ServerProcess]
 ) -> None:
-    """Runs last: it stops a replica. Calls keep coming from one client while `leaving` gets
-    SIGTERM. Whether it refuses new calls with UNAVAILABLE while draining, or stops accepting
-    connections, no call is lost and every stream already running on it finishes."""
+    """Runs last: it stops a replica. Calls keep coming from two clients while `leaving` gets
+    SIGTERM: the project's (retry policy) and one without retries. Health goes NOT_SERVING, then the
+    port closes (GOAWAY) while running calls finish, so nginx sends each new call to `staying`
+    (a refused connection is an `error` it may retry): no call is lost by either client and every
+    stream already running on `leaving` finishes."""
     leaving, staying = replicas
     request = pb.GenerateRequest(model="alibi", prompt="def main():\n", max_new_tokens=1500)
     streams = [proxy.stub.GenerateStream(request, metadata=AUTH, timeout=60) for _ in range(4)]
@@ -274,36 +276,40 @@ def test_sigterm_on_one_replica_loses_no_call_and_its_streams_finish(
         next(call)  # started, on one replica or the other
     assert leaving.metric("posenc_running_sequences") > 0 and staying.metric("posenc_running_sequences") > 0
 
-    calls: list[tuple[float, grpc.StatusCode]] = []
+    plain = open_channel(f"127.0.0.1:{proxy.port}", retry=False)
+    clients = {"retrying": proxy.stub, "not retrying": generation_pb2_grpc.GenerationStub(plain)}
+    calls: dict[str, list[tuple[float, grpc.StatusCode]]] = {name: [] for name in clients}
     stop = threading.Event()
 
-    def client() -> None:
+    def client(name: str) -> None:
         i = 0
         while not stop.is_set():
             started = time.monotonic()
             try:
-                unary(proxy.stub, i)
-                calls.append((started, grpc.StatusCode.OK))
+                unary(clients[name], i) if i % 2 else stream(clients[name], i)
+                calls[name].append((started, grpc.StatusCode.OK))
             except grpc.RpcError as error:
-                calls.append((started, error.code()))
+                calls[name].append((started, error.code()))
             i += 1
 
-    thread = threading.Thread(target=client)
-    served_before = finished(staying, code="OK", method="Generate")
-    thread.start()
+    threads = [threading.Thread(target=client, args=(name,)) for name in clients]
+    served_before = finished(staying, code="OK")
+    for thread in threads:
+        thread.start()
     time.sleep(0.3)
     signalled = time.monotonic()
     leaving.process.send_signal(signal.SIGTERM)
     time.sleep(1.5)
     stop.set()
-    thread.join(timeout=30)
+    for thread in threads:
+        thread.join(timeout=30)
+    plain.close()
 
     last_chunks = [list(call)[-1] for call in streams]  # the drain: each ends normally
     assert all(chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED for chunk in last_chunks)
-    lost = [code for _, code in calls if code != grpc.StatusCode.OK]
-    assert not lost, lost
-    after_signal = sum(1 for started, _ in calls if started > signalled)
-    assert after_signal >= 5
-    served = finished(staying, code="OK", method="Generate") - served_before
-    assert served >= after_signal  # every call that started after SIGTERM went to `staying`
+    for name, made in calls.items():
+        lost = [code for _, code in made if code != grpc.StatusCode.OK]
+        assert not lost, (name, lost)
+        assert sum(1 for started, _ in made if started > signalled) >= 5, name
+    assert finished(staying, code="OK") > served_before
     assert leaving.process.wait(timeout=40) == 0

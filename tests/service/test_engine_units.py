@@ -78,6 +78,25 @@ def test_batched_sampling_equals_each_request_alone() -> None:
             assert token == alone.sample(ids[i], logits[i], params[i])
 
 
+def test_a_sampled_token_depends_on_the_seed_and_its_index_alone() -> None:
+    """A request that arrives with k tokens already produced (resumed on a restarted engine core)
+    samples from token k on exactly what an uninterrupted run samples there, filtered or not."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((40, 259)).astype(np.float32) * 2
+    for params in (
+        SamplingParams(1, temperature=0.9, seed=7),
+        SamplingParams(1, temperature=0.7, top_k=20, top_p=0.9, seed=2**64 - 1),
+    ):
+        uninterrupted = Sampler()
+        tokens = [uninterrupted.sample("r", logits[i], params, index=i) for i in range(40)]
+        for k in (1, 17, 39):
+            resumed = Sampler()  # a new core: no generator kept
+            assert [resumed.sample("r", logits[i], params, index=i) for i in range(k, 40)] == tokens[k:]
+        # Without an index each draw is the next one: the stream np.random.default_rng(seed) gives.
+        continuing = Sampler()
+        assert [continuing.sample("r", logits[i], params) for i in range(40)] == tokens
+
+
 def test_detokenizer_never_splits_characters_and_hides_stop_prefixes() -> None:
     detok = IncrementalDetokenizer()
     encoded = "é→".encode()
