@@ -133,12 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         help="model repository to serve from; missing schemes and rope scaling variants are exported into it",
     )  # fmt: skip
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES), help="schemes to compare")
-    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores (smaller every count)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a first look at every section in minutes (fewer lengths and trials)"
+    )
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help="threads per ONNX Runtime session (0: half the cores)")
     parser.add_argument(
         "--retrieval-trials", type=int, default=0,
-        help="trials per retrieval cell (0: the budget's, 48 in a full run and 8 with --quick)",
+        help=f"trials per retrieval cell (0: the budget's, {Budget().retrieval_trials} in a full run and "
+        f"{Budget.quick().retrieval_trials} with --quick)",
     )  # fmt: skip
     parser.add_argument(
         "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
