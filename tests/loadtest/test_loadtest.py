@@ -14,7 +14,7 @@ import pytest
 
 from contract.paths import REPOSITORY_ROOT
 from loadtest.compare import main as compare_main
-from loadtest.compare import rotated
+from loadtest.study.timed import rotated
 from models.positional import SCHEMES
 from service.process import ServerProcess, wait_for
 
