@@ -9,16 +9,14 @@ from loadtest.probes import wilson
 from loadtest.study.cache_budget import policy_budget
 from loadtest.study.results import ByLength, CacheBudget, Cell, Cells, LoadFigures
 
-# Chance of predicting one character of a planted copy span (a lowercase letter or a digit).
-CHANCE_SPAN_CHARACTER = 1 / 36
 GOODPUT_RATIO_GOAL = 0.8  # issue 22: goodput at the most users over the best at fewer, with admission
 REFUSALS_PER_GOOD_GOAL = 3.0  # issue 22: refusals/s at the most users over goodput/s there
 WITHIN = 0.05  # quality kept: bits per byte at most 5% above the full cache's on the same texts
 
 
-def chance_fraction() -> str:
-    """The span-character chance as the report states it ("1/36")."""
-    return f"1/{round(1 / CHANCE_SPAN_CHARACTER)}"
+def chance_fraction(chance: float) -> str:
+    """A span character's chance as the report states it ("1/62")."""
+    return f"1/{round(1 / chance)}"
 
 
 # ---------------------------------------------------------------------------------- load
@@ -56,19 +54,19 @@ def largest(cells: Cells) -> Cell | None:
     return cells[keys[-1]] if keys else None
 
 
-def verdict(quality: dict[float, float], near: Cell | None, far: Cell | None) -> str:
-    """Whether bits per byte extrapolate and copying reaches far, and whether the two agree (the
-    rules are stated under the report's table)."""
+def verdict(quality: dict[float, float], near: Cell | None, far: Cell | None, chance: float) -> str:
+    """Whether bits per byte extrapolate and copying reaches far (above `chance`, a span
+    character's), and whether the two agree (the rules are stated under the report's table)."""
     longest = max(quality, default=None)
     base = quality.get(1.0)
     extrapolates = base is not None and longest is not None and longest > 1 and quality[longest] <= 1.15 * base
-    copies = near is not None and near["low"] > CHANCE_SPAN_CHARACTER
+    copies = near is not None and near["low"] > chance
     retrieves = (
         copies
         and far is not None
         and near is not None
         and far["value"] >= 0.5 * near["value"]
-        and far["low"] > CHANCE_SPAN_CHARACTER
+        and far["low"] > chance
     )
     if far is None or longest is None or longest <= 1:
         return "bounded: cannot take contexts past its positions"

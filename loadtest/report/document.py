@@ -101,7 +101,7 @@ span in held-out text, repeated after a filler of D bytes; the share of the repe
 characters predicted. **Passkey**: a 5-digit key in a line of code at a random depth, asked for at
 the end (`# what was it? pass_key = "`). **Natural**: bits per byte on held-out bytes that complete a
 repeated 8-byte n-gram, by how far back its previous occurrence is (interval: cluster-robust
-standard error over windows). Chance for a digit is 0.1, for a span character {chance_fraction()}.
+standard error over windows). Chance for a digit is 0.1, for a span character {chance_fraction(results.span_chance)}.
 
 ![retrieval](retrieval.png)
 

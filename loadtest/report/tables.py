@@ -179,7 +179,7 @@ def what_each_scheme_buys(results: Results) -> str:
         natural = results.probe(scheme, "natural")
         far_natural = largest({k: v for k, v in natural.items() if v is not None})
         longest = max(quality, default=None)
-        decided = verdict(quality, near, far)
+        decided = verdict(quality, near, far, results.span_chance)
         lines.append(
             f"| {scheme} | {fmt(quality.get(1.0))} | {fmt(quality.get(longest) if longest else None)} "
             f"({longest:g}x) | {cell(near)} | {cell(far)} | {cell(largest(results.probe(scheme, 'passkey')))} | "
@@ -187,9 +187,10 @@ def what_each_scheme_buys(results: Results) -> str:
             if longest
             else f"| {scheme} | - | - | {cell(near)} | {cell(far)} | - | - | {decided} |"
         )
+    chance = chance_fraction(results.span_chance)
     return "\n".join(lines) + (
         "\n\nRules: *extrapolates* when bits per byte at the longest servable multiple stay within 15% of "
-        f"1x; *copies* when the lower end of copy accuracy at <= 128 bytes is above chance ({chance_fraction()} per "
+        f"1x; *copies* when the lower end of copy accuracy at <= 128 bytes is above chance ({chance} per "
         "character); *retrieves far* when it copies and copy accuracy at the longest distance keeps at "
         "least half of that and its lower end stays above chance.\n"
     )

@@ -8,6 +8,7 @@ length, users or policy), so the file is exactly `asdict(results)` and older fil
 from __future__ import annotations
 
 import json
+import string
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -21,6 +22,9 @@ LoadFigures = dict[str, float]
 # A figure by prompt, context or text length (s or bits per byte); None: not servable.
 ByLength = dict[str, float | None]
 Probe = Literal["copy", "passkey", "natural"]
+# The alphabet loadtest/probes.py planted copy spans from before it took models.spans' alphabet:
+# the alphabet of every results.json written without a `span_alphabet`.
+LEGACY_SPAN_ALPHABET = string.ascii_lowercase + string.digits
 
 
 class ModelInfo(TypedDict):
@@ -114,6 +118,13 @@ class Results:
     cache_budget: dict[str, CacheBudget] = field(default_factory=dict)
     # The served weights' copy-emergence curves, from their training logs (models/emergence.py).
     training: dict[str, TrainingCurve] = field(default_factory=dict)
+    # The characters the retrieval section's copy spans were drawn from (models.spans.SPAN_ALPHABET).
+    span_alphabet: str = LEGACY_SPAN_ALPHABET
+
+    @property
+    def span_chance(self) -> float:
+        """Chance of guessing one character of a planted copy span: 1 / len(alphabet)."""
+        return 1 / len(self.span_alphabet)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Results:

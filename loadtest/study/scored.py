@@ -14,6 +14,7 @@ from loadtest.study.cache_budget import measure_cache_budgets, score_bpb
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Results, Retrieval
 from loadtest.study.serving import model_info, start
+from models.spans import SPAN_ALPHABET
 from service.process import ServerProcess
 
 SECTIONS = ("quality", "retrieval", "cache")
@@ -85,6 +86,7 @@ def measure_scored_sections(
                 progress.update()
             if "retrieval" in sections:
                 progress.set_postfix(scheme=scheme, part="retrieval")
+                results.span_alphabet = SPAN_ALPHABET
                 results.retrieval[scheme] = measure_retrieval(
                     server, scheme, info.max_positions, info.train_context, held_out, budget
                 )
