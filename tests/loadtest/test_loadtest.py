@@ -43,6 +43,18 @@ def served_rpcs(server: ServerProcess) -> float:
         return 0.0
 
 
+def token_latency_rows(path: Path, counts: dict[str, int], kind: str) -> dict[tuple[str, str], dict[str, str]]:
+    """The token latency CSV's rows by (measure, name), checked per model against the streams Locust counted
+    as `<kind> <model>`: one TTFT per stream, an ITL for at most each, plausible values."""
+    rows = {(row["Type"], row["Name"]): row for row in csv.DictReader(path.open())}
+    for model in ("alibi", "learned"):
+        assert int(rows[("TTFT", model)]["Count"]) == counts[f"{kind} {model}"]  # one per stream
+        assert 0 < int(rows[("ITL", model)]["Count"]) <= counts[f"{kind} {model}"]
+        ttft, itl = float(rows[("TTFT", model)]["50% (ms)"]), float(rows[("ITL", model)]["95% (ms)"])
+        assert 0 < ttft < 10_000 and 0 < itl < 1_000
+    return rows
+
+
 def test_locust_aggregate_counts_rpcs_and_token_latency_is_reported_apart(
     server: ServerProcess, tmp_path: Path
 ) -> None:
@@ -68,12 +80,7 @@ def test_locust_aggregate_counts_rpcs_and_token_latency_is_reported_apart(
     )  # fmt: skip
     # Time to first token and inter-token latency: printed after Locust's summary, and in a CSV of their own.
     assert "Token latency, ms" in summary
-    rows = {(row["Type"], row["Name"]): row for row in csv.DictReader((tmp_path / "run_token_latency.csv").open())}
-    for model in ("alibi", "learned"):
-        assert int(rows[("TTFT", model)]["Count"]) == counts[f"GenerateStream {model}"]  # one per stream
-        assert 0 < int(rows[("ITL", model)]["Count"]) <= counts[f"GenerateStream {model}"]
-        ttft, itl = float(rows[("TTFT", model)]["50% (ms)"]), float(rows[("ITL", model)]["95% (ms)"])
-        assert 0 < ttft < 10_000 and 0 < itl < 1_000
+    rows = token_latency_rows(tmp_path / "run_token_latency.csv", counts, "GenerateStream")
     assert (
         int(rows[("TTFT", "All models")]["Count"]) == counts["GenerateStream alibi"] + counts["GenerateStream learned"]
     )
@@ -111,12 +118,7 @@ def test_locust_http_user_runs_the_same_scenario_through_the_openai_api(server: 
         served_http_calls(server) - before, counts, summary,
     )  # fmt: skip
     assert served_rpcs(server) - served_http_calls(server) == grpc_before
-    rows = {(row["Type"], row["Name"]): row for row in csv.DictReader((tmp_path / "run_token_latency.csv").open())}
-    for model in ("alibi", "learned"):
-        assert int(rows[("TTFT", model)]["Count"]) == counts[f"/v1/completions {model}"]  # one per stream
-        assert 0 < int(rows[("ITL", model)]["Count"]) <= counts[f"/v1/completions {model}"]
-        ttft, itl = float(rows[("TTFT", model)]["50% (ms)"]), float(rows[("ITL", model)]["95% (ms)"])
-        assert 0 < ttft < 10_000 and 0 < itl < 1_000
+    token_latency_rows(tmp_path / "run_token_latency.csv", counts, "/v1/completions")
 
 
 def test_locust_help_lists_the_scenario_options() -> None:
