@@ -23,8 +23,9 @@ from contract.graph import (
     kv_name,
 )
 from contract.manifest import DTYPE_BYTES, SERVING_FUSED, sha256_file
+from models.checkpoints import WEIGHTS_DIR
 from models.config import ModelConfig
-from models.positional import build_positional, rope_rotation_frequencies
+from models.positional import SCHEMES, build_positional, rope_rotation_frequencies
 from models.tokenizer import TOKENIZER
 
 
@@ -193,11 +194,33 @@ def huggingface_tokenizer() -> dict[str, object]:
         },
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-            "vocab": {**{char: byte for byte, char in enumerate(byte_characters())}, **specials}, "merges": [],
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {**{char: byte for byte, char in enumerate(byte_characters())}, **specials},
+            "merges": [],
         },
     }
+
+
+def write_tokenizer_json(folder: Path) -> Path:
+    """Write the byte vocabulary's `tokenizer.json` into a model's folder. Export writes it into each
+    model of the repository; the shipped weights' folders (models/weights/<scheme>/) carry the same
+    file, for tools that start from the weights, rewritten by
+    `python -c 'from export.manifest import ship_tokenizers; ship_tokenizers()'`."""
+    path = folder / TOKENIZER_JSON
+    write_json(path, huggingface_tokenizer())
+    return path
+
+
+def ship_tokenizers(weights: Path = WEIGHTS_DIR) -> list[Path]:
+    """`tokenizer.json` into every scheme's weights folder that exists under `weights`."""
+    return [write_tokenizer_json(weights / scheme) for scheme in SCHEMES if (weights / scheme).is_dir()]
 
 
 def write_json(path: Path, data: dict[str, object]) -> None:

@@ -40,7 +40,7 @@ from contract.manifest import (
 from contract.paths import REPOSITORY_ROOT
 from export.evaluate import onnx_bits_per_byte
 from export.fused import export_fused
-from export.manifest import TOKENIZER_JSON, build_manifest, genai_config, huggingface_tokenizer, write_json
+from export.manifest import build_manifest, genai_config, write_json, write_tokenizer_json
 from export.onnx import OPSET, export_onnx
 from export.rope_variants import derive_rope_variant
 from export.runtime import OnnxCausalLM
@@ -190,7 +190,7 @@ def export_model(
     }
     write_json(folder / MANIFEST, build_manifest(name, model.config, variants, OPSET, versions, extra))
     write_json(folder / GENAI_CONFIG, genai_config(model.config, variants["float32"].name))
-    write_json(folder / TOKENIZER_JSON, huggingface_tokenizer())
+    write_tokenizer_json(folder)
     return ExportResult(
         name,
         model.num_parameters(),
