@@ -108,7 +108,8 @@ class ServiceMetrics:
         self.generated_tokens = Counter("posenc_generated_tokens", "Tokens generated.", POLICY_LABELS, **kw)
         self.kv_cache_used = Gauge(
             "posenc_kv_cache_used_bytes",
-            "KV-cache bytes held by sequences (their tokens, in whole blocks), by the form of their cache policy.",
+            "KV-cache bytes held by sequences (their tokens, in whole blocks) and by the prefix cache's blocks, by the "
+            "form of their cache policy.",
             POLICY_LABELS, **kw,
         )  # fmt: skip
         self.kv_cache_capacity = Gauge(
@@ -173,6 +174,24 @@ class ServiceMetrics:
             "Realised minus estimated time to first token of admitted requests (negative: the estimate was "
             "pessimistic).",
             LABELS, buckets=ESTIMATE_ERROR_BUCKETS, **kw,
+        )  # fmt: skip
+        # The prefix cache (--prefix-cache): prompt tokens looked up and found, blocks kept and evicted.
+        self.prefix_cache_queried_tokens = Counter(
+            "posenc_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.", LABELS, **kw
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "posenc_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache (their K/V copied, not computed).", LABELS, **kw,
+        )  # fmt: skip
+        self.prefix_cache_bytes = Gauge(
+            "posenc_prefix_cache_bytes",
+            "Bytes of the prefix cache's blocks (inside the KV budget; counted in used and physical bytes too).",
+            LABELS, **kw,
+        )  # fmt: skip
+        self.prefix_cache_evictions = Counter(
+            "posenc_prefix_cache_evictions",
+            "Prefix-cache blocks evicted, least recently used first, to make room for rows or newer blocks.",
+            LABELS, **kw,
         )  # fmt: skip
         self._registered = [
             metric for name, metric in vars(self).items() if isinstance(metric, Counter | Gauge | Histogram)

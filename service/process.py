@@ -123,6 +123,12 @@ class ServerProcess:
         """Sum of the samples of `name` whose labels include `labels`."""
         return self.sample([name], **labels)[name]
 
+    def sequence_bytes(self, gauge: str, **labels: str) -> float:
+        """A KV-cache bytes gauge (used or physical) less the prefix cache's blocks, from one scrape:
+        what sequences hold, 0 once every request has ended (cached blocks stay, by design)."""
+        values = self.sample([gauge, "posenc_prefix_cache_bytes"], **labels)
+        return values[gauge] - values["posenc_prefix_cache_bytes"]
+
     def sample(self, names: list[str], **labels: str) -> dict[str, float]:
         """Several metrics from one scrape: per name (optionally with its own label selector, as in
         `name{phase="decode"}`), the sum of its samples whose labels include `labels`."""

@@ -164,6 +164,12 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         f"sets one model's (repeatable; default full; env {_env('default_cache_policy')}, comma-separated)",
     )  # fmt: skip
     parser.add_argument(
+        "--prefix-cache", action=argparse.BooleanOptionalAction,
+        default=os.environ.get(_env("prefix_cache"), "1").lower() not in ("0", "false", "no", "off"),
+        help="keep the KV cache of prompts' full blocks inside the budget (evicted least recently used before "
+        f"any request waits for room) and reuse it for prompts that start alike (env {_env('prefix_cache')})",
+    )  # fmt: skip
+    parser.add_argument(
         "--auth-token", default=os.environ.get(_env("auth_token")),
         help=f"bearer token clients must send (env {_env('auth_token')}; prefer --auth-token-file)",
     )  # fmt: skip
@@ -173,7 +179,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             parser.add_argument(flag, type=kind, default=default, help=f"{text} (env {_env(attr)})")
     args = vars(parser.parse_args(argv))
     engine = EngineConfig(
-        **{attr: args[attr] for attr in ENGINE_FLAGS}, default_cache_policies=tuple(args["default_cache_policies"])
+        **{attr: args[attr] for attr in ENGINE_FLAGS},
+        default_cache_policies=tuple(args["default_cache_policies"]),
+        prefix_cache=args["prefix_cache"],
     )
     if not 0 <= engine.stream_interval_ms <= 1000:
         parser.error(f"--stream-interval-ms must be between 0 and 1000 (got {engine.stream_interval_ms:g})")

@@ -198,7 +198,12 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
 
 def _usage(handle: RequestHandle) -> pb.Usage:
     prompt, completion = handle.prompt_tokens, handle.completion_tokens
-    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return pb.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        cached_prompt_tokens=handle.cached_prompt_tokens,
+    )
 
 
 def _timings(handle: RequestHandle) -> pb.Timings:

@@ -171,6 +171,7 @@ class StepOutputs:
             request.first_token_time,
             request.scheduled_time,
             request.finish_time,
+            request.cached_prompt_tokens,
         )
         with self._lock:
             entry = self._pending.get(request.request_id)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from contract.manifest import Manifest, ManifestError
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, GenerateInput, RequestError, Scored
-from service.engine.model_engine import ModelEngine, check_kv_budget
+from service.engine.model_engine import ModelEngine
+from service.engine.model_limits import check_kv_budget
 from service.engine.output_processor import OutputBatch
 from service.engine.request import Request
 from service.engine.streams import OutputSink

@@ -128,6 +128,7 @@ class EngineConfig:
     admission_trace: str = ""  # folder: admission's measurements, decisions and outcomes per model (JSON lines)
     # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
     default_cache_policies: tuple[str, ...] = ()
+    prefix_cache: bool = True  # keep prompts' full blocks and reuse them for prompts that start alike
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ class Final(msgspec.Struct, array_like=True):
     first_token_time: float | None
     scheduled_time: float | None
     finish_time: float | None
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class RequestOutput(msgspec.Struct, array_like=True):

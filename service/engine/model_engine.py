@@ -24,11 +24,12 @@ from contract.cache_policy import FORM_SYNTAX, CachePolicyError
 from contract.manifest import Manifest
 from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.input_processor import InputLimits, InputProcessor
-from service.engine.kv import KVBudgetError, KVLayout, KVStore
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
+from service.engine.model_limits import default_cache_policy, sequence_limit
 from service.engine.model_metrics import ModelMetrics
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
+from service.engine.prefix_cache import PrefixMetrics, PrefixReuse
 from service.engine.request import Request
 from service.engine.runner import DecodePlan, ModelRunner, StoreConfig
 from service.engine.sampler import Sampler, all_greedy
@@ -39,39 +40,6 @@ logger = logging.getLogger(__name__)
 
 # Gauges (cache bytes, running, queued) are refreshed this often while busy, and whenever idle.
 GAUGE_INTERVAL_SECONDS = 0.02
-
-
-def default_cache_policy(manifest: Manifest, config: EngineConfig) -> str:
-    """The model's default policy string: its own MODEL=POLICY entry, else a bare POLICY, else full."""
-    chosen = "full"
-    for entry in config.default_cache_policies:
-        name, sep, policy = entry.rpartition("=")
-        if not sep:
-            chosen = policy
-    for entry in config.default_cache_policies:
-        name, sep, policy = entry.rpartition("=")
-        if sep and name == manifest.folder.name:
-            chosen = policy
-    return chosen
-
-
-def sequence_limit(manifest: Manifest, config: EngineConfig) -> int:
-    """Prompt (with BOS) + new tokens one request may reach on this model."""
-    return manifest.max_positions or config.max_sequence_tokens
-
-
-def check_kv_budget(manifest: Manifest, config: EngineConfig, dtype: str = "float32") -> None:
-    """Refuse a budget that cannot hold one sequence of the longest allowed length (before any session opens)."""
-    layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, dtype)
-    tokens = sequence_limit(manifest, config)
-    minimum = KVStore.minimum_budget(layout, tokens, config.block_size)
-    if config.kv_cache_bytes < minimum:
-        raise KVBudgetError(
-            f"--kv-cache-bytes {config.kv_cache_bytes} cannot hold one sequence of {tokens} tokens "
-            f"(--max-sequence-tokens, or the model's max_positions) of model {manifest.name!r} at "
-            f"{layout.token_bytes} bytes per token; the minimum is {minimum} bytes (one row of the widest "
-            "capacity class and the row it moves from)"
-        )
 
 
 class ModelEngine:
@@ -113,6 +81,8 @@ class ModelEngine:
             raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.metrics = ModelMetrics(metrics, manifest.name, manifest.scheme, self.policy_forms)
+        prefix_metrics = PrefixMetrics.of(metrics, self.labels)
+        self.prefix = PrefixReuse(self.store, manifest.name, config.prefix_cache, prefix_metrics)
         self.outputs = OutputProcessor(self.inputs.eos_token_id, self.metrics.tokens, on_stop=self.wake)
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
@@ -180,11 +150,11 @@ class ModelEngine:
                     retry_after=retry_after,
                 )
             if self.admission.enabled:  # the inbox's prompt tokens are summed only when they are used
-                inbox_tokens = sum(len(r.prefill_ids) for r in self._inbox)
+                inbox_tokens = sum(len(r.prefill_ids) - r.cached_prompt_tokens for r in self._inbox)
                 try:
                     request.admission_estimate = self.admission.check(
                         request.request_id,
-                        len(request.prefill_ids),
+                        len(request.prefill_ids) - self.prefix.peek(request),
                         self._backlog,
                         inbox_tokens,
                         len(self._inbox),
@@ -344,7 +314,7 @@ class ModelEngine:
             if request.attempt == 0:
                 request.scheduled_time = now
                 self.metrics.prompt_tokens[request.cache_policy.form].inc(len(request.prompt_ids))
-        self.prefill_worker.submit([PrefillJob(r, r.attempt, r.prefill_ids) for r in admitted])
+        self.prefill_worker.submit([PrefillJob(r, r.attempt, r.prefill_ids, self.prefix.take(r)) for r in admitted])
 
     def _join(self, results: list[PrefillResult]) -> int:
         """Computed prompts are written into their rows; first tokens are sampled. Returns how many joined."""
@@ -369,8 +339,9 @@ class ModelEngine:
             self._fail([r.job.request for r in ready], error)
             return 0
         requests = [r.job.request for r in ready]
-        for request in requests:
+        for result, request in zip(ready, requests, strict=True):
             request.num_computed_tokens = request.prefill_length
+            self.prefix.keep(request, result.prompt)  # type: ignore[arg-type]
         # After a preemption the next token is already known: no sample.
         fresh = [row for row, r in enumerate(requests) if not r.output_ids]
         if fresh:
@@ -484,6 +455,9 @@ class ModelEngine:
         held = dict.fromkeys(self.metrics.used, 0)
         for sequence, nbytes in self.store.held_bytes().items():
             held[forms[sequence]] += nbytes
+        for form, nbytes in self.prefix.held_by_form().items():
+            held[form] += nbytes
+        self.prefix.update_gauges()
         for form, gauge in self.metrics.used.items():
             gauge.set(held[form])
         self.metrics.physical.set(stats.physical_bytes)

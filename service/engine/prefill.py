@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from service.engine.kv import Array
 from service.engine.request import Request
 from service.engine.runner import ModelRunner, PrefilledPrompt
 
@@ -32,6 +33,12 @@ class PrefillJob:
     request: Request
     attempt: int  # the request's preemption count when submitted: a later result is stale
     token_ids: list[int]
+    past: Array | None = None  # K/V of the leading tokens, from the prefix cache (2 x layers, 1, heads, P, hd)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens this job's prefill computes (those after its past)."""
+        return len(self.token_ids) - (0 if self.past is None else int(self.past.shape[3]))
 
     @property
     def aborted(self) -> bool:
@@ -117,11 +124,13 @@ class PrefillWorker:
                     self._wake.wait()
                 if self._stopped:
                     return
-                short = []
+                short, hits = [], []
                 while self._jobs:
                     job = self._jobs.popleft()
                     policy = job.request.cache_policy
-                    if policy.cached(len(job.token_ids)) < len(job.token_ids):  # past a bounded policy's budget
+                    if job.past is not None:  # a prefix-cache hit: only its last tokens are computed
+                        hits.append(job)
+                    elif policy.cached(len(job.token_ids)) < len(job.token_ids):  # past a bounded policy's budget
                         streamed = self.runner.stream_through_policy(
                             job.request.request_id, job.token_ids, policy, self.chunk_tokens
                         )
@@ -133,12 +142,32 @@ class PrefillWorker:
                         self._long.append((job, chunks))
             results: list[PrefillResult] = []
             try:
+                self._run_hits(hits, results)
                 self._run_short(short, results)
                 self._advance_long(results)
             except Exception:  # a bug must not kill the worker (and strand its requests)
                 logger.exception("prefill worker failed")
             if results:
                 self._deliver(results)
+
+    def _run_hits(self, jobs: list[PrefillJob], results: list[PrefillResult]) -> None:
+        """Prompts that start with cached blocks: each its own call with its past (its rest chunked
+        among the long prompts when longer than `chunk_tokens`)."""
+        for job in jobs:
+            chunks = self.runner.prefill_chunks(job.request.request_id, job.token_ids, self.chunk_tokens, job.past)
+            if job.computed_tokens > self.chunk_tokens:
+                self._long.append((job, chunks))
+            elif job.aborted:
+                results.append(PrefillResult(job))
+            else:
+                started = time.monotonic()
+                try:
+                    prompt = next(chunks)
+                except Exception as error:
+                    results.append(PrefillResult(job, error=error))
+                    continue
+                self._observe(time.monotonic() - started, 1, job.computed_tokens)
+                results.append(PrefillResult(job, prompt))
 
     def _run_short(self, jobs: list[PrefillJob], results: list[PrefillResult]) -> None:
         """Prompts of up to `chunk_tokens` in left-padded batches of up to `chunk_tokens` tokens."""
@@ -189,7 +218,7 @@ class PrefillWorker:
             self._long_done = 0
             results.append(PrefillResult(job, error=error))
             return
-        tokens = min(self.chunk_tokens, len(job.token_ids) - self._long_done)
+        tokens = min(self.chunk_tokens, job.computed_tokens - self._long_done)
         self._observe(time.monotonic() - started, 1, tokens)
         self._long_done += tokens
         if prompt is not None:

@@ -56,6 +56,9 @@ class Request:
     # checked against the realised one when the first token is sampled.
     admission_estimate: Estimate | None = None
     finish_time: float | None = None
+    # Prompt tokens whose K/V the prefix cache gave (the usage's cached_prompt_tokens; before its
+    # prefill, admission's estimate of them).
+    cached_prompt_tokens: int = 0
     error: str | None = None
     text: str = ""
     output: OutputSink = field(default_factory=OutputStream)

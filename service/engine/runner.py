@@ -202,14 +202,15 @@ class ModelRunner:
         ]
 
     def prefill_chunks(
-        self, request_id: str, token_ids: list[int], chunk_tokens: int
+        self, request_id: str, token_ids: list[int], chunk_tokens: int, past: Array | None = None
     ) -> Iterator[PrefilledPrompt | None]:
         """A long prompt in chunks of `chunk_tokens` (bounding the score tensors), each chunk
         attending to the cache of the ones before. Yields None after every chunk but the last,
-        so the caller can interleave other work or give up between chunks."""
+        so the caller can interleave other work or give up between chunks. `past`: the K/V of the
+        prompt's first tokens, (2 x layers, 1, heads, P, head_dim), already known (a prefix-cache
+        hit): only the rest is computed, at positions P on."""
         self._check_fault([token_ids])
-        past: Array | None = None
-        for start in range(0, len(token_ids), chunk_tokens):
+        for start in range(0 if past is None else past.shape[3], len(token_ids), chunk_tokens):
             chunk = token_ids[start : start + chunk_tokens]
             end = start + len(chunk)
             ids = np.asarray([chunk], dtype=np.int64)

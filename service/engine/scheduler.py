@@ -149,4 +149,5 @@ class Scheduler:
         waiting, running = list(self.waiting), self.running
         pending = [r for r in (*waiting, *running) if not r.output_ids]
         left = sorted(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in running)
-        return Backlog(sum(len(r.prefill_ids) for r in pending), len(waiting), tuple(left))
+        uncached = sum(len(r.prefill_ids) - r.cached_prompt_tokens for r in pending)  # the prefix cache's hits
+        return Backlog(uncached, len(waiting), tuple(left))

@@ -54,7 +54,7 @@ def reference(scheme: str) -> Transformer:
 
 
 def metric_zero(server: ServerProcess, model: str) -> bool:
-    return server.metric("posenc_kv_cache_physical_bytes", model=model) == 0
+    return server.sequence_bytes("posenc_kv_cache_physical_bytes", model=model) == 0
 
 
 @pytest.fixture(scope="module")

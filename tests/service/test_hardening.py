@@ -36,7 +36,7 @@ def server(repository: Path) -> Iterator[ServerProcess]:
 
 def cache_is_empty(server: ServerProcess) -> bool:
     return all(
-        server.metric("posenc_kv_cache_used_bytes", model=m) == 0
+        server.sequence_bytes("posenc_kv_cache_used_bytes", model=m) == 0
         and server.metric("posenc_running_sequences", model=m) == 0
         and server.metric("posenc_queued_sequences", model=m) == 0
         for m in MODELS

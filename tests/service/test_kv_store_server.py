@@ -74,8 +74,8 @@ def test_physical_cache_never_exceeds_the_budget_under_mixed_lengths(repository:
             assert sample["posenc_kv_cache_physical_bytes"] <= sample["posenc_kv_cache_capacity_bytes"] <= budget
             assert sample["posenc_kv_cache_used_bytes"] <= sample["posenc_kv_cache_physical_bytes"] + 16 * TOKEN_BYTES
         assert figures.peak_physical <= figures.capacity
-        assert wait_for(lambda: server.metric("posenc_kv_cache_physical_bytes", model="alibi") == 0)
-        assert server.metric("posenc_kv_cache_used_bytes", model="alibi") == 0
+        assert wait_for(lambda: server.sequence_bytes("posenc_kv_cache_physical_bytes", model="alibi") == 0)
+        assert server.sequence_bytes("posenc_kv_cache_used_bytes", model="alibi") == 0
     finally:
         server.stop()
 

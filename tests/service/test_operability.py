@@ -223,9 +223,11 @@ def test_draining_is_visible_and_running_streams_finish(repository: Path) -> Non
 
 
 def test_ttft_target_sheds_load_with_a_retry_hint_and_counts_it(repository: Path) -> None:
+    # Every prompt alike: with the prefix cache nearly nothing would be computed, nor shed.
     server = ServerProcess(
-        repository, "--models", "alibi", "--ttft-slo-seconds", "0.2", "--max-queue", "512", threads=1
-    ).wait_serving()
+        repository, "--models", "alibi", "--ttft-slo-seconds", "0.2", "--max-queue", "512", "--no-prefix-cache",
+        threads=1,
+    ).wait_serving()  # fmt: skip
     try:
         prompt = "def handler(request, context):\n    return request.value + 1\n" * 12  # ~700 bytes
         # Measured prefill throughput first: the estimate admits everything until it has one.

@@ -149,7 +149,7 @@ def test_cancelled_stream_returns_cache_to_zero(server: ServerProcess) -> None:
         next(stream)
     assert server.metric("posenc_kv_cache_used_bytes", model="alibi") > 0
     stream.cancel()
-    assert wait_for(lambda: server.metric("posenc_kv_cache_used_bytes", model="alibi") == 0)
+    assert wait_for(lambda: server.sequence_bytes("posenc_kv_cache_used_bytes", model="alibi") == 0)
     assert wait_for(lambda: server.metric("posenc_running_sequences", model="alibi") == 0)
 
 
@@ -179,7 +179,7 @@ def test_deadline_returns_deadline_exceeded_and_frees_cache(server: ServerProces
     with pytest.raises(grpc.RpcError) as error:
         server.stub.Generate(request, timeout=0.3)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert wait_for(lambda: server.metric("posenc_kv_cache_used_bytes", model="sinusoidal") == 0)
+    assert wait_for(lambda: server.sequence_bytes("posenc_kv_cache_used_bytes", model="sinusoidal") == 0)
     assert wait_for(lambda: server.metric("posenc_running_sequences", model="sinusoidal") == 0)
 
 
@@ -299,7 +299,7 @@ def test_full_queue_answers_resource_exhausted_at_once(repository: Path) -> None
                     assert 0 < int(hint) <= 5000
         assert codes.count(grpc.StatusCode.OK) >= 2
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
-        assert wait_for(lambda: server.metric("posenc_kv_cache_used_bytes", model="alibi") == 0)
+        assert wait_for(lambda: server.sequence_bytes("posenc_kv_cache_used_bytes", model="alibi") == 0)
     finally:
         server.stop()
 

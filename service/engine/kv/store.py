@@ -21,6 +21,7 @@ import numpy as np
 from service.engine.kv.arrays import Array, Backend, NumpyArrays
 from service.engine.kv.classes import GROWTH, CapacityClass, RowPolicy, capacity_ladder
 from service.engine.kv.layout import INT8, KVLayout
+from service.engine.kv.prefix import CachedBlock, PrefixCache
 
 # A class moves up the ladder as a whole when each of its rows would be at least this full there.
 PROMOTED_FILL = 1 / GROWTH**2
@@ -43,6 +44,7 @@ class StoreStats:
     capacity_bytes: int
     sequences: int
     classes: int
+    cached_bytes: int = 0  # the prefix cache's blocks (in used and physical bytes too)
 
 
 class KVStore:
@@ -77,8 +79,9 @@ class KVStore:
         self.capacity_of: dict[str, int] = {}  # sequence -> the capacity of its class
         self.kind_of: dict[str, str] = {}  # sequence -> the storage kind of its class
         self.tokens: dict[str, int] = {}  # sequence -> tokens reserved
-        self.physical_bytes = 0
+        self.physical_bytes = 0  # rows and the prefix cache's blocks
         self.peak_physical_bytes = 0
+        self.prefix = PrefixCache(block_size)
 
     @staticmethod
     def minimum_budget(layout: KVLayout, max_tokens: int, block_size: int) -> int:
@@ -142,7 +145,7 @@ class KVStore:
             destination = self._room(target, rows_needed, kind)
         if destination is None:
             self.trim(all_spare=True)
-            destination = self._room(target, rows_needed, kind)
+            destination = self._room(target, rows_needed, kind) or self._room_evicting(target, rows_needed, kind)
             if destination is None:
                 return False
         if destination.free_rows < len(movers):
@@ -190,6 +193,20 @@ class KVStore:
         if existing is not None and existing.free_rows > 0:
             return existing
         return self._reallocate(capacity, held + 1, kind) if rows_needed > 1 else None
+
+    def _room_evicting(self, capacity: int, rows_needed: int, kind: str) -> CapacityClass | None:
+        """`_room`, making room by evicting cached prefix blocks (least recently used first) a
+        class row's worth at a time: a cached block goes before any sequence is refused or preempted."""
+        step = rows_needed * capacity * self.layout.kind_token_bytes(kind)
+        while self.prefix.blocks:
+            freed = 0
+            while freed < step and (nbytes := self.prefix.evict_oldest()):
+                freed += nbytes
+            self.physical_bytes -= freed
+            destination = self._room(capacity, rows_needed, kind)
+            if destination is not None:
+                return destination
+        return None
 
     def _reallocate(self, capacity: int, rows: int, kind: str) -> CapacityClass | None:
         """A new array for the class with `rows` rows, members copied over; None if the old and the
@@ -252,6 +269,44 @@ class KVStore:
             raise ValueError(f"sequence {sequence_id!r}: {length} tokens exceed its row of {klass.capacity}")
         klass.write(sequence_id, kv, length, policy)
 
+    # ------------------------------------------------------------------ the prefix cache
+
+    def cached_prefix(self, token_ids: list[int], hashes: list[int], extra: object, limit: int) -> tuple[int, Array]:
+        """The longest cached run of the prompt's leading blocks, at most `limit` tokens: how many
+        tokens and their K/V (2 x layers, 1, heads, tokens, head_dim), a copy (0 and None: a miss)."""
+        blocks = self.prefix.lookup(token_ids, hashes, extra)
+        tokens = min(len(blocks) * self.block_size, limit)
+        if tokens <= 0:
+            return 0, None
+        whole, rest = divmod(tokens, self.block_size)
+        parts = [block.kv for block in blocks[:whole]] + ([blocks[whole].kv[:, :, :rest]] if rest else [])
+        return tokens, self.backend.concatenate(parts, axis=2)[:, None]
+
+    def cache_prompt(self, token_ids: list[int], hashes: list[int], extra: object, kv: Array, form: str) -> int:
+        """Keep the full blocks of a computed prompt, K/V (2 x layers, heads, length, head_dim), that
+        are not cached yet, within the budget: older cached blocks make room, rows never do (when
+        only this prompt's own blocks are left, the rest is not kept). Returns the blocks added."""
+        chain, size, added = frozenset(hashes), self.block_size, 0
+        parent = hash(extra)
+        for index, key in enumerate(hashes):
+            if key not in self.prefix.blocks:
+                while self.physical_bytes + self.block_bytes > self.capacity_bytes:
+                    freed = self.prefix.evict_oldest(keep=chain)
+                    if not freed:
+                        self.prefix.touch(hashes[:index])
+                        return added
+                    self.physical_bytes -= freed
+                start = index * size
+                tokens = tuple(token_ids[start : start + size])
+                copied = self.backend.copy(kv[:, :, start : start + size])
+                self.prefix.add(key, CachedBlock(parent, tokens, copied, self.block_bytes, form))
+                self.physical_bytes += self.block_bytes
+                self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes)
+                added += 1
+            parent = key
+        self.prefix.touch(hashes)
+        return added
+
     # ------------------------------------------------------------------ reading
 
     def batches(self) -> Iterator[CapacityClass]:
@@ -289,11 +344,12 @@ class KVStore:
 
     def stats(self) -> StoreStats:
         return StoreStats(
-            used_tokens=sum(self.tokens.values()),
-            used_bytes=sum(self.held_bytes().values()),
+            used_tokens=sum(self.tokens.values()) + self.prefix.tokens,
+            used_bytes=sum(self.held_bytes().values()) + self.prefix.nbytes,
             physical_bytes=self.physical_bytes,
             peak_physical_bytes=self.peak_physical_bytes,
             capacity_bytes=self.capacity_bytes,
             sequences=len(self.capacity_of),
             classes=len(self.all_classes()),
+            cached_bytes=self.prefix.nbytes,
         )

@@ -1,0 +1,110 @@
+"""The prefix cache: the K/V of prompts' full blocks, kept after their prefill, keyed by a hash chain.
+
+As vLLM's automatic prefix caching: block i of a prompt is keyed by hash(parent's key, its
+tokens), the first block's parent being the extra key (the model and the cache policy's form),
+so one key names a block and every token before it. A hit is the longest run of a prompt's
+leading blocks that are cached; with rows per sequence (the store's) the hit is copied into
+the new request's prefill as its past, and only the rest of the prompt is computed.
+
+Blocks hold K/V as the prompt's prefill computed them (the layout's float dtype, also for int8
+rows, whose prefill is float and quantized when written): a hit then gives the rest of the prompt
+exactly the past a fresh prefill would, and its row exactly the cache. Each block is an array of
+its own, counted in the store's physical bytes, inside its budget; evicted least recently used
+(a hit touches its blocks leaf first, so a chain's leaves go before its root).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from service.engine.kv.arrays import Array
+
+
+def block_hashes(token_ids: list[int], block_size: int, extra: Hashable) -> list[int]:
+    """The chain of keys of the full blocks of `token_ids`: key i covers tokens [0, (i + 1) x block_size)."""
+    hashes: list[int] = []
+    parent = hash(extra)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """One block's K/V, (2 x layers, heads, block_size, head_dim), with what its key was made of
+    (checked on a hit, so a hash collision is never a wrong hit)."""
+
+    parent: int
+    tokens: tuple[int, ...]
+    kv: Array
+    nbytes: int
+    form: str  # the cache-policy form of the requests that share it (the `policy` metric label)
+
+
+class PrefixCache:
+    """Cached blocks by key, least recently used first. Only the store changes it (the engine
+    thread); `peek` may run on another thread (dict reads only)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: OrderedDict[int, CachedBlock] = OrderedDict()
+        self.nbytes = 0
+        self.evictions = 0  # blocks evicted, ever
+
+    def _matched(self, token_ids: list[int], hashes: list[int], extra: Hashable) -> list[tuple[int, CachedBlock]]:
+        found: list[tuple[int, CachedBlock]] = []
+        parent = hash(extra)
+        for index, key in enumerate(hashes):
+            block = self.blocks.get(key)
+            start = index * self.block_size
+            if block is None or block.parent != parent:
+                break
+            if block.tokens != tuple(token_ids[start : start + len(block.tokens)]):
+                break
+            found.append((key, block))
+            parent = key
+        return found
+
+    def peek(self, token_ids: list[int], hashes: list[int], extra: Hashable) -> int:
+        """Tokens a lookup would find now (admission's estimate; touches nothing)."""
+        return len(self._matched(token_ids, hashes, extra)) * self.block_size
+
+    def lookup(self, token_ids: list[int], hashes: list[int], extra: Hashable) -> list[CachedBlock]:
+        """The cached leading blocks, touched (the root last: most recently used)."""
+        found = self._matched(token_ids, hashes, extra)
+        for key, _ in reversed(found):
+            self.blocks.move_to_end(key)
+        return [block for _, block in found]
+
+    def add(self, key: int, block: CachedBlock) -> None:
+        self.blocks[key] = block
+        self.nbytes += block.nbytes
+
+    def touch(self, keys: list[int]) -> None:
+        """These keys (a chain, root first) become the most recently used, the root last."""
+        for key in reversed(keys):
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+
+    def evict_oldest(self, keep: frozenset[int] = frozenset()) -> int:
+        """Drop the least recently used block not in `keep`; its bytes (0: none left to drop)."""
+        for key in self.blocks:
+            if key not in keep:
+                block = self.blocks.pop(key)
+                self.nbytes -= block.nbytes
+                self.evictions += 1
+                return block.nbytes
+        return 0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def bytes_by_form(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for block in self.blocks.values():
+            held[block.form] = held.get(block.form, 0) + block.nbytes
+        return held

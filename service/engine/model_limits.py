@@ -1,0 +1,41 @@
+"""What one model may hold on this server, settled before its engine starts: the longest sequence,
+a KV budget that can hold it, and the cache policy of requests that name none."""
+
+from __future__ import annotations
+
+from contract.manifest import Manifest
+from service.engine.kv import KVBudgetError, KVLayout, KVStore
+from service.engine.messages import EngineConfig
+
+
+def default_cache_policy(manifest: Manifest, config: EngineConfig) -> str:
+    """The model's default policy string: its own MODEL=POLICY entry, else a bare POLICY, else full."""
+    chosen = "full"
+    for entry in config.default_cache_policies:
+        name, sep, policy = entry.rpartition("=")
+        if not sep:
+            chosen = policy
+    for entry in config.default_cache_policies:
+        name, sep, policy = entry.rpartition("=")
+        if sep and name == manifest.folder.name:
+            chosen = policy
+    return chosen
+
+
+def sequence_limit(manifest: Manifest, config: EngineConfig) -> int:
+    """Prompt (with BOS) + new tokens one request may reach on this model."""
+    return manifest.max_positions or config.max_sequence_tokens
+
+
+def check_kv_budget(manifest: Manifest, config: EngineConfig, dtype: str = "float32") -> None:
+    """Refuse a budget that cannot hold one sequence of the longest allowed length (before any session opens)."""
+    layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, dtype)
+    tokens = sequence_limit(manifest, config)
+    minimum = KVStore.minimum_budget(layout, tokens, config.block_size)
+    if config.kv_cache_bytes < minimum:
+        raise KVBudgetError(
+            f"--kv-cache-bytes {config.kv_cache_bytes} cannot hold one sequence of {tokens} tokens "
+            f"(--max-sequence-tokens, or the model's max_positions) of model {manifest.name!r} at "
+            f"{layout.token_bytes} bytes per token; the minimum is {minimum} bytes (one row of the widest "
+            "capacity class and the row it moves from)"
+        )
