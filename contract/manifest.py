@@ -85,6 +85,21 @@ class CacheEviction:
         return self.positions == "original" or self.rotary_inv_freq is not None
 
 
+# SegmentReuse modes: what a text's K/V computed on its own from position 0 needs at another offset.
+REUSE_AS_IS = "as_is"  # nothing: keys carry no position (ALiBi, T5 bias, NoPE)
+REUSE_ROTATE = "rotate"  # its keys turned by the offset (RoPE)
+REUSE_RECOMPUTE = "recompute"  # impossible (absolute positions enter every layer's input): computed in place
+
+
+@dataclass(frozen=True)
+class SegmentReuse:
+    """A scheme's declaration for reusable prompt segments (manifest key `segment_reuse`): `mode` one of
+    the REUSE_* modes, and for `rotate` the inverse frequencies keys are turned with (no attention factor)."""
+
+    mode: str
+    rotary_inv_freq: np.ndarray | None = None
+
+
 @dataclass(frozen=True)
 class FusedAttention:
     """How the fused decode graph is fed (manifest key `fused_attention`).
@@ -163,6 +178,16 @@ class Manifest:
             positions=str(raw["positions"]),
             rotary_inv_freq=None if inv_freq is None else np.asarray(inv_freq, dtype=np.float64),
         )
+
+    @property
+    def segment_reuse(self) -> SegmentReuse:
+        """How a reusable segment's cached K/V is placed at another offset; an export from before
+        segments: recompute (its scheme declared nothing)."""
+        raw = self.data.get("segment_reuse")
+        if not isinstance(raw, dict):
+            return SegmentReuse(REUSE_RECOMPUTE)
+        inv_freq = raw.get("rotary_inv_freq")
+        return SegmentReuse(str(raw["mode"]), None if inv_freq is None else np.asarray(inv_freq, dtype=np.float64))
 
     @property
     def fused_attention(self) -> FusedAttention | None:

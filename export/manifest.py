@@ -68,6 +68,7 @@ def build_manifest(
         "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *_kv_patterns(PAST_KEY_VALUES, "{i}")],
         "outputs": [LOGITS, *_kv_patterns(PRESENT, "{i}")],
         "cache_eviction": cache_eviction(config),
+        "segment_reuse": segment_reuse(config),
         **({"fused_attention": fused_attention()} if SERVING_FUSED in variants else {}),
         "tokenizer": TOKENIZER.manifest(),
         "versions": versions,
@@ -82,6 +83,13 @@ def cache_eviction(config: ModelConfig) -> dict[str, object]:
     if scheme.rotates_keys:
         inv_freq = [float(f) for f in rope_rotation_frequencies(config)]
     return {"positions": scheme.eviction_positions, "rotary_inv_freq": inv_freq}
+
+
+def segment_reuse(config: ModelConfig) -> dict[str, object]:
+    """How K/V computed for a text at position 0 serves it at another offset (contract.manifest.SegmentReuse)."""
+    scheme = build_positional(config)
+    inv_freq = [float(f) for f in rope_rotation_frequencies(config)] if scheme.segment_reuse == "rotate" else None
+    return {"mode": scheme.segment_reuse, "rotary_inv_freq": inv_freq}
 
 
 def fused_attention() -> dict[str, object]:

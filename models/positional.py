@@ -249,6 +249,11 @@ class PositionalScheme(nn.Module):
     eviction_positions: ClassVar[str] = "cache"
     #: True when cached keys carry their position (rope), so re-indexing them means `move_keys`.
     rotates_keys: ClassVar[bool] = False
+    #: What K/V computed for a text on its own, from position 0, needs to serve that text at another
+    #: offset (a document reused behind any prefix): "as_is" = nothing, keys carry no position
+    #: (bias schemes, none: the bias is applied where the key lands); "rotate" = its keys turned by
+    #: the offset (`move_keys`); "recompute" = impossible, the positions entered every layer's input.
+    segment_reuse: ClassVar[str] = "as_is"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -295,6 +300,7 @@ class SinusoidalPositions(PositionalScheme):
 
     name = "sinusoidal"
     eviction_positions = "original"
+    segment_reuse = "recompute"
 
     def input_embedding(self, position_ids: Tensor) -> Tensor:
         # Vaswani et al. multiply token embeddings by sqrt(d_model) before adding the code;
@@ -309,6 +315,7 @@ class LearnedPositions(PositionalScheme):
 
     name = "learned"
     eviction_positions = "original"
+    segment_reuse = "recompute"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -349,6 +356,7 @@ class RotaryPositions(PositionalScheme):
 
     name = "rope"
     rotates_keys = True
+    segment_reuse = "rotate"
 
     def rotation(self, position_ids: Tensor) -> QueryKeyRotation:
         config = self.config

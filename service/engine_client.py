@@ -103,6 +103,7 @@ class RequestHandle:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     scheduled_time: float | None = None
@@ -116,6 +117,7 @@ class RequestHandle:
         if final is not None:
             self.prompt_tokens, self.completion_tokens = final.prompt_tokens, final.completion_tokens
             self.cached_prompt_tokens = final.cached_prompt_tokens
+            self.reused_prompt_tokens = final.reused_prompt_tokens
             if self.resumes:  # the first core's times (this handle's) stand: the last core saw a resubmission
                 self.first_token_time = self.first_token_time or final.first_token_time
                 self.scheduled_time = self.scheduled_time or final.scheduled_time

@@ -12,7 +12,7 @@ import grpc
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.api.retry import RETRY_AFTER_KEY
-from service.engine.messages import ErrorKind, GenerateInput, ModelInfo, RequestError, RequestStatus
+from service.engine.messages import ErrorKind, GenerateInput, ModelInfo, PromptSegment, RequestError, RequestStatus
 from service.engine.streams import StreamEvent
 from service.engine_client import EngineClient, RequestHandle
 
@@ -141,9 +141,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RequestHandle:
         engine = self._engine(context)
         remaining = context.time_remaining()
+        if request.segments and request.prompt:
+            raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, "segments: set either prompt or segments, not both")
+        segments = tuple(PromptSegment(s.text, s.reusable) for s in request.segments)
         raw = GenerateInput(
             model=request.model,
-            prompt=request.prompt,
+            prompt="".join(s.text for s in segments) if segments else request.prompt,
             max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             temperature=request.temperature,
             top_k=request.top_k,
@@ -154,6 +157,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             cache_policy=request.cache_policy,
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
+            segments=segments,
+            segment_repair_tokens=request.segment_repair_tokens,
         )
         handle: RequestHandle = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))
@@ -193,6 +198,7 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         cache_policies=info.cache_policies,
         default_cache_policy=info.default_cache_policy,
         eviction_positions=info.eviction_positions,
+        segment_reuse=info.segment_reuse,
     )
 
 
@@ -203,6 +209,7 @@ def _usage(handle: RequestHandle) -> pb.Usage:
         completion_tokens=completion,
         total_tokens=prompt + completion,
         cached_prompt_tokens=handle.cached_prompt_tokens,
+        reused_prompt_tokens=handle.reused_prompt_tokens,
     )
 
 

@@ -23,7 +23,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "scheme", "max_positions", "train_context", "kv_cache_bytes_per_token", "n_layers", "n_heads", "head_dim", "dtype", "max_new_tokens_limit", "max_sequence_tokens", "kv_cache_capacity_bytes", "cache_policies", "default_cache_policy", "eviction_positions")
+    __slots__ = ("name", "scheme", "max_positions", "train_context", "kv_cache_bytes_per_token", "n_layers", "n_heads", "head_dim", "dtype", "max_new_tokens_limit", "max_sequence_tokens", "kv_cache_capacity_bytes", "cache_policies", "default_cache_policy", "eviction_positions", "segment_reuse")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class ModelInfo(_message.Message):
     CACHE_POLICIES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     EVICTION_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_REUSE_FIELD_NUMBER: _ClassVar[int]
     name: str
     scheme: str
     max_positions: int
@@ -54,7 +55,8 @@ class ModelInfo(_message.Message):
     cache_policies: _containers.RepeatedScalarFieldContainer[str]
     default_cache_policy: str
     eviction_positions: str
-    def __init__(self, name: _Optional[str] = ..., scheme: _Optional[str] = ..., max_positions: _Optional[int] = ..., train_context: _Optional[int] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., cache_policies: _Optional[_Iterable[str]] = ..., default_cache_policy: _Optional[str] = ..., eviction_positions: _Optional[str] = ...) -> None: ...
+    segment_reuse: str
+    def __init__(self, name: _Optional[str] = ..., scheme: _Optional[str] = ..., max_positions: _Optional[int] = ..., train_context: _Optional[int] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., cache_policies: _Optional[_Iterable[str]] = ..., default_cache_policy: _Optional[str] = ..., eviction_positions: _Optional[str] = ..., segment_reuse: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -63,7 +65,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cache_policy", "ignore_eos", "min_tokens")
+    __slots__ = ("model", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cache_policy", "ignore_eos", "min_tokens", "segments", "segment_repair_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,8 @@ class GenerateRequest(_message.Message):
     CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_REPAIR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     max_new_tokens: int
@@ -86,19 +90,31 @@ class GenerateRequest(_message.Message):
     cache_policy: str
     ignore_eos: bool
     min_tokens: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    segments: _containers.RepeatedCompositeFieldContainer[PromptSegment]
+    segment_repair_tokens: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[PromptSegment, _Mapping]]] = ..., segment_repair_tokens: _Optional[int] = ...) -> None: ...
+
+class PromptSegment(_message.Message):
+    __slots__ = ("text", "reusable")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    REUSABLE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    reusable: bool
+    def __init__(self, text: _Optional[str] = ..., reusable: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_prompt_tokens", "reused_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    reused_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., reused_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("time_to_first_token_seconds", "total_seconds", "queue_seconds")

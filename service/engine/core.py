@@ -86,6 +86,7 @@ def model_infos(engine: Engine) -> list[ModelInfo]:
                 cache_policies=model.cache_policy_forms,
                 default_cache_policy=str(model.inputs.default_policy),
                 eviction_positions=model.eviction_positions,
+                segment_reuse=manifest.segment_reuse.mode,
             )
         )
     return infos
@@ -172,6 +173,7 @@ class StepOutputs:
             request.scheduled_time,
             request.finish_time,
             request.cached_prompt_tokens,
+            request.reused_prompt_tokens,
         )
         with self._lock:
             entry = self._pending.get(request.request_id)

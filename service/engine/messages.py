@@ -77,6 +77,13 @@ class RequestStatus(enum.IntEnum):
 FIRST_FINAL = RequestStatus.FINISHED_LENGTH
 
 
+class PromptSegment(msgspec.Struct, frozen=True, array_like=True):
+    """A piece of a prompt given as segments; a reusable one's K/V is computed on its own and reused."""
+
+    text: str
+    reusable: bool = False
+
+
 class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
     """A generation request as the caller gave it: None means "not set, use the default"."""
 
@@ -92,6 +99,8 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
     cache_policy: str = ""  # empty: the model's default
     ignore_eos: bool = False  # never end at EOS (its logit is masked)
     min_tokens: int = 0  # EOS cannot end the request before this many new tokens
+    segments: tuple[PromptSegment, ...] = ()  # set: `prompt` is their concatenation
+    segment_repair_tokens: int = 0  # leading tokens of each reused segment recomputed in context
 
 
 @dataclass
@@ -157,6 +166,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     cache_policies: list[str]
     default_cache_policy: str
     eviction_positions: str
+    segment_reuse: str = "recompute"  # contract.manifest.SegmentReuse.mode
 
 
 @dataclass
@@ -235,6 +245,7 @@ class Final(msgspec.Struct, array_like=True):
     scheduled_time: float | None
     finish_time: float | None
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    reused_prompt_tokens: int = 0  # tokens of reusable segments whose K/V was reused, not computed here
 
 
 class RequestOutput(msgspec.Struct, array_like=True):

@@ -34,6 +34,7 @@ from service.engine.request import Request
 from service.engine.runner import DecodePlan, ModelRunner, StoreConfig
 from service.engine.sampler import Sampler, all_greedy
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from service.engine.segments import SegmentAssembly, SegmentReuser
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class ModelEngine:
         self.metrics = ModelMetrics(metrics, manifest.name, manifest.scheme, self.policy_forms)
         prefix_metrics = PrefixMetrics.of(metrics, self.labels)
         self.prefix = PrefixReuse(self.store, manifest.name, config.prefix_cache, prefix_metrics)
+        assembly = SegmentAssembly(self.runner, manifest.segment_reuse, config.prefill_tokens)
+        self.segments = SegmentReuser(self.store, manifest.name, assembly)
         self.outputs = OutputProcessor(self.inputs.eos_token_id, self.metrics.tokens, on_stop=self.wake)
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
@@ -314,7 +317,12 @@ class ModelEngine:
             if request.attempt == 0:
                 request.scheduled_time = now
                 self.metrics.prompt_tokens[request.cache_policy.form].inc(len(request.prompt_ids))
-        self.prefill_worker.submit([PrefillJob(r, r.attempt, r.prefill_ids, self.prefix.take(r)) for r in admitted])
+        self.prefill_worker.submit([self._prefill_job(r) for r in admitted])
+
+    def _prefill_job(self, request: Request) -> PrefillJob:
+        """Its prompt, with what the prefix cache holds of it and its reused segments."""
+        past = self.prefix.take(request, self.segments.exact_tokens(request))
+        return PrefillJob(request, request.attempt, request.prefill_ids, past, self.segments.compute(request, past))
 
     def _join(self, results: list[PrefillResult]) -> int:
         """Computed prompts are written into their rows; first tokens are sampled. Returns how many joined."""
@@ -341,7 +349,8 @@ class ModelEngine:
         requests = [r.job.request for r in ready]
         for result, request in zip(ready, requests, strict=True):
             request.num_computed_tokens = request.prefill_length
-            self.prefix.keep(request, result.prompt)  # type: ignore[arg-type]
+            self.prefix.keep(request, result.prompt, self.segments.exact_tokens(request))  # type: ignore[arg-type]
+            self.segments.keep(request, result.prompt)  # type: ignore[arg-type]
         # After a preemption the next token is already known: no sample.
         fresh = [row for row, r in enumerate(requests) if not r.output_ids]
         if fresh:

@@ -34,6 +34,7 @@ class PrefillJob:
     attempt: int  # the request's preemption count when submitted: a later result is stale
     token_ids: list[int]
     past: Array | None = None  # K/V of the leading tokens, from the prefix cache (2 x layers, 1, heads, P, hd)
+    compute: Callable[[], PrefilledPrompt] | None = None  # its own prefill (reused segments), instead
 
     @property
     def computed_tokens(self) -> int:
@@ -128,7 +129,7 @@ class PrefillWorker:
                 while self._jobs:
                     job = self._jobs.popleft()
                     policy = job.request.cache_policy
-                    if job.past is not None:  # a prefix-cache hit: only its last tokens are computed
+                    if job.past is not None or job.compute is not None:  # a prefix-cache hit, reused segments
                         hits.append(job)
                     elif policy.cached(len(job.token_ids)) < len(job.token_ids):  # past a bounded policy's budget
                         streamed = self.runner.stream_through_policy(
@@ -155,14 +156,14 @@ class PrefillWorker:
         among the long prompts when longer than `chunk_tokens`)."""
         for job in jobs:
             chunks = self.runner.prefill_chunks(job.request.request_id, job.token_ids, self.chunk_tokens, job.past)
-            if job.computed_tokens > self.chunk_tokens:
+            if job.compute is None and job.computed_tokens > self.chunk_tokens:
                 self._long.append((job, chunks))
             elif job.aborted:
                 results.append(PrefillResult(job))
             else:
                 started = time.monotonic()
                 try:
-                    prompt = next(chunks)
+                    prompt = job.compute() if job.compute is not None else next(chunks)
                 except Exception as error:
                     results.append(PrefillResult(job, error=error))
                     continue

@@ -61,28 +61,33 @@ class PrefixReuse:
         request.cached_prompt_tokens = min(found, len(request.prompt_ids) - 1)
         return request.cached_prompt_tokens
 
-    def take(self, request: Request) -> Array | None:
-        """The cached K/V of the request's leading prefill tokens (None: a miss). At least the last
-        token is always computed: its logits are the first token's."""
+    def take(self, request: Request, exact: int | None = None) -> Array | None:
+        """The cached K/V of the request's leading prefill tokens (None: a miss), at most its first
+        `exact` (those a fresh prefill would compute alike). At least the last token is always
+        computed: its logits are the first token's."""
         token_ids = request.prefill_ids
         key = self._key(request, token_ids)
         if key is None:
             return None
         extra, hashes = key
-        tokens, past = self.store.cached_prefix(token_ids, hashes, extra, len(token_ids) - 1)
+        limit = len(token_ids) - 1 if exact is None else min(len(token_ids) - 1, exact)
+        tokens, past = self.store.cached_prefix(token_ids, hashes, extra, limit)
         if request.attempt == 0:  # a preempted request's usage keeps its first attempt's figure
             self.metrics.queried.inc(len(token_ids))
             self.metrics.hit.inc(tokens)
             request.cached_prompt_tokens = tokens
         return past
 
-    def keep(self, request: Request, prompt: PrefilledPrompt) -> None:
-        """The full blocks of a prompt just written into its row (engine thread)."""
-        token_ids = request.prefill_ids[: prompt.length]
+    def keep(self, request: Request, prompt: PrefilledPrompt, exact: int | None = None) -> None:
+        """The full blocks of a prompt just written into its row (engine thread), of its first
+        `exact` tokens only when the rest is not what a fresh prefill computes (reused segments)."""
+        token_ids = request.prefill_ids
         key = self._key(request, token_ids)
         if key is None or prompt.length != len(token_ids):
             return
         extra, hashes = key
+        if exact is not None:
+            hashes = hashes[: exact // self.store.block_size]
         self.store.cache_prompt(token_ids, hashes, extra, prompt.cache, request.cache_policy.form)
 
     def held_by_form(self) -> dict[str, int]:

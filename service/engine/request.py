@@ -59,6 +59,11 @@ class Request:
     # Prompt tokens whose K/V the prefix cache gave (the usage's cached_prompt_tokens; before its
     # prefill, admission's estimate of them).
     cached_prompt_tokens: int = 0
+    # Reusable segments of the prompt as token spans [start, end), and how many leading tokens of
+    # each are recomputed in context (service.engine.segments); the reused tokens, for the usage.
+    segments: tuple[tuple[int, int], ...] = ()
+    segment_repair_tokens: int = 0
+    reused_prompt_tokens: int = 0
     error: str | None = None
     text: str = ""
     output: OutputSink = field(default_factory=OutputStream)

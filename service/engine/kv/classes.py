@@ -37,6 +37,17 @@ def capacity_ladder(max_tokens: int, block_size: int) -> list[int]:
     return ladder
 
 
+def rotate_keys(backend: Backend, keys: Array, offset: int, inv_freq: np.ndarray, dtype: str) -> Array:
+    """RoPE keys (..., head_dim) moved `offset` positions later: a pure rotation by offset x inv_freq
+    (the YaRN attention factor they carry is kept, not applied twice)."""
+    angles = offset * inv_freq  # float64: exact up to fp32 rounding at any offset
+    emb = np.concatenate((angles, angles))
+    cos, sin = backend.upload(np.cos(emb).astype(dtype)), backend.upload(np.sin(emb).astype(dtype))
+    half = keys.shape[-1] // 2
+    rotated_half = backend.concatenate([-keys[..., half:], keys[..., :half]], axis=-1)
+    return keys * cos + rotated_half * sin
+
+
 @dataclass
 class RowPolicy:
     """A row's cache policy (contract.cache_policy) and its eviction state.
@@ -210,16 +221,8 @@ class CapacityClass:
         return bool(full)
 
     def _rotate(self, keys: Array, offset: int) -> Array:
-        """RoPE keys moved `offset` positions later: a pure rotation by offset x inv_freq (the
-        YaRN attention factor they carry is kept, not applied twice)."""
         assert self.rotary_inv_freq is not None
-        angles = offset * self.rotary_inv_freq  # float64: exact up to fp32 rounding at any offset
-        emb = np.concatenate((angles, angles))
-        dtype = self.storage.dtype
-        cos, sin = self.backend.upload(np.cos(emb).astype(dtype)), self.backend.upload(np.sin(emb).astype(dtype))
-        half = keys.shape[-1] // 2
-        rotated_half = self.backend.concatenate([-keys[..., half:], keys[..., :half]], axis=-1)
-        return keys * cos + rotated_half * sin
+        return rotate_keys(self.backend, keys, offset, self.rotary_inv_freq, self.storage.dtype)
 
     def _reset_positions(self) -> None:
         batch = len(self.members)

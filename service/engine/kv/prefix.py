@@ -35,7 +35,8 @@ def block_hashes(token_ids: list[int], block_size: int, extra: Hashable) -> list
 @dataclass(frozen=True)
 class CachedBlock:
     """One block's K/V, (2 x layers, heads, block_size, head_dim), with what its key was made of
-    (checked on a hit, so a hash collision is never a wrong hit)."""
+    (checked on a hit, so a hash collision is never a wrong hit). A reusable segment's entry is one
+    "block" of the segment's length, parent 0 (service.engine.segments)."""
 
     parent: int
     tokens: tuple[int, ...]
@@ -52,7 +53,8 @@ class PrefixCache:
         self.block_size = block_size
         self.blocks: OrderedDict[int, CachedBlock] = OrderedDict()
         self.nbytes = 0
-        self.evictions = 0  # blocks evicted, ever
+        self.tokens = 0  # tokens of every entry (blocks, and whole reusable segments)
+        self.evictions = 0  # entries evicted, ever
 
     def _matched(self, token_ids: list[int], hashes: list[int], extra: Hashable) -> list[tuple[int, CachedBlock]]:
         found: list[tuple[int, CachedBlock]] = []
@@ -82,6 +84,7 @@ class PrefixCache:
     def add(self, key: int, block: CachedBlock) -> None:
         self.blocks[key] = block
         self.nbytes += block.nbytes
+        self.tokens += len(block.tokens)
 
     def touch(self, keys: list[int]) -> None:
         """These keys (a chain, root first) become the most recently used, the root last."""
@@ -95,13 +98,10 @@ class PrefixCache:
             if key not in keep:
                 block = self.blocks.pop(key)
                 self.nbytes -= block.nbytes
+                self.tokens -= len(block.tokens)
                 self.evictions += 1
                 return block.nbytes
         return 0
-
-    @property
-    def tokens(self) -> int:
-        return len(self.blocks) * self.block_size
 
     def bytes_by_form(self) -> dict[str, int]:
         held: dict[str, int] = {}

@@ -290,22 +290,49 @@ class KVStore:
         parent = hash(extra)
         for index, key in enumerate(hashes):
             if key not in self.prefix.blocks:
-                while self.physical_bytes + self.block_bytes > self.capacity_bytes:
-                    freed = self.prefix.evict_oldest(keep=chain)
-                    if not freed:
-                        self.prefix.touch(hashes[:index])
-                        return added
-                    self.physical_bytes -= freed
+                if not self._room_for_cached(self.block_bytes, chain):
+                    self.prefix.touch(hashes[:index])
+                    return added
                 start = index * size
                 tokens = tuple(token_ids[start : start + size])
                 copied = self.backend.copy(kv[:, :, start : start + size])
-                self.prefix.add(key, CachedBlock(parent, tokens, copied, self.block_bytes, form))
-                self.physical_bytes += self.block_bytes
-                self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes)
+                self._add_cached(key, CachedBlock(parent, tokens, copied, self.block_bytes, form))
                 added += 1
             parent = key
         self.prefix.touch(hashes)
         return added
+
+    def cache_segment(self, key: int, tokens: tuple[int, ...], kv: Array, form: str) -> bool:
+        """Keep a reusable segment's K/V computed on its own, (2 x layers, heads, T, head_dim), as one
+        entry of the prefix cache (same budget, same eviction). False: no room without evicting rows."""
+        nbytes = len(tokens) * self.layout.token_bytes
+        if key in self.prefix.blocks or not self._room_for_cached(nbytes, frozenset((key,))):
+            return False
+        self._add_cached(key, CachedBlock(0, tokens, kv, nbytes, form))
+        return True
+
+    def cached_segment(self, key: int, tokens: tuple[int, ...]) -> Array | None:
+        """A segment's K/V kept by `cache_segment` (touched), or None. Never written in place: safe to
+        read on another thread after it is evicted."""
+        block = self.prefix.blocks.get(key)
+        if block is None or block.tokens != tokens:
+            return None
+        self.prefix.touch([key])
+        return block.kv
+
+    def _room_for_cached(self, nbytes: int, keep: frozenset[int]) -> bool:
+        """Evict older cached entries (not `keep`) until `nbytes` more fit the budget; False if they cannot."""
+        while self.physical_bytes + nbytes > self.capacity_bytes:
+            freed = self.prefix.evict_oldest(keep=keep)
+            if not freed:
+                return False
+            self.physical_bytes -= freed
+        return True
+
+    def _add_cached(self, key: int, block: CachedBlock) -> None:
+        self.prefix.add(key, block)
+        self.physical_bytes += block.nbytes
+        self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes)
 
     # ------------------------------------------------------------------ reading
 
