@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine.kv import KVLayout, KVStore
+from service.engine.kv import KVLayout, KVStore, TorchArrays
 from service.engine.kv.prefix import block_hashes
 
 LAYOUT = KVLayout(n_layers=1, n_heads=1, head_dim=2, dtype="float32")  # 16 bytes per token
@@ -92,3 +92,16 @@ def test_eviction_is_least_recently_used_leaf_first() -> None:
     assert store.prefix.evict_oldest() > 0
     assert list(store.prefix.blocks) == [new_keys[0], old_keys[1], old_keys[0]]
     assert store.cached_prefix(new, new_keys, EXTRA, 31)[0] == 16  # the root alone still hits
+
+
+def test_the_torch_store_path_caches_and_hits_alike() -> None:
+    """The GPU path's arrays (torch tensors, here on the CPU): blocks are contiguous copies, a hit one tensor."""
+    import torch
+
+    store = KVStore(LAYOUT, 1 << 20, BLOCK, 1024, TorchArrays("cpu"))
+    tokens = list(range(40))
+    kv = torch.from_numpy(prompt_kv(40))
+    assert cache(store, tokens, kv) == 2
+    hit, past = store.cached_prefix(tokens, block_hashes(tokens, BLOCK, EXTRA), EXTRA, 20)
+    assert hit == 20 and past.is_contiguous() and tuple(past.shape) == (2, 1, 1, 20, 2)
+    assert torch.equal(past[:, 0], kv[:, :, :20])
