@@ -142,7 +142,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request(server: ServerProcess) 
         assert server.metric("posenc_running_sequences", model="alibi") == 1
     assert wait_for(lambda: cancelled() == before + 1)
     assert wait_for(lambda: server.metric("posenc_running_sequences", model="alibi") == 0)
-    assert wait_for(lambda: server.metric("posenc_kv_cache_used_bytes", model="alibi") == 0)
+    assert wait_for(lambda: server.sequence_bytes("posenc_kv_cache_used_bytes", model="alibi") == 0)
     assert server.metric("posenc_cancellation_latency_seconds_count", model="alibi") >= 1
 
 
