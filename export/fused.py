@@ -157,21 +157,23 @@ class RelativeBias(FusedPositions):
             -distances, bidirectional=False, num_buckets=config.relative_num_buckets,
             max_distance=config.relative_max_distance,
         )  # fmt: skip
-        table = self.model.positional.bias.weight[buckets]  # type: ignore[union-attr]  # (max_distance+1, H)
+        table = self.model.positional.bias.weight[buckets].T  # type: ignore[union-attr]  # (H, max_distance+1)
         top = g.const("max_distance", np.array(config.relative_max_distance))
-        distance = g.one("Min", g.one("Max", step.distances(g), ZERO), top)
-        bias = g.one("Gather", g.const("relative_bias_by_distance", table), distance)  # (B, S, T, H)
-        return g.one("Transpose", bias, perm=[0, 3, 1, 2])
+        distance = g.one("Clip", step.distances(g), ZERO, top)  # (B, S, T)
+        bias = g.one("Gather", g.const("relative_bias_by_distance", table), distance, axis=1)  # (H, B, S, T)
+        return g.one("Transpose", bias, perm=[1, 0, 2, 3])
 
 
 class AlibiBias(FusedPositions):
     """-slope * (query - key) per head, as `AlibiBias.attention_bias`."""
 
     def attention_bias(self, g: GraphBuilder, step: StepInputs) -> str:
-        slopes = -torch.from_numpy(alibi_slopes(self.config.n_heads)).view(1, -1, 1, 1)
-        distance = g.one("Cast", step.distances(g), to=TensorProto.FLOAT)
-        distance = g.one("Unsqueeze", distance, g.const("axis_heads", np.array([1])))  # (B, 1, S, T)
-        return g.one("Mul", g.const("negative_alibi_slopes", slopes), distance)  # (B, H, S, T)
+        # slope * key - slope * query: the (B, H, S, T) bias is written once, by one broadcasting Sub.
+        slopes = g.const("alibi_slopes", torch.from_numpy(alibi_slopes(self.config.n_heads)).view(1, -1, 1, 1))
+        keys = g.one("Mul", slopes, g.one("Cast", step.key_positions(g), to=TensorProto.FLOAT))  # (1, H, 1, T)
+        queries = g.one("Unsqueeze", step.position_ids, g.const("axes_1_3", np.array([1, 3])))  # (B, 1, S, 1)
+        queries = g.one("Mul", slopes, g.one("Cast", queries, to=TensorProto.FLOAT))  # (B, H, S, 1)
+        return g.one("Sub", keys, queries)  # (B, H, S, T)
 
 
 class RotaryInKernel(FusedPositions):
@@ -275,18 +277,30 @@ def _layers(
         x = g.one("Add", x, embedding)
 
     def linear(h: str, prefix: str) -> str:
-        weight = g.const(f"{prefix}.weight_t", sd[f"{prefix}.weight"].T)  # (in, out) for MatMul
-        return g.one("Add", g.one("MatMul", h, weight), g.const(f"{prefix}.bias", sd[f"{prefix}.bias"]))
+        return g.one("Add", project(h, prefix), g.const(f"{prefix}.bias", sd[f"{prefix}.bias"]))
 
-    def norm(h: str, prefix: str) -> str:
-        scale, shift = (g.const(f"{prefix}.{part}", sd[f"{prefix}.{part}"]) for part in ("weight", "bias"))
-        return g.one("LayerNormalization", h, scale, shift, axis=-1, epsilon=config.layer_norm_eps)
+    def project(h: str, prefix: str) -> str:
+        return g.one("MatMul", h, g.const(f"{prefix}.weight_t", sd[f"{prefix}.weight"].T))  # (in, out)
+
+    def norm_weights(prefix: str) -> list[str]:
+        return [g.const(f"{prefix}.{part}", sd[f"{prefix}.{part}"]) for part in ("weight", "bias")]
+
+    def add_and_norm(residual: str, h: str, prefix: str, norm: str) -> tuple[str, str]:
+        """(layer norm `norm` of residual + h + `prefix`'s bias, that sum): one SkipLayerNormalization
+        instead of two Adds and a LayerNormalization (ORT's own fusion misses a sum read twice)."""
+        bias = g.const(f"{prefix}.bias", sd[f"{prefix}.bias"])
+        normed, _, _, total = g.op(
+            "SkipLayerNormalization", h, residual, *norm_weights(norm), bias,
+            outputs=4, domain="com.microsoft", epsilon=config.layer_norm_eps,
+        )  # fmt: skip
+        return normed, total
 
     cos, sin, rotary_positions = rotary if rotary is not None else ("", "", "")
     past, present = past_names(config.n_layers), present_names(config.n_layers)
+    normed = g.one("LayerNormalization", x, *norm_weights("blocks.0.attn_norm"), axis=-1, epsilon=config.layer_norm_eps)
     for i in range(config.n_layers):
         block = f"blocks.{i}"
-        qkv = linear(norm(x, f"{block}.attn_norm"), f"{block}.attn.qkv")  # packed (B, S, 3d)
+        qkv = linear(normed, f"{block}.attn.qkv")  # packed (B, S, 3d)
         attended, _, _ = g.op(
             "GroupQueryAttention",
             qkv, "", "", past[2 * i], past[2 * i + 1], seqlens_k, total_i32, cos, sin,
@@ -295,13 +309,13 @@ def _layers(
             do_rotary=int(rotary is not None), rotary_interleaved=0, scale=1.0 / math.sqrt(config.head_dim),
         )  # fmt: skip
         g.nodes[-1].output[1:] = [present[2 * i], present[2 * i + 1]]
-        x = g.one("Add", x, linear(attended, f"{block}.attn.out_proj"))
-        hidden = g.one("Gelu", linear(norm(x, f"{block}.mlp_norm"), f"{block}.mlp.up"), domain="com.microsoft")
-        x = g.one("Add", x, linear(hidden, f"{block}.mlp.down"))
-    x = norm(x, "final_norm")
-    g.nodes.append(
-        helper.make_node("MatMul", [x, g.const("lm_head", sd["token_embedding.weight"].T)], [LOGITS], name="lm_head")
-    )
+        out = f"{block}.attn.out_proj"
+        normed, x = add_and_norm(x, project(attended, out), out, f"{block}.mlp_norm")
+        hidden = g.one("Gelu", linear(normed, f"{block}.mlp.up"), domain="com.microsoft")
+        after = f"blocks.{i + 1}.attn_norm" if i + 1 < config.n_layers else "final_norm"
+        normed, x = add_and_norm(x, project(hidden, f"{block}.mlp.down"), f"{block}.mlp.down", after)
+    lm_head = g.const("lm_head", sd["token_embedding.weight"].T)
+    g.nodes.append(helper.make_node("MatMul", [normed, lm_head], [LOGITS], name="lm_head"))
 
 
 def _model(g: GraphBuilder, config: ModelConfig, prompt: bool = False) -> onnx.ModelProto:
