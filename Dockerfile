@@ -61,8 +61,8 @@ COPY --from=cpu-deps /opt/venv /opt/venv
 COPY --from=export /models /models
 USER 10001
 ENV POSENC_MODEL_REPOSITORY=/models POSENC_HOST=0.0.0.0 POSENC_METRICS_HOST=0.0.0.0 \
-    POSENC_PORT=50051 POSENC_METRICS_PORT=9464 POSENC_DEVICE=cpu
-EXPOSE 50051 9464
+    POSENC_PORT=50051 POSENC_HTTP_PORT=8000 POSENC_METRICS_PORT=9464 POSENC_DEVICE=cpu
+EXPOSE 50051 8000 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "-m", "service.healthcheck"]
 CMD ["python", "-m", "service"]
 
@@ -73,7 +73,7 @@ RUN pip install '.[loadtest]'
 
 FROM runtime AS locust
 COPY --from=locust-deps /opt/venv /opt/venv
-# loadtest/ may import anything: the Locust users take the probes' span alphabet from models/ (code only).
+# loadtest/ may import anything: the Locust users take their prompts from models/ (corpus and tokenizer; code only).
 COPY models/*.py models/
 COPY loadtest loadtest
 USER 10001
@@ -109,7 +109,7 @@ RUN python -m compileall -q contract models service
 COPY --from=export /models /models
 USER 10001
 ENV POSENC_MODEL_REPOSITORY=/models POSENC_HOST=0.0.0.0 POSENC_METRICS_HOST=0.0.0.0 \
-    POSENC_PORT=50051 POSENC_METRICS_PORT=9464 POSENC_DEVICE=auto
-EXPOSE 50051 9464
+    POSENC_PORT=50051 POSENC_HTTP_PORT=8000 POSENC_METRICS_PORT=9464 POSENC_DEVICE=auto
+EXPOSE 50051 8000 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=90s --retries=3 CMD ["python", "-m", "service.healthcheck"]
 CMD ["python", "-m", "service"]

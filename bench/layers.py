@@ -3,9 +3,11 @@ session.run loop and onnxruntime-genai on the same ONNX files; and gRPC transpor
 
 from __future__ import annotations
 
+import http.client
 import json
 import statistics
 import time
+import urllib.parse
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +33,33 @@ from service.process import ServerProcess
 def decode_tokens_per_second_grpc(server: ServerProcess, model: str, new_tokens: int) -> float:
     request = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=new_tokens)
     return decode_rate(token_arrivals(stream_texts(server.stub.GenerateStream(request, timeout=600))))
+
+
+def http_completion(server: ServerProcess, body: dict[str, object]) -> http.client.HTTPResponse:
+    """POST /v1/completions on the server's OpenAI-compatible API; the response, unread."""
+    address = urllib.parse.urlsplit(server.http_url)
+    connection = http.client.HTTPConnection(address.hostname or "127.0.0.1", address.port, timeout=600)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"/v1/completions answered {response.status}: {response.read()[:300]!r}")
+    return response
+
+
+def sse_texts(response: http.client.HTTPResponse) -> Iterator[str]:
+    """The completion text of each server-sent event of a /v1/completions stream."""
+    for line in response:
+        if line.startswith(b"data: {"):
+            choices = json.loads(line[6:])["choices"]
+            if choices:
+                yield choices[0]["text"]
+
+
+def decode_tokens_per_second_http(server: ServerProcess, model: str, new_tokens: int) -> float:
+    """One stream through the OpenAI-compatible API: /v1/completions streaming, greedy, ignore_eos."""
+    body = {"model": model, "prompt": "def main():\n", "max_tokens": new_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    return decode_rate(token_arrivals(sse_texts(http_completion(server, body))))
 
 
 class _BareStreamer(generation_pb2_grpc.GenerationServicer):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import statistics
 import threading
@@ -18,9 +19,11 @@ from bench.layers import (
     decode_tokens_per_second_engine,
     decode_tokens_per_second_genai,
     decode_tokens_per_second_grpc,
+    decode_tokens_per_second_http,
     decode_tokens_per_second_plain_loop,
     decode_tokens_per_second_runner,
     grpc_stream_ceiling,
+    http_completion,
 )
 from bench.runners import batch_runner, step_seconds
 from bench.streams import median_of, stream_texts, token_arrivals
@@ -56,6 +59,7 @@ def print_throughput(
             print(f"  (figures and ratios: medians of {args.rounds} interleaved rounds)")
         ratios = [
             ("gRPC", "onnxruntime-genai", "(goal >= 0.8, same threads)"),
+            ("HTTP", "gRPC", "(goal >= 0.9: /v1/completions streaming, ignore_eos)"),
             ("engine core", "runner", "(goal >= 0.9)"),
             ("in-process engine", "runner", ""),
             ("gRPC", "runner", ""),
@@ -93,12 +97,14 @@ def print_throughput(
             one, sixteen = (statistics.median(times) for times in zip(*pairs, strict=True))
             return one, sixteen
 
-        sweeps, graphs = [], []
+        sweeps, graphs, http64 = [], [], []
         for _ in range(args.rounds):
             sweeps.append(
                 {streams: aggregate_tokens_per_second(server, args.model, streams, args.new_tokens // 2)
                  for streams in args.concurrency}
             )  # fmt: skip
+            if 64 in args.concurrency:  # the same 64 clients through the HTTP API
+                http64.append(aggregate_tokens_per_second(server, args.model, 64, args.new_tokens // 2, http=True))
             graphs.append(graph_steps())
         rates = {streams: statistics.median(sweep[streams] for sweep in sweeps) for streams in args.concurrency}
         for streams in args.concurrency:
@@ -128,6 +134,13 @@ def print_throughput(
             f"  64 streams / 16 streams              {statistics.median(each):.2f}  (goal >= 1; sweeps: "
             f"{', '.join(f'{r:.2f}' for r in each)})"
         )
+    if http64:
+        each = [http / sweep[64] for http, sweep in zip(http64, sweeps, strict=True)]
+        print(
+            f"  64 HTTP streams {statistics.median(http64):8.1f} tokens/s; "
+            f"HTTP / gRPC at 64 streams {statistics.median(each):.2f}  (goal >= 0.9; /v1/completions, same requests; "
+            f"sweeps: {', '.join(f'{r:.2f}' for r in each)})"
+        )
     server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", "--prefill-nice", "0",
                            *device_flags, threads=server_threads)  # fmt: skip
     try:
@@ -146,6 +159,7 @@ def single_stream_figures(
     folder = repository / args.model
     figures = {
         "gRPC": median_of(lambda: decode_tokens_per_second_grpc(server, args.model, args.new_tokens)),
+        "HTTP": median_of(lambda: decode_tokens_per_second_http(server, args.model, args.new_tokens)),
         "engine core": decode_tokens_per_second_core(repository, args.model, args.new_tokens, server_threads),
         "in-process engine": decode_tokens_per_second_engine(repository, args.model, args.new_tokens, server_threads),
         "runner": median_of(
@@ -162,15 +176,21 @@ def single_stream_figures(
 
 
 def aggregate_tokens_per_second(
-    server: ServerProcess, model: str, streams: int, new_tokens: int, requests_per_stream: int = REQUESTS_PER_STREAM
+    server: ServerProcess, model: str, streams: int, new_tokens: int, requests_per_stream: int = REQUESTS_PER_STREAM,
+    http: bool = False,
 ) -> float:
     """Generated tokens/s of `streams` clients, each sending unary requests back to back, so
-    every concurrency (one stream too) is measured over several requests, prefills included."""
+    every concurrency (one stream too) is measured over several requests, prefills included.
+    `http`: the same requests as non-streaming /v1/completions calls."""
 
     def client(stream: int) -> int:
         tokens = 0
         for i in range(requests_per_stream):
             prompt = f"def function_{stream}_{i}(x):\n    return x * {i}\n\n"
+            if http:
+                body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.8, "seed": i}
+                tokens += json.loads(http_completion(server, body).read())["usage"]["completion_tokens"]
+                continue
             request = pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=new_tokens, temperature=0.8, seed=i)
             tokens += server.stub.Generate(request, timeout=600).usage.completion_tokens
         return tokens

@@ -172,6 +172,22 @@ build_locust() {
 }
 
 # ---- one container ----------------------------------------------------------------------------------
+http_api() {  # BASE_URL: the OpenAI-compatible API answers /health, /v1/models and one /v1/completions
+  local base=$1 models completion
+  step "HTTP API: GET $base/health, GET $base/v1/models, POST $base/v1/completions"
+  curl -fsS --max-time 10 "$base/health" > /dev/null || fail "GET /health"
+  models=$(curl -fsS --max-time 10 "$base/v1/models" \
+    | python3 -c 'import json, sys; print(" ".join(m["id"] for m in json.load(sys.stdin)["data"]))') \
+    || fail "GET /v1/models"
+  [[ " $models " == *" alibi "* ]] || fail "/v1/models lists no alibi: $models"
+  completion=$(curl -fsS --max-time 60 "$base/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"model": "alibi", "prompt": "def fibonacci(n):\n", "max_tokens": 16, "temperature": 0, "ignore_eos": true}' \
+    | python3 -c 'import json, sys; r = json.load(sys.stdin); print(r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"])') \
+    || fail "POST /v1/completions"
+  [ "$completion" = "16 length" ] || fail "/v1/completions: completion_tokens and finish_reason are '$completion', not '16 length'"
+  ok "models: $models; a completion of 16 tokens (finish_reason length)"
+}
+
 wait_healthy() {  # NAME TIMEOUT: prints the seconds it took
   local start=$1 name=$2 timeout=$3 status
   while true; do
@@ -185,14 +201,16 @@ wait_healthy() {  # NAME TIMEOUT: prints the seconds it took
 }
 
 image_smoke() {
-  local name port metrics started healthy stop_start stopped drain exit_code line
+  local name port http metrics started healthy stop_start stopped drain exit_code line
   name=posenc-smoke-$$
   port=$(free_port)
+  http=$(free_port)
   metrics=$(free_port)
-  step "run: $name on the host network, gRPC 127.0.0.1:$port, /metrics 127.0.0.1:$metrics"
+  step "run: $name on the host network, gRPC 127.0.0.1:$port, HTTP API 127.0.0.1:$http, /metrics 127.0.0.1:$metrics"
   started=$(now)
   "$DOCKER" run -d --name "$name" --network host -e POSENC_HOST=127.0.0.1 -e POSENC_METRICS_HOST=127.0.0.1 \
-    -e "POSENC_PORT=$port" -e "POSENC_METRICS_PORT=$metrics" -e POSENC_MAX_NEW_TOKENS_LIMIT=2048 "$IMAGE" > /dev/null
+    -e "POSENC_PORT=$port" -e "POSENC_HTTP_PORT=$http" -e "POSENC_METRICS_PORT=$metrics" \
+    -e POSENC_MAX_NEW_TOKENS_LIMIT=2048 "$IMAGE" > /dev/null
   CLEANUP+=("$DOCKER rm -f $name")
   step "health: waiting for the image's own HEALTHCHECK (python -m service.healthcheck, every 10 s)"
   healthy=$(wait_healthy "$started" "$name" 300)
@@ -201,6 +219,8 @@ image_smoke() {
   step "gRPC: Generate and GenerateStream through 127.0.0.1:$port"
   rpc generate "127.0.0.1:$port" | sed 's/^/[smoke]   /' || fail "Generate / GenerateStream"
   ok "both answered"
+
+  http_api "http://127.0.0.1:$http"
 
   step "metrics: http://127.0.0.1:$metrics/metrics"
   line=$(curl -fsS --max-time 10 "http://127.0.0.1:$metrics/metrics" | grep -E '^posenc_requests_total\{.*method="Generate"' | head -n 1) \
@@ -254,7 +274,7 @@ compose_smoke() {
   else compose=("$DOCKER" compose); fi
   proxy_base=$(base_image "$NGINX_IMAGE" nginx)
   prometheus_base=$(base_image "$PROMETHEUS_IMAGE" prometheus)
-  for port in 50051 50061 50062 9465 9466; do
+  for port in 50051 50061 50062 8000 8001 8002 9465 9466; do
     port_free "$port" || fail "port $port is taken on 127.0.0.1; deploy/compose.host.yml needs it"
   done
   prometheus_port=$(free_port)
@@ -274,6 +294,7 @@ compose_smoke() {
 
   step "proxy: 40 calls (20 Generate, 20 GenerateStream) through 127.0.0.1:50051"
   rpc generate 127.0.0.1:50051 --calls 20 | sed 's/^/[smoke]   /' || fail "calls through the proxy"
+  http_api http://127.0.0.1:8000
   for metrics in 9465 9466; do
     n=$(curl -fsS --max-time 10 "http://127.0.0.1:$metrics/metrics" \
       | awk '/^posenc_requests_total\{/ && /code="OK"/ {s += $NF} END {print s + 0}')

@@ -180,8 +180,8 @@ class RotaryInKernel(FusedPositions):
     """The kernel rotates q and k (rotate-half layout, `rotary_interleaved=0`) from cos/sin caches.
 
     The kernel looks a row's angles up at its position_ids and wants a cache of at least T rows;
-    a table over all positions 0 .. T-1 would cost T x head_dim/2 cos and sin per step (0.15 ms of a
-    0.45 ms step at 2048 tokens). So the cache holds one row per batch row, its new token's angles,
+    a table over all positions 0 .. T-1 would cost T x head_dim/2 cos and sin per step, a large share
+    of a decode step at long contexts. So the cache holds one row per batch row, its new token's angles,
     zero-padded to T rows, and the kernel is given each row's index as its position: exact, and
     B x head_dim/2 cos and sin per step. One initializer holds the variant's inverse frequencies and
     feeds one Cos and one Sin, as in the traced graphs, so `export.rope_variants` derives the scaled

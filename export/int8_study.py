@@ -7,28 +7,25 @@ al. 2024, https://arxiv.org/abs/2402.02750) quantizes keys per channel with scal
 G tokens, so a key is quantized only once its group is complete (before that it stays float32);
 values per token either way.
 
-Measured (16 windows of 256 tokens, 1x): bits per byte, float32 -> per token | KIVI groups of 32
-    alibi 1.4248 -> 1.4248 (-0.00%) | 1.4247 (-0.01%)     learned 1.5409 -> 1.5410 (+0.01%) | 1.5409 (+0.00%)
-    none 1.9381 -> 1.9372 (-0.05%) | 1.9379 (-0.01%)      relative 1.4198 -> 1.4199 (+0.01%) | 1.4199 (+0.01%)
-    rope 1.5618 -> 1.5618 (+0.00%) | 1.5617 (-0.01%)      sinusoidal 1.4872 -> 1.4870 (-0.02%) | 1.4869 (-0.02%)
-Both far within 1%; per-channel keys buy nothing measurable here, and need group-fixed scales and
-up to a group of float32 keys per row, so per token is served (contract/kv_int8.py).
+Per token is served (contract/kv_int8.py): both layouts cost far less than 1% of bits per byte on
+the shipped weights, and per-channel keys would add group-fixed scales and up to a group of float32
+keys per row for no measurable gain.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from export.evaluate import evaluation_sequences
+from models.checkpoints import WEIGHTS_DIR
 from models.corpus import load_corpus
+from models.evaluation import bits_per_byte, evaluation_sequences
 from models.positional import SCHEMES
 from models.streaming import fake_quantize
 from models.tokenizer import TOKENIZER
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer, attend_concatenated
 
 
@@ -61,14 +58,10 @@ def quantized_attention(layout: str, group: int):
 
 
 @torch.no_grad()
-def bits_per_byte(model: Transformer, sequences: list[list[int]]) -> float:
-    total, count = 0.0, 0
-    for ids in sequences:
-        logits, _ = model(torch.tensor([ids[:-1]]))
-        logprobs = torch.log_softmax(logits[0].double(), -1).gather(1, torch.tensor(ids[1:])[:, None])
-        total -= float(logprobs.sum())
-        count += len(ids) - 1
-    return total / count / math.log(2)
+def target_logprobs(model: Transformer, ids: list[int]) -> Tensor:
+    """Teacher-forced log-probabilities of ids[1:] (T - 1, 1), in float64."""
+    logits, _ = model(torch.tensor([ids[:-1]]))
+    return torch.log_softmax(logits[0].double(), -1).gather(1, torch.tensor(ids[1:])[:, None])
 
 
 def main() -> None:
@@ -86,7 +79,7 @@ def main() -> None:
             attend = attend_concatenated if layout == "float32" else quantized_attention(layout, args.group)
             for block in model.blocks:
                 block.attn.attend = attend
-            results[layout] = bits_per_byte(model, sequences)
+            results[layout] = bits_per_byte(partial(target_logprobs, model), sequences)
         base = results["float32"]
         print(scheme.ljust(11), "  ".join(f"{k} {v:.4f} ({100 * (v / base - 1):+.2f}%)" for k, v in results.items()))
 

@@ -23,8 +23,9 @@ from contract.graph import (
     kv_name,
 )
 from contract.manifest import DTYPE_BYTES, SERVING_FUSED, sha256_file
+from models.checkpoints import WEIGHTS_DIR
 from models.config import ModelConfig
-from models.positional import build_positional, rope_rotation_frequencies
+from models.positional import SCHEMES, build_positional, rope_rotation_frequencies
 from models.tokenizer import TOKENIZER
 
 
@@ -154,6 +155,72 @@ def genai_config(config: ModelConfig, onnx_file: str) -> dict[str, object]:
             "top_p": 1.0,
         },
     }
+
+
+TOKENIZER_JSON = "tokenizer.json"
+SPECIAL_TOKENS = {"bos_token_id": "<|bos|>", "eos_token_id": "<|eos|>", "pad_token_id": "<|pad|>"}
+
+
+def byte_characters() -> list[str]:
+    """GPT-2's byte-to-unicode table (what a ByteLevel pre-tokenizer writes each byte as): printable
+    bytes stand for themselves, the others take the code points from 256 on, in order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
+
+
+def huggingface_tokenizer() -> dict[str, object]:
+    """The byte vocabulary as a Hugging Face `tokenizer.json` (read by `tokenizers`, transformers and
+    onnxruntime-genai): a ByteLevel pre-tokenizer and a BPE model without merges whose token for each
+    byte has the byte's value as id, BOS prepended by the post-processor, and the specials after 255.
+    The specials are vocabulary entries, not added tokens: `tokenizers` cuts added tokens out of the
+    input text, and the service never does (a text holding "<|eos|>" is those seven bytes), while no
+    merge can join bytes into a special. Decoding renders them by name."""
+    specials = {SPECIAL_TOKENS[key]: int(value) for key, value in TOKENIZER.manifest().items() if key in SPECIAL_TOKENS}
+    bos = SPECIAL_TOKENS["bos_token_id"]
+    single = [{"SpecialToken": {"id": bos, "type_id": 0}}] if TOKENIZER.add_bos else []
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [*single, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [*single, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 0}}],
+            "special_tokens": {bos: {"id": bos, "ids": [specials[bos]], "tokens": [bos]}} if single else {},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {**{char: byte for byte, char in enumerate(byte_characters())}, **specials},
+            "merges": [],
+        },
+    }
+
+
+def write_tokenizer_json(folder: Path) -> Path:
+    """Write the byte vocabulary's `tokenizer.json` into a model's folder. Export writes it into each
+    model of the repository; the shipped weights' folders (models/weights/<scheme>/) carry the same
+    file, for tools that start from the weights, rewritten by
+    `python -c 'from export.manifest import ship_tokenizers; ship_tokenizers()'`."""
+    path = folder / TOKENIZER_JSON
+    write_json(path, huggingface_tokenizer())
+    return path
+
+
+def ship_tokenizers(weights: Path = WEIGHTS_DIR) -> list[Path]:
+    """`tokenizer.json` into every scheme's weights folder that exists under `weights`."""
+    return [write_tokenizer_json(weights / scheme) for scheme in SCHEMES if (weights / scheme).is_dir()]
 
 
 def write_json(path: Path, data: dict[str, object]) -> None:

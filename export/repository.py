@@ -39,9 +39,9 @@ from contract.manifest import (
     variant_dtype,
 )
 from contract.paths import REPOSITORY_ROOT
-from export.evaluate import bits_per_byte, evaluation_sequences
+from export.evaluate import onnx_bits_per_byte
 from export.fused import export_fused
-from export.manifest import build_manifest, genai_config, write_json
+from export.manifest import build_manifest, genai_config, write_json, write_tokenizer_json
 from export.onnx import OPSET, export_onnx
 from export.rope_variants import derive_rope_variant
 from export.runtime import OnnxCausalLM
@@ -56,11 +56,12 @@ from export.verify import (
     tolerance,
     torch_reference,
 )
+from models.checkpoints import WEIGHTS_DIR
 from models.config import ModelConfig, RopeScaling
 from models.corpus import load_corpus
+from models.evaluation import evaluation_sequences
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 
 DEFAULT_OUT = REPOSITORY_ROOT / "model_repository"
@@ -196,6 +197,7 @@ def export_model(
     }
     write_json(folder / MANIFEST, build_manifest(name, model.config, variants, OPSET, versions, extra))
     write_json(folder / GENAI_CONFIG, genai_config(model.config, variants["float32"].name))
+    write_tokenizer_json(folder)
     return ExportResult(
         name,
         model.num_parameters(),
@@ -264,7 +266,7 @@ def verify_model(
         fused = report.max_abs if report.greedy_equal else float("nan")
     prefill = check_prefill_graph(reference, folder, prompts) if PREFILL_FUSED in graphs else None
     runtime = OnnxCausalLM(folder, threads=threads)
-    test_bpb = {context: bits_per_byte(runtime, windows) for context, windows in sequences.items()}
+    test_bpb = {context: onnx_bits_per_byte(runtime, windows) for context, windows in sequences.items()}
     return Verification(parity, int8, test_bpb, fused, prefill)
 
 

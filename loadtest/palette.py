@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from contract.paths import REPOSITORY_ROOT
 
@@ -24,7 +25,7 @@ class Style:
     color: str  # "#rrggbb"
     marker: str  # a matplotlib marker
 
-    def kwargs(self) -> dict[str, str]:
+    def kwargs(self) -> dict[str, Any]:
         """Keyword arguments of a matplotlib plot/scatter/errorbar call."""
         return {"color": self.color, "marker": self.marker}
 

@@ -4,10 +4,11 @@ Each probe builds a text, scores it teacher-forced in one call, and counts the b
 greedy prediction gets right (`ScoreResponse.greedy_tokens`), so every trial contributes a graded
 figure instead of all or nothing:
 
-- **copy**: a random 16-character span in held-out text, repeated after a filler of D bytes; the
-  figure is the share of the repeat's last 8 characters predicted (its first 8 identify which span
-  to copy). Also on a grid of context lengths x depths (where the first copy sits: "lost in the
-  middle").
+- **copy**: a random 16-character span of the span alphabet (`models.spans`, the one training and
+  `models.copy_probe` use) in held-out text, repeated after a filler of D bytes; the figure is the
+  share of the repeat's last 8 characters predicted (its first 8 identify which span to copy), and
+  chance is 1/len(alphabet). Also on a grid of context lengths x depths (where the first copy
+  sits: "lost in the middle").
 - **passkey** (Mohtashami & Jaggi 2023; the position-interpolation and YaRN papers): a 5-digit key
   hidden in filler as a line of code, asked for at the end; the share of its digits predicted.
 - **natural**: bits per byte on held-out bytes that complete a repeated 8-byte n-gram whose
@@ -27,11 +28,11 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from models.spans import SPAN_ALPHABET
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 
 Z95 = 1.959963984540054
-SPAN_CHARS = string.ascii_lowercase + string.digits
 SPAN, CUE = 16, 8  # the planted span; its first CUE characters identify it, the rest are scored
 NGRAM = 8
 DISTANCE_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # upper edges, bytes
@@ -89,7 +90,7 @@ class ProbeText:
 
 
 def _span(rng: random.Random) -> str:
-    return "".join(rng.choice(SPAN_CHARS) for _ in range(SPAN))
+    return "".join(rng.choice(SPAN_ALPHABET) for _ in range(SPAN))
 
 
 def copy_text(filler: Filler, rng: random.Random, before: int, distance: int) -> ProbeText:

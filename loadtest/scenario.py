@@ -15,7 +15,10 @@ from typing import Any
 from locust import events
 from locust.argument_parser import LocustArgumentParser
 
+from loadtest.sse import DEFAULT_HTTP_PORT
+
 LOAD_SHAPES = ("steady", "step", "poisson")
+APIS = ("grpc", "http", "both")
 
 
 def _option(group: Any, flag: str, default: Any, text: str, **kwargs: Any) -> None:
@@ -47,6 +50,12 @@ def add_scenario_options(parser: LocustArgumentParser, **_kwargs: Any) -> None:
     _option(group, "--step-users", 8, "users added per step (step shape)", type=int)
     _option(group, "--step-seconds", 30.0, "seconds per step (step shape)", type=float)
     _option(group, "--request-timeout", 120.0, "deadline of each request, seconds", type=float)
+    _option(group, "--ignore-eos", False, "generate exactly --max-new-tokens (the model's end-of-text does not stop)",
+            action="store_true")  # fmt: skip
+    _option(group, "--api", "grpc", "which front end the users call (grpc, http, both: half the users each); "
+            "naming user classes on the command line overrides it", choices=APIS)  # fmt: skip
+    _option(group, "--http-host", "", "base URL of the OpenAI-compatible HTTP API; empty: --host if it is a URL, "
+            f"else http://<--host's name>:{DEFAULT_HTTP_PORT}")  # fmt: skip
     _option(
         group, "--cancel-fraction", 0.0,
         "share of streams the client cancels after a few chunks (reported as 'Cancelled <model>')", type=float,

@@ -5,7 +5,7 @@ stream three times and mixed milliseconds between tokens with whole-request seco
 kept here instead: in Locust's own `RequestStats` (the same histograms, percentiles and
 worker-to-master merging through the `report_to_master` / `worker_report` events), one per
 measure, apart from `environment.stats`. Values are stored in microseconds because Locust keeps
-about two significant digits of an integer and an inter-token gap here is often under 1 ms.
+about two significant digits of an integer and an inter-token gap can be shorter than a millisecond.
 
 Shown three ways: a table printed after Locust's own summary when it quits (so `--headless` runs
 end with TTFT and ITL percentiles), `<--csv prefix>_token_latency.csv`, and a "Token latency" tab

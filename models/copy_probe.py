@@ -1,10 +1,11 @@
 """Copy probe: does a model repeat a random span it saw D bytes earlier?
 
-A random 16-character alphanumeric span is planted in held-out text and written again after
-D bytes of that text; the score is the share of the repeat's last 8 characters the model
-predicts (greedy, teacher-forced). Nothing but copying predicts them: a model that cannot
-copy scores near 0 (1/62 at best, by guessing), one that copies perfectly 1.0. Test bits per byte at the training
-context comes with it, since teaching a model to copy must not cost it the text.
+A random 16-character span of the span alphabet (`models.spans`) is planted in held-out text and
+written again after D bytes of that text; the score is the share of the repeat's last 8 characters
+the model predicts (greedy, teacher-forced). Nothing but copying predicts them: a model that cannot
+copy scores near 0 (at best chance, which is 1/len(alphabet), by guessing), one that copies
+perfectly 1.0. Test bits per byte at the training context comes with it, since teaching a model to
+copy must not cost it the text.
 
     python -m models.copy_probe --weights models/weights
 """
@@ -21,10 +22,12 @@ import torch
 from torch import Tensor
 
 from contract.cli import HelpFormatter
+from models.checkpoints import WEIGHTS_DIR
 from models.corpus import load_corpus
+from models.data import SPAN_BYTES
+from models.evaluation import evaluation_windows, windows_bits_per_byte
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
-from models.train import ALPHANUMERIC, WEIGHTS_DIR, bits_per_byte, evaluation_windows
 from models.transformer import Transformer
 
 DISTANCES = (32, 64, 128, 256)
@@ -44,7 +47,7 @@ def copy_trials(text: bytes, distance: int, trials: int, seed: int = 0) -> Tenso
     for _ in range(trials):
         start = int(generator.integers(0, len(text) - natural))
         filler = np.frombuffer(text[start : start + natural], dtype=np.uint8).astype(np.int64)
-        span = generator.choice(ALPHANUMERIC, size=SPAN).astype(np.int64)
+        span = generator.choice(SPAN_BYTES, size=SPAN).astype(np.int64)
         rows.append(np.concatenate([[TOKENIZER.bos_token_id], filler[:PREFIX], span, filler[PREFIX:], span]))
     return torch.from_numpy(np.stack(rows))
 
@@ -89,7 +92,7 @@ def probe(
     return {
         "copy": copy,
         "trials": trials,
-        "test_bpb": bits_per_byte(model, inputs, targets),
+        "test_bpb": windows_bits_per_byte(model, inputs, targets),
         "bpb_windows": bpb_windows,
     }
 

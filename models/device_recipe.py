@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from contract.cli import HelpFormatter
+from models.checkpoints import WEIGHTS_DIR, without_options
 from models.positional import SCHEMES
-from models.train import WEIGHTS_DIR, without_options
 
 
 def recipe_arguments(scheme: str, weights: Path = WEIGHTS_DIR) -> list[str]:

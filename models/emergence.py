@@ -18,7 +18,7 @@ from pathlib import Path
 from contract.cli import HelpFormatter
 
 SCHEMES = ("sinusoidal", "learned", "relative", "rope", "alibi", "none")  # models.positional.SCHEMES' order
-DISTANCES = (32, 128)  # models.train.PROBE_DISTANCES
+DISTANCES = (32, 128)  # models.train_config.PROBE_DISTANCES
 COPIES = 0.8  # copy accuracy at every probed distance that counts as copying (issue 23's bar)
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
 

@@ -5,7 +5,9 @@ Per step, with n tokens cached before it and t its index in the sequence:
 - the query position is `t` for schemes whose positions cannot be re-indexed (`original`) and for
   rope (whose cached keys already carry their positions, see below), else `n`, its rank in the
   cache. Key positions come from the attention mask, ranks 0..n, so bias schemes (ALiBi, T5)
-  see the distances within the cache, consistent with the query (../shared/notes/positions-trap.md);
+  see the distances within the cache, consistent with the query (`Transformer.forward` takes query
+  positions from `position_ids` but key positions from the mask: a query position that disagreed
+  with the mask would give the bias schemes wrong distances);
 - once the cache holds the budget B = S + W tokens, each step evicts the oldest non-sink token
   (cache index S) from every layer's K and V;
 - rope keys cannot be re-indexed by position ids: the window keeps its original rotations, which

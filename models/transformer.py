@@ -49,8 +49,8 @@ class Transformer(nn.Module):
         return self
 
     def attend_with_fused_kernel(self) -> Transformer:
-        """Switch to PyTorch's fused attention (training): the same mathematics in one kernel,
-        1.12-1.22x a training step on this CPU (README, Training speed). Export keeps the explicit graph."""
+        """Switch to PyTorch's fused attention (training): the same mathematics in one kernel, and a
+        faster training step (README, Training speed). Export keeps the explicit graph."""
         for block in self.blocks:
             block.attn.attend = attend_fused
         return self

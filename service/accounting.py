@@ -70,7 +70,7 @@ def describe_undecodable(message_class: type[Message], data: bytes, error: Excep
 
 
 class RequestAccounting(grpc.ServerInterceptor):
-    """Counts `posenc_requests_total{method,code}` and `posenc_request_duration_seconds` per RPC."""
+    """Counts `posenc_requests_total{method,code,api="grpc"}` and `posenc_request_duration_seconds` per RPC."""
 
     def __init__(self, service_name: str, metrics: ServiceMetrics, labels: Labels) -> None:
         self._prefix = f"/{service_name}/"
@@ -142,8 +142,8 @@ class RequestAccounting(grpc.ServerInterceptor):
     def _record(self, request: Any, method: str, code: grpc.StatusCode, started: float) -> None:
         model = "" if isinstance(request, UndecodableRequest) else str(getattr(request, "model", ""))
         labels = self._labels(model)
-        self._metrics.requests.labels(**labels, method=method, code=code.name).inc()
-        self._metrics.request_duration.labels(**labels, method=method).observe(time.monotonic() - started)
+        self._metrics.requests.labels(**labels, method=method, code=code.name, api="grpc").inc()
+        self._metrics.request_duration.labels(**labels, method=method, api="grpc").observe(time.monotonic() - started)
 
 
 class _Once:

@@ -4,9 +4,14 @@ service.engine.messages, so the front end loads neither onnxruntime nor the engi
 
 gRPC threads call `submit`, `cancel` and `score`; one reader thread receives every event the
 core sends; one watcher thread waits on the core's process. When the core dies unexpectedly,
-every request in flight ends at once with UNAVAILABLE and a message saying so (never a hang),
-health turns NOT_SERVING, and a new core is started, unless cores keep dying (then the server
-exits non-zero for its supervisor to act).
+health turns NOT_SERVING and a new core is started, unless cores keep dying (then the server
+exits non-zero for its supervisor to act). Accepted generations survive it: each handle keeps its
+input and every token id the core sent, and is resubmitted to the new core with those tokens
+(`Add.produced`), so its stream goes on where its client is, with no byte twice or missing, and
+greedy and seeded text equal to an uninterrupted run's. One that cannot be resumed (it died with
+its core too often, the new core refuses it, or no core comes back) ends with UNAVAILABLE and a
+message saying why (never a hang). Calls not yet accepted (an Add not yet answered, a score) end
+with UNAVAILABLE at once: nothing of them had started, so a client may retry them.
 """
 
 from __future__ import annotations
@@ -61,18 +66,35 @@ READY_TIMEOUT_SECONDS = 600.0  # loading every model (sessions, budgets) on a sl
 CALL_TIMEOUT_SECONDS = 60.0  # a reply to ADD or METRICS; SCORE waits as long as the RPC may
 RESTARTS_ALLOWED = 3  # unexpected core exits within RESTART_WINDOW_SECONDS before the server gives up
 RESTART_WINDOW_SECONDS = 300.0
+RESUMES_ALLOWED = 2  # core deaths one request survives; at the next it ends with UNAVAILABLE
 
 
 class EngineStartError(RuntimeError):
     """The core could not load the models (bad manifest, file or budget): the server refuses to start."""
 
 
+@dataclass(frozen=True)
+class ResumeObserver:
+    """What the front end records of requests carried over a core restart (service.metrics)."""
+
+    resumed: Callable[[], None] = lambda: None  # one was resubmitted to the new core
+    not_resumed: Callable[[], None] = lambda: None  # one ended with UNAVAILABLE instead
+    first_token: Callable[[float], None] = lambda seconds: None  # from the core's death to its next token
+
+
 @dataclass(eq=False)
 class RequestHandle:
-    """The front end's view of one generation: its streamed text and, once final, how it ended."""
+    """The front end's view of one generation: its streamed text and, once final, how it ended;
+    what resuming it takes (its input, every token id the core sent) and how often it was."""
 
     request_id: str
     model: str
+    input: GenerateInput | None = None
+    token_ids: list[int] = field(default_factory=list)
+    accepted: bool = False  # the core answered its Add without a refusal
+    cancelled: bool = False
+    resumes: int = 0
+    stalled_since: float | None = None  # the core it ran on died then; cleared by its next token
     output: OutputStream = field(default_factory=OutputStream)
     done: threading.Event = field(default_factory=threading.Event)
     text: str = ""
@@ -92,8 +114,13 @@ class RequestHandle:
             return
         if final is not None:
             self.prompt_tokens, self.completion_tokens = final.prompt_tokens, final.completion_tokens
-            self.arrival_time, self.first_token_time = final.arrival_time, final.first_token_time
-            self.scheduled_time, self.finish_time = final.scheduled_time, final.finish_time
+            if self.resumes:  # the first core's times (this handle's) stand: the last core saw a resubmission
+                self.first_token_time = self.first_token_time or final.first_token_time
+                self.scheduled_time = self.scheduled_time or final.scheduled_time
+            else:
+                self.arrival_time, self.first_token_time = final.arrival_time, final.first_token_time
+                self.scheduled_time = final.scheduled_time
+            self.finish_time = final.finish_time
         self.finish(RequestStatus(status), error, text)
 
     def finish(self, status: RequestStatus, error: str | None, text: str = "") -> None:
@@ -116,9 +143,11 @@ class EngineClient:
         names: list[str] | None = None,
         on_serving: Callable[[bool], None] = lambda serving: None,
         on_give_up: Callable[[str], None] = lambda reason: None,
+        resume: ResumeObserver | None = None,
     ) -> None:
         self.repository, self.config, self.names = repository, config, names
         self.on_serving, self.on_give_up = on_serving, on_give_up
+        self.resume = resume or ResumeObserver()
         self.models: dict[str, ModelInfo] = {}  # what ListModels answers, from the core
         self._commands: MessageWriter | None = None  # the running core's command pipe (used under _send_lock)
         self._send_lock = threading.Lock()
@@ -146,6 +175,7 @@ class EngineClient:
             self._stopping = True
             self.stop(0)
             raise
+        self._serve()
         threading.Thread(target=self._watch, name="engine-watch", daemon=True).start()
 
     def _spawn(self) -> None:
@@ -192,42 +222,106 @@ class EngineClient:
                 raise EngineStartError(f"engine core did not load the models within {timeout:.0f} s")
             time.sleep(0.05)
         self.models = self._ready.result()  # raises EngineStartError for FAILED
+
+    def _serve(self) -> None:
         self._serving = True
         self.on_serving(True)
 
     def _watch(self) -> None:
-        """Wait for the core to exit; an exit that was not asked for fails what was in flight and restarts it."""
+        """Wait for the core to exit; an exit that was not asked for restarts it, resumes the
+        accepted requests on the new one and fails the calls that were not accepted yet."""
         while True:
             process = self._process
             assert process is not None
             code = process.wait()
             if self._stopping:
                 return
+            died = time.monotonic()
             self._serving = False
             self.on_serving(False)
-            message = (
-                f"engine process exited unexpectedly (exit code {code}); the request was lost, retry it"
+            if self._reader is not None:
+                self._reader.join(5)  # every event it sent before dying is applied (its pipe ends at its exit)
+            cause = (
+                f"engine process exited unexpectedly (exit code {code})"
                 if code is not None and code >= 0
-                else f"engine process was killed (signal {-(code or 0)}); the request was lost, retry it"
+                else f"engine process was killed (signal {-(code or 0)})"
             )
-            logger.error("%s; failing %d request(s) in flight", message.partition(";")[0], len(self._handles))
-            self._fail_everything(message)
+            kept = self._keep_for_resume(cause, died)
+            logger.error("%s; %d request(s) in flight will resume on a new core", cause, len(kept))
             now = time.monotonic()
             self._exits.append(now)
             while self._exits and now - self._exits[0] > RESTART_WINDOW_SECONDS:
                 self._exits.popleft()
             if len(self._exits) > RESTARTS_ALLOWED:
-                self.on_give_up(f"the engine core died {len(self._exits)} times within {RESTART_WINDOW_SECONDS:.0f} s")
+                reason = f"the engine core died {len(self._exits)} times within {RESTART_WINDOW_SECONDS:.0f} s"
+                self._not_resumed(kept, f"{cause}; {reason}: not resumed, retry it")
+                self.on_give_up(reason)
                 return
             self._ready = Future()
             try:
                 self._spawn()
                 self._await_ready(READY_TIMEOUT_SECONDS)
             except EngineStartError as error:
+                self._not_resumed(kept, f"{cause}; the engine core could not be restarted: not resumed, retry it")
                 self.on_give_up(f"the engine core could not be restarted: {error}")
                 return
+            self._resume(kept, cause)
+            self._serve()
             self.restarts += 1
             logger.info("engine core restarted (restart %d)", self.restarts)
+
+    def _keep_for_resume(self, cause: str, died: float) -> list[RequestHandle]:
+        """The accepted requests to resume (oldest first); calls in flight and requests that have
+        already died with RESUMES_ALLOWED cores end now with UNAVAILABLE."""
+        calls, self._calls = self._calls, {}
+        for future in calls.values():  # an Add not answered yet was not accepted: its submit fails
+            if not future.done():
+                future.set_exception(RequestError(ErrorKind.UNAVAILABLE, f"{cause}; the request was lost, retry it"))
+        kept = []
+        for handle in sorted(list(self._handles.values()), key=lambda h: h.arrival_time):
+            if not handle.accepted or handle.input is None:
+                continue  # its submit is failing (above): it removes the handle
+            if handle.resumes >= RESUMES_ALLOWED:
+                self._not_resumed(
+                    [handle], f"{cause}; the request ran on {handle.resumes + 1} engine cores that died: not resumed"
+                )
+                continue
+            handle.stalled_since = handle.stalled_since or died
+            kept.append(handle)
+        return kept
+
+    def _resume(self, kept: list[RequestHandle], cause: str) -> None:
+        """Each kept request on the new core, with the tokens it had produced; one the core refuses
+        (it no longer fits, say) ends with UNAVAILABLE and the core's reason."""
+        for handle in kept:
+            if handle.status.finished:
+                continue
+            if handle.cancelled:
+                self._handles.pop(handle.request_id, None)
+                handle.finish(RequestStatus.FINISHED_CANCELLED, "cancelled")
+                continue
+            assert handle.input is not None
+            handle.resumes += 1
+            try:
+                reply = self._call(
+                    handle.request_id, Add(handle.request_id, handle.input, handle.token_ids), CALL_TIMEOUT_SECONDS
+                )
+            except RequestError as error:
+                self._not_resumed([handle], f"{cause}; the request could not be resumed: {error.message}")
+                continue
+            assert isinstance(reply, Reply)
+            if reply.refusal is not None:
+                self._not_resumed([handle], f"{cause}; the request could not be resumed: {reply.refusal.message}")
+                continue
+            self.resume.resumed()
+            logger.info("resumed %s after %d token(s)", handle.request_id, len(handle.token_ids))
+
+    def _not_resumed(self, handles: list[RequestHandle], message: str) -> None:
+        for handle in handles:
+            self._handles.pop(handle.request_id, None)
+            if not handle.status.finished:
+                handle.finish(RequestStatus.FINISHED_SHUTDOWN, message)
+                self.resume.not_resumed()
 
     def _fail_everything(self, message: str) -> None:
         handles, self._handles = self._handles, {}
@@ -239,16 +333,23 @@ class EngineClient:
                 future.set_exception(RequestError(ErrorKind.UNAVAILABLE, message))
 
     def stop(self, timeout: float) -> DrainReport:
-        """Drain: the core lets running work finish within `timeout`, cuts the rest, and exits."""
+        """Drain: running requests finish within `timeout` (a call the transport accepted just before
+        it closed is still taken), then the core cuts the rest and exits."""
         self._stopping = True
+        in_flight = list(self._handles.values())
+        deadline = time.monotonic() + timeout
+        while self._serving and time.monotonic() < deadline and any(not h.done.is_set() for h in self._running()):
+            time.sleep(0.02)
         self._serving = False
         process = self._process
         report = DrainReport()
         if process is not None and process.poll() is None:
             try:
                 if self._ready.done() and self._ready.exception() is None:  # it serves: let it drain
-                    self._send(Stop(timeout))
-                    report = self._stopped.result(timeout + 30)
+                    self._send(Stop(max(0.0, deadline - time.monotonic())))
+                    self._stopped.result(timeout + 30)
+                    cut = sum(1 for h in in_flight if h.status is RequestStatus.FINISHED_SHUTDOWN)
+                    report = DrainReport(len(in_flight) - cut, cut)
             except RequestError:
                 pass  # it is not there to hear it
             except FutureTimeout:
@@ -266,6 +367,9 @@ class EngineClient:
                 os.close(self._commands.fd)
                 self._commands = None
         return report
+
+    def _running(self) -> list[RequestHandle]:
+        return list(self._handles.values())  # a copy: other threads add and remove handles
 
     @property
     def serving(self) -> bool:
@@ -305,10 +409,11 @@ class EngineClient:
         if not self._serving:
             raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not serving (starting, restarting or stopping)")
 
-    def submit(self, raw: GenerateInput) -> RequestHandle:
+    def submit(self, raw: GenerateInput, output: OutputStream | None = None) -> RequestHandle:
+        """`output`: where the request's text goes (an asynchronous front end passes its own kind)."""
         self._check_serving()
         request_id = f"{raw.model}-{next(self._ids)}"
-        handle = RequestHandle(request_id, raw.model)
+        handle = RequestHandle(request_id, raw.model, raw, output=output or OutputStream())
         self._handles[request_id] = handle
         try:
             reply = self._call(request_id, Add(request_id, raw), CALL_TIMEOUT_SECONDS)
@@ -323,10 +428,11 @@ class EngineClient:
 
     def cancel(self, handle: RequestHandle) -> None:
         if not handle.status.finished:
+            handle.cancelled = True  # not resumed if its core died
             try:
                 self._send(Cancel(handle.request_id))
             except RequestError:
-                pass  # no core: the request has ended (or is about to) with UNAVAILABLE
+                pass  # no core: the request ends when the next one would have resumed it (or now, at a stop)
 
     def score(self, model: str, text: str, cache_policy: str = "", timeout: float | None = None) -> Scored:
         self._check_serving()
@@ -366,8 +472,16 @@ class EngineClient:
                 status = entry.status
                 handle = handles.get(entry.request_id) if status is None else handles.pop(entry.request_id, None)
                 if handle is not None:
+                    if entry.token_ids:
+                        handle.token_ids += entry.token_ids
+                        handle.first_token_time = handle.first_token_time or time.monotonic()
+                        if handle.stalled_since is not None:  # resumed: its first token since its core died
+                            self.resume.first_token(time.monotonic() - handle.stalled_since)
+                            handle.stalled_since = None
                     handle.receive(entry.text, status, entry.error, entry.final)
         elif isinstance(event, Reply | ScoreReply | MetricsReply):
+            if isinstance(event, Reply) and event.refusal is None and event.request_id in self._handles:
+                self._handles[event.request_id].accepted = True  # before its submit (or resume) learns it
             future = self._calls.pop(event.request_id if isinstance(event, Reply) else event.call, None)
             if future is not None and not future.done():
                 future.set_result(event)

@@ -58,9 +58,11 @@ LABELS = ("model", "scheme")
 POLICY_LABELS = (*LABELS, "policy")  # policy: the form of the request's cache policy (CachePolicy.form)
 
 
-# What the gRPC front end records itself (RPC accounting, engine restarts); the engine core process
+# What the front end (gRPC and HTTP) records itself (RPC accounting, engine restarts); the engine core process
 # records every other series, and /metrics serves both (service.server.MetricsHandler).
-FRONT_END = ("requests", "request_duration", "engine_restarts")
+# Requests carried over an engine core restart (service.engine_client), recorded by the front end.
+RESUME = ("resumed_requests", "resume_failures", "resume_stall")
+FRONT_END = ("requests", "request_duration", "engine_restarts", *RESUME)
 
 
 class ServiceMetrics:
@@ -78,8 +80,11 @@ class ServiceMetrics:
         self.gauge_lock = threading.Lock()
         kw = {"registry": None}
         self.requests = Counter(
-            "posenc_requests", "RPCs of posenc.v1.Generation, each counted once with the status code its client saw.",
-            [*LABELS, "method", "code"], **kw,
+            "posenc_requests",
+            "Calls of either front end, each counted once with the status code its client saw: api=grpc (RPCs of "
+            "posenc.v1.Generation) or api=http (the OpenAI-compatible API: method is the path, code the gRPC name "
+            "of its HTTP status, so one panel reads both).",
+            [*LABELS, "method", "code", "api"], **kw,
         )  # fmt: skip
         self.requests_shed = Counter(
             "posenc_requests_shed",
@@ -88,8 +93,8 @@ class ServiceMetrics:
             [*POLICY_LABELS, "reason"], **kw,
         )  # fmt: skip
         self.request_duration = Histogram(
-            "posenc_request_duration_seconds", "Request latency from arrival to last token.", [*LABELS, "method"],
-            buckets=LATENCY_BUCKETS, **kw,
+            "posenc_request_duration_seconds", "Request latency from arrival to last token.",
+            [*LABELS, "method", "api"], buckets=LATENCY_BUCKETS, **kw,
         )  # fmt: skip
         self.time_to_first_token = Histogram(
             "posenc_time_to_first_token_seconds", "Arrival to first generated token.", POLICY_LABELS,
@@ -136,9 +141,25 @@ class ServiceMetrics:
         )  # fmt: skip
         self.engine_restarts = Counter(
             "posenc_engine_restarts",
-            "Engine core processes started again after one exited unexpectedly (its requests ended with UNAVAILABLE).",
+            "Engine core processes started again after one exited unexpectedly (its accepted requests resume there).",
             **kw,
         )  # fmt: skip
+        # ---- requests carried over an engine core restart (front end)
+        self.resumed_requests = Counter(
+            "posenc_resumed_requests",
+            "Accepted requests resubmitted to a restarted engine core with the tokens they had produced.", **kw,
+        )  # fmt: skip
+        self.resume_failures = Counter(
+            "posenc_resume_failures",
+            "Accepted requests ended with UNAVAILABLE because their engine core died and they could not be resumed "
+            "(too many deaths, refused by the new core, or no core came back).", **kw,
+        )  # fmt: skip
+        self.resume_stall = Histogram(
+            "posenc_resume_stall_seconds",
+            "Time to first token after a restart: from the engine core's death to a resumed request's next token.",
+            buckets=LATENCY_BUCKETS, **kw,
+        )  # fmt: skip
+        # ---- end of the resume series
         self.preemptions = Counter("posenc_preemptions", "Sequences preempted for cache space.", LABELS, **kw)
         # Admission control's estimate beside what happened (--ttft-slo-seconds; admitted requests only).
         self.admission_estimated_ttft = Histogram(

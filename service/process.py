@@ -29,18 +29,20 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(
         self, repository: Path, *flags: str, threads: int = 1, credentials: grpc.ChannelCredentials | None = None,
-        port: int | None = None, metrics_port: int | None = None,
+        port: int | None = None, metrics_port: int | None = None, http_port: int | None = None,
     ) -> None:  # fmt: skip
         self.repository, self.flags, self.threads, self.credentials = repository, flags, threads, credentials
-        self._pick_ports = port is None and metrics_port is None
-        self._launch(port or free_port(), metrics_port or free_port())
+        self._pick_ports = port is None and metrics_port is None and http_port is None
+        self._launch(port or free_port(), metrics_port or free_port(), http_port or free_port())
 
-    def _launch(self, port: int, metrics_port: int) -> None:
-        self.port, self.metrics_port = port, metrics_port
+    def _launch(self, port: int, metrics_port: int, http_port: int) -> None:
+        self.port, self.metrics_port, self.http_port = port, metrics_port, http_port
         self.target = f"127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"  # the OpenAI-compatible API (https with TLS flags)
         command = [
             sys.executable, "-m", "service", "--model-repository", str(self.repository), "--port", str(self.port),
-            "--metrics-port", str(self.metrics_port), "--threads", str(self.threads), *self.flags,
+            "--metrics-port", str(self.metrics_port), "--http-port", str(self.http_port),
+            "--threads", str(self.threads), *self.flags,
         ]  # fmt: skip
         # A file, not a pipe: nobody reads a pipe while the server runs, and a full one blocks it.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="posenc-server-", suffix=".log", delete=False)
@@ -62,10 +64,11 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 output = self.output()
-                if self._pick_ports and retries and ("Address already in use" in output or "Failed to bind" in output):
+                taken = ("Address already in use", "address already in use", "Failed to bind")
+                if self._pick_ports and retries and any(text in output for text in taken):
                     retries -= 1
                     self.channel.close()
-                    self._launch(free_port(), free_port())
+                    self._launch(free_port(), free_port(), free_port())
                     continue
                 raise RuntimeError(f"server exited {self.process.returncode}: {output}")
             try:

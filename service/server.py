@@ -30,10 +30,12 @@ from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.messages import DrainReport, EngineConfig
-from service.engine_client import EngineClient, EngineStartError
+from service.engine_client import EngineClient, EngineStartError, ResumeObserver
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
-from service.security import BearerTokenInterceptor, read_token, server_credentials
+from service.openai_api.app import OpenAIApi
+from service.openai_api.server import HttpServer
+from service.security import BearerTokenInterceptor, read_token, server_credentials, ssl_context
 from service.servicer import GenerationServicer
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,9 @@ class ServerConfig:
     port: int = 50051
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # 0 = no metrics endpoint
+    http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` (0 = none)
     grace_seconds: float = 10.0
+    drain_delay_seconds: float = 0.0  # SIGTERM: NOT_SERVING but still serving this long, then GOAWAY
     workers: int = 128
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -98,12 +102,25 @@ ENGINE_FLAGS = {
 SERVER_FLAGS = {
     "host": ("--host", str, "address to bind the gRPC port"),
     "port": ("--port", int, "gRPC port"),
+    "http_port": (
+        "--http-port",
+        int,
+        "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health), "
+        "bound on --host beside gRPC with the same engine, token and TLS (0 disables)",
+    ),
     "metrics_host": ("--metrics-host", str, "address to bind /metrics"),
     "metrics_port": ("--metrics-port", int, "Prometheus /metrics port (0 disables)"),
     "grace_seconds": (
         "--grace-seconds",
         float,
-        "on SIGTERM: how long running requests may finish (health NOT_SERVING, new calls UNAVAILABLE)",
+        "on SIGTERM, after --drain-delay-seconds: how long running requests may finish while the port "
+        "accepts no new calls (GOAWAY)",
+    ),
+    "drain_delay_seconds": (
+        "--drain-delay-seconds",
+        float,
+        "on SIGTERM: health says NOT_SERVING but new calls are still served this long, so proxies and "
+        "Kubernetes readiness move new calls elsewhere before the port closes (0: close at once)",
     ),
     "workers": ("--workers", int, "gRPC handler threads"),
 }
@@ -230,8 +247,10 @@ class RunningServer:
         )
         self.engine: EngineClient | None = None
         self.metrics_server = None
+        self.http: HttpServer | None = None
         self.stopped = threading.Event()
         self._engine_went_down = False
+        self._draining = False
         self.give_up = threading.Event()  # set when the engine core cannot be kept running
         self.gave_up: str | None = None  # why the engine core could not be kept running (exit non-zero)
 
@@ -246,6 +265,7 @@ class RunningServer:
         else:
             self.port = self.server.add_insecure_port(address)
         self.server.start()
+        self._configure_http()
         self._load_models()
 
     def _configure_services(self) -> None:
@@ -260,24 +280,42 @@ class RunningServer:
                 self.config.metrics_host, self.config.metrics_port, lambda: self.engine
             )
 
+    def _configure_http(self) -> None:
+        """The OpenAI-compatible API on this process's engine client (one core, one KV budget, one admission)."""
+        config = self.config
+        if not config.http_port:
+            return
+        api = OpenAIApi(
+            lambda: self.engine, lambda: self.servicer.draining, self.metrics, self.servicer.labels, config.auth_token,
+            leaving=lambda: self._draining,
+        )
+        context = None
+        if config.tls_cert and config.tls_key:
+            context = ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+        self.http = HttpServer(api, config.host, config.http_port, context)
+        self.http.start()
+
     def _load_models(self) -> None:
         """Start the engine core process and wait for its models; health follows whether it serves."""
+        resume = ResumeObserver(
+            self.metrics.resumed_requests.inc, self.metrics.resume_failures.inc, self.metrics.resume_stall.observe
+        )
         self.engine = EngineClient(
             self.config.model_repository, self.config.engine, self.config.models or None,
-            on_serving=self._engine_serving, on_give_up=self._give_up,
+            on_serving=self._engine_serving, on_give_up=self._give_up, resume=resume,
         )  # fmt: skip
         self.servicer.engine = self.engine
         self.engine.start()
         logger.info(
-            "serving %s on %s:%d (metrics on %s:%d)", ", ".join(self.engine.models), self.config.host, self.port,
-            self.config.metrics_host, self.config.metrics_port,
+            "serving %s on %s:%d (HTTP %s, metrics on %s:%d)", ", ".join(self.engine.models), self.config.host,
+            self.port, self.http.port if self.http else "off", self.config.metrics_host, self.config.metrics_port,
         )  # fmt: skip
 
     def _engine_serving(self, serving: bool) -> None:
         if serving and self._engine_went_down:
             self.metrics.engine_restarts.inc()
         self._engine_went_down = not serving
-        if not self.servicer.draining:
+        if not self._draining:
             up, down = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
             self._set_health(up if serving else down)
 
@@ -291,19 +329,27 @@ class RunningServer:
             self.health.set(name, status)
 
     def stop(self, grace: float | None = None) -> DrainReport:
-        """Drain visibly, then stop. While running requests finish (up to `grace` seconds) the port
-        stays open: health says NOT_SERVING and new calls get UNAVAILABLE with the reason, so a
-        client or proxy retries them elsewhere. Then the port closes and what is left is cut."""
+        """Drain without refusing a call: health says NOT_SERVING at once, while new calls are still
+        served for `drain_delay_seconds` (proxies, Kubernetes readiness and clients that watch health
+        move new calls elsewhere meanwhile); then the port stops accepting (GOAWAY: a proxy sends the
+        call to another replica, a client's retry policy reconnects elsewhere) while running requests
+        finish, up to `grace` seconds; what is left then is cut."""
         if self.stopped.is_set():
             return DrainReport()
         grace = self.config.grace_seconds if grace is None else grace
-        started = time.monotonic()
+        self._draining = True  # health stays NOT_SERVING whatever the engine core does
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer.draining = True
+        if grace > 0:  # stop(0): at once (the engine core could not be kept running)
+            time.sleep(max(0.0, self.config.drain_delay_seconds))
+        started = time.monotonic()
+        closed = self.server.stop(grace)  # running calls go on; new ones are not accepted
+        self.servicer.draining = True  # a handler that starts now (HTTP keeps its port) is refused with the reason
         report = self.engine.stop(grace) if self.engine is not None else DrainReport()
         # Finished requests' handlers still send their last message: give them what is left of the grace.
         left = max(0.5, grace - (time.monotonic() - started))
-        self.server.stop(left).wait(left + 1)
+        if self.http is not None:
+            self.http.stop(left)
+        closed.wait(left + 1)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         self.metrics.unregister()
@@ -351,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop_requested.set())
     try:
         running = serve(config)
-    except (ManifestError, CachePolicyError, EngineStartError, RuntimeError) as error:
+    except (ManifestError, CachePolicyError, EngineStartError, RuntimeError, OSError) as error:
         logger.error("refusing to start: %s", error)
         return 2
     while not stop_requested.wait(0.5):
@@ -359,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
             running.stop(0)
             return 1
     logger.info(
-        "stopping: health NOT_SERVING, new calls UNAVAILABLE, running requests have up to %g s to finish",
+        "stopping: health NOT_SERVING; new calls served for %g s more, then the port closes and running "
+        "requests have up to %g s to finish",
+        config.drain_delay_seconds,
         config.grace_seconds,
     )
     started = time.monotonic()

@@ -152,6 +152,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stop=tuple(request.stop),
             deadline=time.monotonic() + remaining if remaining is not None else None,
             cache_policy=request.cache_policy,
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
         )
         handle: RequestHandle = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))

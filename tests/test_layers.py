@@ -30,8 +30,10 @@ def copy_code(to: Path) -> Path:
         shutil.copytree(
             REPOSITORY_ROOT / package,
             to / package,
-            ignore=lambda folder, names: [n for n in names if not n.endswith(".py") and not (Path(folder) / n).is_dir()]
-            + [n for n in names if n in ("__pycache__", "weights")],
+            ignore=lambda folder, names: (
+                [n for n in names if not n.endswith(".py") and not (Path(folder) / n).is_dir()]
+                + [n for n in names if n in ("__pycache__", "weights")]
+            ),
         )
     shutil.copy(REPOSITORY_ROOT / "pyproject.toml", to / "pyproject.toml")
     return to

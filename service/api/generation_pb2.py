@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aposenc/v1/generation.proto\x12\tposenc.v1\"\x13\n\x11ListModelsRequest\"\xeb\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x15\n\rmax_positions\x18\x03 \x01(\r\x12\x15\n\rtrain_context\x18\x04 \x01(\r\x12 \n\x18kv_cache_bytes_per_token\x18\x05 \x01(\x04\x12\x10\n\x08n_layers\x18\x06 \x01(\r\x12\x0f\n\x07n_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\n \x01(\r\x12\x1b\n\x13max_sequence_tokens\x18\x0b \x01(\r\x12\x1f\n\x17kv_cache_capacity_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_policies\x18\r \x03(\t\x12\x1c\n\x14\x64\x65\x66\x61ult_cache_policy\x18\x0e \x01(\t\x12\x1a\n\x12\x65viction_positions\x18\x0f \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.posenc.v1.ModelInfo\"\xd4\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\t \x01(\tB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_p\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\\\n\x07Timings\x12#\n\x1btime_to_first_token_seconds\x18\x01 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"\x96\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.posenc.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.posenc.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.posenc.v1.Timings\"\x9c\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.posenc.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.posenc.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.posenc.v1.Timings\"A\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x03 \x01(\t\"|\n\rScoreResponse\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x15\n\rtotal_logprob\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x15\n\rbits_per_byte\x18\x04 \x01(\x01\x12\x15\n\rgreedy_tokens\x18\x05 \x03(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xab\x02\n\nGeneration\x12I\n\nListModels\x12\x1c.posenc.v1.ListModelsRequest\x1a\x1d.posenc.v1.ListModelsResponse\x12\x43\n\x08Generate\x12\x1a.posenc.v1.GenerateRequest\x1a\x1b.posenc.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.posenc.v1.GenerateRequest\x1a!.posenc.v1.GenerateStreamResponse0\x01\x12:\n\x05Score\x12\x17.posenc.v1.ScoreRequest\x1a\x18.posenc.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aposenc/v1/generation.proto\x12\tposenc.v1\"\x13\n\x11ListModelsRequest\"\xeb\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x15\n\rmax_positions\x18\x03 \x01(\r\x12\x15\n\rtrain_context\x18\x04 \x01(\r\x12 \n\x18kv_cache_bytes_per_token\x18\x05 \x01(\x04\x12\x10\n\x08n_layers\x18\x06 \x01(\r\x12\x0f\n\x07n_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\n \x01(\r\x12\x1b\n\x13max_sequence_tokens\x18\x0b \x01(\r\x12\x1f\n\x17kv_cache_capacity_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_policies\x18\r \x03(\t\x12\x1c\n\x14\x64\x65\x66\x61ult_cache_policy\x18\x0e \x01(\t\x12\x1a\n\x12\x65viction_positions\x18\x0f \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.posenc.v1.ModelInfo\"\xfc\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\rB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_p\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\\\n\x07Timings\x12#\n\x1btime_to_first_token_seconds\x18\x01 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"\x96\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.posenc.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.posenc.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.posenc.v1.Timings\"\x9c\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.posenc.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.posenc.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.posenc.v1.Timings\"A\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x03 \x01(\t\"|\n\rScoreResponse\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x15\n\rtotal_logprob\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x15\n\rbits_per_byte\x18\x04 \x01(\x01\x12\x15\n\rgreedy_tokens\x18\x05 \x03(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xab\x02\n\nGeneration\x12I\n\nListModels\x12\x1c.posenc.v1.ListModelsRequest\x1a\x1d.posenc.v1.ListModelsResponse\x12\x43\n\x08Generate\x12\x1a.posenc.v1.GenerateRequest\x1a\x1b.posenc.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.posenc.v1.GenerateRequest\x1a!.posenc.v1.GenerateStreamResponse0\x01\x12:\n\x05Score\x12\x17.posenc.v1.ScoreRequest\x1a\x18.posenc.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'posenc.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1383
-  _globals['_FINISHREASON']._serialized_end=1501
+  _globals['_FINISHREASON']._serialized_start=1423
+  _globals['_FINISHREASON']._serialized_end=1541
   _globals['_LISTMODELSREQUEST']._serialized_start=41
   _globals['_LISTMODELSREQUEST']._serialized_end=60
   _globals['_MODELINFO']._serialized_start=63
@@ -40,19 +40,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSRESPONSE']._serialized_start=428
   _globals['_LISTMODELSRESPONSE']._serialized_end=486
   _globals['_GENERATEREQUEST']._serialized_start=489
-  _globals['_GENERATEREQUEST']._serialized_end=701
-  _globals['_USAGE']._serialized_start=703
-  _globals['_USAGE']._serialized_end=782
-  _globals['_TIMINGS']._serialized_start=784
-  _globals['_TIMINGS']._serialized_end=876
-  _globals['_GENERATERESPONSE']._serialized_start=879
-  _globals['_GENERATERESPONSE']._serialized_end=1029
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1032
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1188
-  _globals['_SCOREREQUEST']._serialized_start=1190
-  _globals['_SCOREREQUEST']._serialized_end=1255
-  _globals['_SCORERESPONSE']._serialized_start=1257
-  _globals['_SCORERESPONSE']._serialized_end=1381
-  _globals['_GENERATION']._serialized_start=1504
-  _globals['_GENERATION']._serialized_end=1803
+  _globals['_GENERATEREQUEST']._serialized_end=741
+  _globals['_USAGE']._serialized_start=743
+  _globals['_USAGE']._serialized_end=822
+  _globals['_TIMINGS']._serialized_start=824
+  _globals['_TIMINGS']._serialized_end=916
+  _globals['_GENERATERESPONSE']._serialized_start=919
+  _globals['_GENERATERESPONSE']._serialized_end=1069
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1072
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1228
+  _globals['_SCOREREQUEST']._serialized_start=1230
+  _globals['_SCOREREQUEST']._serialized_end=1295
+  _globals['_SCORERESPONSE']._serialized_start=1297
+  _globals['_SCORERESPONSE']._serialized_end=1421
+  _globals['_GENERATION']._serialized_start=1544
+  _globals['_GENERATION']._serialized_end=1843
 # @@protoc_insertion_point(module_scope)

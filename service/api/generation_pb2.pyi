@@ -63,7 +63,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cache_policy")
+    __slots__ = ("model", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cache_policy", "ignore_eos", "min_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     max_new_tokens: int
@@ -82,7 +84,9 @@ class GenerateRequest(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     cache_policy: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[str] = ...) -> None: ...
+    ignore_eos: bool
+    min_tokens: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")

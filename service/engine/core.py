@@ -35,6 +35,7 @@ from service.engine.messages import (
     Cancel,
     Command,
     CoreConfig,
+    ErrorKind,
     Event,
     Failed,
     Final,
@@ -137,21 +138,30 @@ class StepOutputs:
         self._idle = False  # the publisher waits for a step without a timeout: wake it for any
         self._urgent = False  # a queued step holds something a client waits on: send it at once
         self.requests: dict[str, Request] = {}  # live requests, for cancels
+        self._ids_sent: dict[str, int] = {}  # request id -> how many of its token ids were sent
         self._publisher = threading.Thread(target=self._publish, name="publisher", daemon=True)
         self._publisher.start()
 
     def sink(self, request: Request) -> ForwardedOutput:
         self.requests[request.request_id] = request
+        self._ids_sent[request.request_id] = request.delivered_tokens  # a resumed request's are known
         return ForwardedOutput(self, request)
 
     def put(self, request: Request, text: str) -> None:
+        """`text` of the tokens delivered so far: their ids not yet sent go with it (on the publisher,
+        as `deliver` counts them, so text and ids always describe the same tokens)."""
+        request_id = request.request_id
         with self._lock:
-            entry = self._pending.get(request.request_id)
+            entry = self._pending.get(request_id)
             if entry is None:
-                entry = self._pending[request.request_id] = RequestOutput(request.request_id, text)
+                entry = self._pending[request_id] = RequestOutput(request_id, text)
                 self._entries.append(entry)
             else:
                 entry.text += text
+            sent, delivered = self._ids_sent.get(request_id, 0), request.delivered_tokens
+            if delivered > sent:
+                entry.token_ids += request.output_ids[sent:delivered]
+                self._ids_sent[request_id] = delivered
 
     def close(self, request: Request, text: str, status: RequestStatus, error: str | None) -> None:
         final = Final(
@@ -171,6 +181,7 @@ class StepOutputs:
             entry.status, entry.error, entry.final = int(status), error, final
             self._pending.pop(request.request_id, None)
             self.requests.pop(request.request_id, None)
+            self._ids_sent.pop(request.request_id, None)
 
     def submit(self, deliver: Callable[[OutputBatch], None], batch: OutputBatch) -> None:
         """A model step's outputs, to be delivered (`deliver`: its model's output processor) and sent."""
@@ -323,11 +334,55 @@ class CommandLoop:
 
     def add(self, command: Add) -> None:
         try:
+            if command.produced:
+                self.resume(command)
+                return
             self.engine.submit(command.input, command.request_id)
         except RequestError as error:
             self.sender.send(Reply(command.request_id, Refusal.of(error)))
             return
         self.sender.send(Reply(command.request_id))
+
+    def resume(self, command: Add) -> None:
+        """A request that ran on a core that died, with the tokens it had produced: rebuilt as that
+        core held it (as a preempted request is: its prompt and output are prefilled, and its last
+        token feeds the next decode step, so no token is sampled twice), its detokenizer fed the
+        produced tokens without sending their text (the client has it, or it is held back as it was).
+        Its seeded draws go on from their token index (service.engine.sampler)."""
+        raw, produced = command.input, command.produced
+        model = self.engine.model(raw.model)
+        ids, params, policy = model.inputs.generate(raw)
+        limit = model.inputs.limits.max_sequence_tokens
+        if len(ids) + len(produced) > limit:
+            raise RequestError(
+                ErrorKind.UNAVAILABLE,
+                f"cannot resume: its prompt ({len(ids)} tokens) and the {len(produced)} tokens it produced "
+                f"exceed max_sequence_tokens={limit}, the longest prompt this server computes",
+            )
+        eos = model.inputs.eos_token_id
+        request = Request(command.request_id, raw.model, ids, params, eos, raw.deadline, policy)
+        request.output_ids, request.delivered_tokens = list(produced), len(produced)
+        request.last_token_time = time.monotonic()  # its next token's interval starts now
+        for token in produced:
+            if token != eos:
+                request.detokenizer.push(token)
+        request.output = self.outputs.sink(request)
+        status = (
+            RequestStatus.FINISHED_STOP if request.detokenizer.stopped
+            else RequestStatus.FINISHED_EOS if produced[-1] == eos
+            else RequestStatus.FINISHED_LENGTH if len(produced) >= params.max_new_tokens
+            else None
+        )  # fmt: skip
+        if status is None:
+            try:
+                model.submit(request)
+            except RequestError:
+                self.outputs.requests.pop(request.request_id, None)
+                raise
+        self.sender.send(Reply(command.request_id))
+        if status is not None:  # it had ended; only its final event was lost
+            request.finish(status)
+            self.outputs.flush()
 
     def score(self, command: Score) -> None:
         try:

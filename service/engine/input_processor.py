@@ -75,6 +75,8 @@ class InputProcessor:
             top_p=1.0 if raw.top_p is None else raw.top_p,
             seed=raw.seed,
             stop=raw.stop,
+            ignore_eos=raw.ignore_eos,
+            min_tokens=raw.min_tokens,
         )
         self.check(params)
         policy = self.cache_policy(raw.cache_policy)
@@ -122,6 +124,11 @@ class InputProcessor:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_p: must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_k: must be >= 0, got {params.top_k}")
+        if not 0 <= params.min_tokens <= params.max_new_tokens:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"min_tokens: must be in [0, max_new_tokens={params.max_new_tokens}], got {params.min_tokens}",
+            )
 
     def score(self, text: str, cache_policy: str = "") -> tuple[list[int], CachePolicy]:
         """Token ids of a text to score and the policy it streams through; its positions must fit

@@ -7,15 +7,17 @@ structs sent as MessagePack arrays (vLLM v1's EngineCoreRequest / EngineCoreOutp
 idea); each frame is a 4-byte little-endian length and the message.
 
 front end -> core (`Command`)
-    Add(request id, GenerateInput)       answered by Reply(request id, error or None)
+    Add(request id, GenerateInput, produced)  answered by Reply(request id, error or None); `produced`:
+        the tokens a request resumed on a restarted core had already produced (empty when new)
     Cancel(request id)
     Score(call, model, text, policy)     answered by ScoreReply(call, error or the scores)
     MetricsQuery(call)                   answered by MetricsReply(call, exposition text)
     Stop(grace seconds)                  answered by Stopped(finished, cut)
 core -> front end (`Event`)
     Ready(model infos) or Failed(message), once, when the models are loaded
-    Outputs([RequestOutput ...]): what each request produced since the last one; a request's last
-        entry carries its status and `final` (usage and times).
+    Outputs([RequestOutput ...]): what each request produced since the last one (its text, and the
+        token ids that text came from, held-back bytes included); a request's last entry carries its
+        status and `final` (usage and times).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
     stop: tuple[str, ...] = ()
     deadline: float | None = None  # time.monotonic() seconds
     cache_policy: str = ""  # empty: the model's default
+    ignore_eos: bool = False  # never end at EOS (its logit is masked)
+    min_tokens: int = 0  # EOS cannot end the request before this many new tokens
 
 
 @dataclass
@@ -171,8 +175,12 @@ class CoreConfig:
 
 
 class Add(msgspec.Struct, tag=1, array_like=True):
+    """`produced`: a resumed request's tokens so far (every id its RequestOutputs carried): the core
+    continues it from there, its text from the first byte the client has not seen."""
+
     request_id: str
     input: GenerateInput
+    produced: list[int] = msgspec.field(default_factory=list)
 
 
 class Cancel(msgspec.Struct, tag=2, array_like=True):
@@ -228,13 +236,17 @@ class Final(msgspec.Struct, array_like=True):
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
-    """The text one request produced since its last entry; `status` (and `final`) on its last."""
+    """The text one request produced since its last entry; `status` (and `final`) on its last.
+    `token_ids`: the tokens delivered since its last entry, in order (not on a final entry); text
+    the detokenizer holds back (part of a character, a possible stop string) follows later, so a
+    front end that keeps every id can resume the request exactly where its client is."""
 
     request_id: str
     text: str
     status: int | None = None
     error: str | None = None
     final: Final | None = None
+    token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class Ready(msgspec.Struct, tag=11, array_like=True):

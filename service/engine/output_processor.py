@@ -89,7 +89,7 @@ class OutputProcessor:
             output_ids = request.output_ids
             output_ids.append(token)
             out.append((request, token, now))
-            if token == eos:
+            if token == eos and request.params.eos_allowed(len(output_ids) - 1):
                 finished.append(Finished(request, RequestStatus.FINISHED_EOS))
             elif len(output_ids) >= request.params.max_new_tokens:
                 finished.append(Finished(request, RequestStatus.FINISHED_LENGTH))

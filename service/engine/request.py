@@ -21,6 +21,12 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # EOS never ends the request: the sampler masks its logit
+    min_tokens: int = 0  # nor before this many new tokens
+
+    def eos_allowed(self, generated: int) -> bool:
+        """Whether EOS may be sampled (and end the request) after `generated` new tokens."""
+        return not self.ignore_eos and generated >= self.min_tokens
 
 
 @dataclass(eq=False)  # identity: requests are compared in scheduler lists every step

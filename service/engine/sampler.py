@@ -1,4 +1,10 @@
-"""Next-token choice: greedy, temperature, top-k, top-p; seeded per request."""
+"""Next-token choice: greedy, temperature, top-k, top-p; seeded per request.
+
+A sampled token's uniform is a function of the request's seed and the token's index alone
+(`token_generator`): the index-th draw of PCG64(seed), the stream `np.random.default_rng(seed)`
+gives. So a request resubmitted with its first k tokens (after the engine core restarted) draws
+for token k exactly what an uninterrupted run draws there.
+"""
 
 from __future__ import annotations
 
@@ -13,31 +19,47 @@ MIN_TEMPERATURE = 1e-5
 class Sampler:
     """Each request draws from its own generator, seeded by the request, and each row's
     arithmetic depends on that row alone, so a request's samples do not depend on which
-    other requests shared the batch (or on the batch's order)."""
+    other requests shared the batch (or on the batch's order). A request's generator is kept
+    between steps with the token index its next draw is for; a draw for another index (a
+    request that arrived with tokens already produced) starts one there (`token_generator`)."""
 
     def __init__(self) -> None:
-        self._generators: dict[str, np.random.Generator] = {}
+        self._generators: dict[str, tuple[np.random.Generator, int]] = {}
 
-    def sample(self, request_id: str, logits: np.ndarray, params: SamplingParams) -> int:
-        """One request alone; logits: (vocab,) float."""
-        token = self.sample_rows([request_id], [params], logits[None])[0]
+    def sample(self, request_id: str, logits: np.ndarray, params: SamplingParams, index: int | None = None) -> int:
+        """One request alone; logits: (vocab,) float; `index`: the token's (None: the one after the last drawn)."""
+        token = self.sample_rows([request_id], [params], logits[None], None if index is None else [index])[0]
         if isinstance(token, Exception):
             raise token
         return token
 
     def sample_batch(self, requests: list[Request], logits: np.ndarray, greedy: bool = False) -> list[int | Exception]:
-        """`greedy`: the caller knows every request is (a steady batch checks once, `all_greedy`)."""
+        """`greedy`: the caller knows every request is (a steady batch checks once, `all_greedy`).
+        Rows whose request may not end yet (ignore_eos, or fewer than min_tokens new tokens) get
+        their EOS logit masked first, so their token is still a sample of the other tokens (vLLM's
+        min-tokens logits processor)."""
+        banned = [
+            row for row, r in enumerate(requests) if r.params.ignore_eos or len(r.output_ids) < r.params.min_tokens
+        ]
+        if banned:
+            logits = np.array(logits, copy=True)
+            logits[banned, [requests[row].eos_token_id for row in banned]] = -np.inf
         if greedy or all_greedy(requests):
             return logits.argmax(axis=1).tolist()  # one argmax (as sample_rows would)
-        return self.sample_rows([r.request_id for r in requests], [r.params for r in requests], logits)
+        indices = [len(r.output_ids) for r in requests]
+        return self.sample_rows([r.request_id for r in requests], [r.params for r in requests], logits, indices)
 
     def sample_rows(
-        self, request_ids: list[str], params: list[SamplingParams], logits: np.ndarray
+        self,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        logits: np.ndarray,
+        indices: list[int] | None = None,
     ) -> list[int | Exception]:
-        """One token per row of logits (n, vocab). Greedy rows share one argmax, rows with
-        temperature alone one softmax and one inverse-CDF draw (a uniform from each row's own
-        generator); rows with top-k / top-p filters go one by one. A row whose sampling fails
-        gets the exception instead of a token."""
+        """One token per row of logits (n, vocab); `indices`: each row's token index (None: each
+        request's next). Greedy rows share one argmax, rows with temperature alone one softmax and
+        one inverse-CDF draw (a uniform from each row's own generator); rows with top-k / top-p
+        filters go one by one. A row whose sampling fails gets the exception instead of a token."""
         sampled = [row for row, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
         if len(sampled) < len(params):
             tokens: list[int | Exception] = logits.argmax(axis=1).tolist()
@@ -54,7 +76,7 @@ class Sampler:
             cdfs -= cdfs.max(axis=1, keepdims=True)
             np.exp(cdfs, out=cdfs)
             np.cumsum(cdfs, axis=1, out=cdfs)
-            self._draw_rows(plain, cdfs, request_ids, params, tokens, logits)
+            self._draw_rows(plain, cdfs, request_ids, params, indices, tokens, logits)
         if len(plain) == len(sampled):
             return tokens
         for row in sorted(set(sampled) - set(plain)):
@@ -63,7 +85,7 @@ class Sampler:
             except Exception as error:
                 tokens[row] = error
                 continue
-            self._draw_rows([row], cdf, request_ids, params, tokens, logits)
+            self._draw_rows([row], cdf, request_ids, params, indices, tokens, logits)
         return tokens
 
     def _draw_rows(
@@ -72,6 +94,7 @@ class Sampler:
         cdfs: np.ndarray,
         request_ids: list[str],
         params: list[SamplingParams],
+        indices: list[int] | None,
         tokens: list[int | Exception],
         logits: np.ndarray,
     ) -> None:
@@ -82,10 +105,15 @@ class Sampler:
         uniforms = np.zeros(len(rows))
         generators = self._generators
         for index, row in enumerate(rows):
-            generator = generators.get(request_ids[row])
-            if generator is None:
-                generator = generators[request_ids[row]] = np.random.default_rng(params[row].seed)
+            request_id = request_ids[row]
+            kept = generators.get(request_id)
+            token = (kept[1] if kept is not None else 0) if indices is None else indices[row]
+            if kept is not None and kept[1] == token:
+                generator = kept[0]
+            else:
+                generator = token_generator(params[row].seed, token)
             uniforms[index] = generator.random()
+            generators[request_id] = (generator, token + 1)
         valid = np.isfinite(totals) & (totals > 0)
         uniforms *= np.where(valid, totals, 0.0)
         # searchsorted(cdf, u, side="right") for each row: how many cdf entries are <= u.
@@ -98,6 +126,15 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+
+def token_generator(seed: int, index: int) -> np.random.Generator:
+    """The generator whose next uniform is the one for token `index` of a request seeded `seed`:
+    PCG64(seed) advanced by `index` draws (one 64-bit draw per uniform), in O(log index)."""
+    bits = np.random.PCG64(seed)
+    if index:
+        bits.advance(index)
+    return np.random.Generator(bits)
 
 
 def all_greedy(requests: list[Request]) -> bool:

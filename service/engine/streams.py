@@ -71,6 +71,10 @@ class OutputStream:
                 self._wakeups.get(timeout=timeout)
             except queue.Empty:
                 return None
+        return self.take()
+
+    def take(self) -> StreamEvent:
+        """What `get` returns once woken (an asynchronous reader waits its own way, then takes)."""
         with self._lock:
             self._signalled = False
             if self._final is not None:  # a closed stream stays readable

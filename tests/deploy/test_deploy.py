@@ -45,10 +45,18 @@ def test_compose_puts_every_replica_behind_the_proxy() -> None:
         assert services[name]["networks"]["default"]["aliases"] == ["server"], name
     proxy = services["proxy"]
     assert proxy["image"].startswith("nginx:") and "profiles" not in proxy
-    assert proxy["ports"] == ["${POSENC_GRPC_PORT:-50051}:50051"]
+    # gRPC and the OpenAI-compatible HTTP API, each on the port the shipped nginx.conf listens on.
+    assert proxy["ports"] == ["${POSENC_GRPC_PORT:-50051}:50051", "${POSENC_HTTP_PORT:-8000}:8000"]
+    listens = re.findall(r"^\s*listen (\d+)", (REPOSITORY_ROOT / "deploy" / "nginx" / "nginx.conf").read_text(), re.M)
+    assert listens == ["50051", "8000"]
+    for name in ("server", "server-cpu"):  # the replicas serve HTTP where the proxy's upstream looks for it
+        assert services[name]["environment"]["POSENC_HTTP_PORT"] == "8000" and "8000" in services[name]["expose"]
+    upstream = (REPOSITORY_ROOT / "deploy" / "nginx" / "upstream.compose.conf").read_text()
+    assert re.findall(r"server server:(\d+) resolve", upstream) == ["50051", "8000"]
     assert "./deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro" in proxy["volumes"]
     assert "./deploy/nginx/upstream.compose.conf:/etc/nginx/upstream.conf:ro" in proxy["volumes"]
     assert "--host proxy:50051" in services["locust-master"]["command"]
+    assert services["locust-master"]["environment"]["LOCUST_API"] == "${LOCUST_API:-grpc}"
 
 
 def test_prometheus_config_passes_promtool_and_discovers_every_replica(tool: Tool) -> None:

@@ -81,6 +81,9 @@ def test_serving_images_carry_only_the_serving_role() -> None:
         assert "COPY --from=export /models /models" in copies, name
         assert all(line.endswith(("/opt/venv /opt/venv", "/models /models")) for line in copies), copies
         assert "USER 10001" in lineage(name) and "HEALTHCHECK" in " ".join(lineage(name)), name
+        # gRPC, the OpenAI-compatible HTTP API and /metrics, on the ports the image's environment sets.
+        assert "EXPOSE 50051 8000 9464" in lineage(name), name
+        assert "POSENC_PORT=50051 POSENC_HTTP_PORT=8000 POSENC_METRICS_PORT=9464" in " ".join(lineage(name)), name
     assert "COPY --from=cpu-deps /opt/venv /opt/venv" in lineage("cpu")
 
 
@@ -222,7 +225,9 @@ def test_host_network_compose_validates_and_its_parts_agree(tool) -> None:  # ty
     replicas = [s["environment"] for name, s in services.items() if name.startswith("replica-")]
     assert len(replicas) == 2
     upstream = (REPOSITORY_ROOT / "deploy" / "nginx" / "upstream.host.conf").read_text()
-    assert re.findall(r"server 127\.0\.0\.1:(\d+)", upstream) == [r["POSENC_PORT"] for r in replicas]
+    grpc_upstream, http_upstream = upstream.split("upstream posenc_http_replicas")
+    assert re.findall(r"server 127\.0\.0\.1:(\d+)", grpc_upstream) == [r["POSENC_PORT"] for r in replicas]
+    assert re.findall(r"server 127\.0\.0\.1:(\d+)", http_upstream) == [r["POSENC_HTTP_PORT"] for r in replicas]
     prometheus_config = REPOSITORY_ROOT / "deploy" / "prometheus" / "prometheus.host.yml"
     subprocess.run([tool("promtool"), "check", "config", str(prometheus_config)], check=True, capture_output=True)
     (job,) = yaml.safe_load(prometheus_config.read_text())["scrape_configs"]

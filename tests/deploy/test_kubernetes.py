@@ -1,7 +1,8 @@
 """Kubernetes manifests (deploy/k8s/): every one validates offline against the schemas of current
 Kubernetes versions (kubernetes-validate, strict: unknown fields fail), and they fit together:
 gRPC probes, the GPU request, the proxy's nginx.conf being the shipped one, selectors that
-select, autoscaling on metrics the service defines."""
+select, the HTTP API's port from the replicas through the proxy, autoscaling on metrics the service
+defines."""
 
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ def test_server_deployment_probes_health_over_grpc_and_carries_its_models(varian
     (container,) = pod["spec"]["containers"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": 50051}, probe  # health service "" (the whole server)
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports == {"grpc": 50051, "http": 8000, "metrics": 9464}
+    assert {"name": "POSENC_HTTP_PORT", "value": str(ports["http"])} in container["env"]
     assert container["image"] == f"posenc-serve:{variant}"
     # The image carries the model repository (exported at build time); nothing is mounted.
     dockerfile = (REPOSITORY_ROOT / "Dockerfile").read_text()
@@ -69,7 +73,11 @@ def test_server_deployment_probes_health_over_grpc_and_carries_its_models(varian
     # SIGKILL only after the preStop pause and the server's own drain.
     env = {item["name"]: item.get("value") for item in container["env"]}
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["spec"]["terminationGracePeriodSeconds"] > pause + float(env["POSENC_GRACE_SECONDS"])
+    drain = float(env["POSENC_DRAIN_DELAY_SECONDS"]) + float(env["POSENC_GRACE_SECONDS"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pause + drain
+    # NOT_SERVING is served at least one readiness period before the port closes.
+    readiness = container["readinessProbe"]
+    assert float(env["POSENC_DRAIN_DELAY_SECONDS"]) >= readiness["periodSeconds"] * readiness["failureThreshold"]
 
 
 def test_cpu_and_gpu_deployments_differ_only_where_they_must() -> None:
@@ -92,6 +100,10 @@ def test_services_select_the_pods_and_speak_http2() -> None:
     for service in (replicas, proxy_service):
         grpc_port = next(port for port in service["spec"]["ports"] if port["name"] == "grpc")
         assert grpc_port["port"] == 50051 and grpc_port["appProtocol"] == "kubernetes.io/h2c"
+        http_port = next(port for port in service["spec"]["ports"] if port["name"] == "http")
+        assert http_port == {"name": "http", "port": 8000, "targetPort": "http", "appProtocol": "http"}
+    (nginx,) = proxy["spec"]["template"]["spec"]["containers"]
+    assert {port["name"]: port["containerPort"] for port in nginx["ports"]} == {"grpc": 50051, "http": 8000}
     budget = one("PodDisruptionBudget", "posenc-serve")
     assert budget["spec"]["selector"]["matchLabels"] == SERVER_LABELS
 
@@ -106,8 +118,9 @@ def test_the_proxy_runs_the_shipped_nginx_conf_over_the_headless_service() -> No
         return [re.sub(r"^(resolver|server) \S+", r"\1 NAME", line) for line in lines]
 
     assert parameters(data["upstream.conf"]) == parameters((NGINX_DIR / "upstream.compose.conf").read_text())
-    name = f"{one('Service', 'posenc-serve-replicas')['metadata']['name']}.posenc.svc.cluster.local:50051"
-    assert f"server {name} resolve" in data["upstream.conf"]
+    name = f"{one('Service', 'posenc-serve-replicas')['metadata']['name']}.posenc.svc.cluster.local"
+    assert f"server {name}:50051 resolve" in data["upstream.conf"]
+    assert f"server {name}:8000 resolve" in data["upstream.conf"]
     (container,) = one("Deployment", "posenc-proxy")["spec"]["template"]["spec"]["containers"]
     assert container["args"][:3] == ["nginx", "-c", "/etc/nginx/posenc/nginx.conf"]
     assert container["volumeMounts"][0]["mountPath"] == "/etc/nginx/posenc"

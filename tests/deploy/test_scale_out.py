@@ -1,10 +1,11 @@
 """Scale-out, proven on loopback: two real replicas behind Debian's nginx running the shipped
 deploy/nginx/nginx.conf. Balance, streaming, cancellation, deadlines, metadata and draining go
-through the proxy, and each is read back from the replicas' own /metrics.
+through the proxy (gRPC; balance, unbuffered streaming and cancellation for the HTTP API too), and
+each is read back from the replicas' own /metrics.
 
-Only two things differ from what ships: the listen address (a free loopback port instead of
-50051) and the included upstream.conf, which is deploy/nginx/upstream.compose.conf with Docker's
-DNS name swapped for the replicas' loopback addresses (same zone, max_fails, keepalive), plus
+Only two things differ from what ships: the listen addresses (free loopback ports instead of
+50051 and 8000) and the included upstream.conf, which is deploy/nginx/upstream.compose.conf with
+Docker's DNS name swapped for the replicas' loopback addresses (same zone, max_fails, keepalive), plus
 temporary-file paths in the test's directory. Clients use service/channel.py's retry channel,
 as the README tells users to.
 """
@@ -22,6 +23,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from contract.paths import REPOSITORY_ROOT
@@ -32,6 +34,7 @@ from service.process import ServerProcess, free_port, wait_for
 
 NGINX_DIR = REPOSITORY_ROOT / "deploy" / "nginx"
 LISTEN = "listen 50051 http2;"
+LISTEN_HTTP = "listen 8000;"
 TOKEN = "scale-out-test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 REPLICA_FLAGS = (
@@ -41,36 +44,43 @@ REPLICA_FLAGS = (
 LONG = pb.GenerateRequest(model="alibi", prompt="def main():\n", max_new_tokens=2000)  # seconds of decoding
 
 
-def static_upstream(shipped: str, targets: list[str]) -> str:
+def static_upstream(shipped: str, targets: dict[str, list[str]]) -> str:
     """A shipped upstream file with its DNS discovery (`resolver`, `server NAME resolve ...`)
-    replaced by one `server` line per fixed address, every other parameter kept."""
-    lines, servers = [], 0
+    replaced, in each upstream block, by one `server` line per fixed address of that upstream
+    (`targets` by upstream name), every other parameter kept."""
+    lines, servers, upstream = [], [], ""
     for line in shipped.splitlines():
         if line.strip().startswith("#") or line.strip().startswith(("resolver ", "resolver_timeout ")):
             continue
+        upstream = line.split()[1] if line.startswith("upstream ") else upstream
         match = re.fullmatch(r"(\s*)server \S+ resolve(.*);", line)
         if match:
-            servers += 1
-            lines += [f"{match[1]}server {target}{match[2]};" for target in targets]
+            servers.append(upstream)
+            lines += [f"{match[1]}server {target}{match[2]};" for target in targets[upstream]]
         else:
             lines.append(line)
-    assert servers == 1, shipped
+    assert servers == list(targets), shipped
     return "\n".join(lines) + "\n"
 
 
 class Proxy:
-    """Debian's nginx, in the foreground, with the shipped nginx.conf and an upstream of our own."""
+    """Debian's nginx, in the foreground, with the shipped nginx.conf and upstreams of our own:
+    `targets` for gRPC, `http_targets` for the HTTP API (none: a free port nobody listens on)."""
 
-    def __init__(self, nginx: str, directory: Path, targets: list[str]) -> None:
+    def __init__(self, nginx: str, directory: Path, targets: list[str], http_targets: list[str] = ()) -> None:
         directory.mkdir(parents=True)
-        self.port = free_port()
+        self.port, self.http_port = free_port(), free_port()
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         shipped = (NGINX_DIR / "nginx.conf").read_text()
-        assert shipped.count(LISTEN) == 1
+        assert shipped.count(LISTEN) == 1 and shipped.count(LISTEN_HTTP) == 1
+        shipped = shipped.replace(LISTEN_HTTP, f"listen 127.0.0.1:{self.http_port};")
         (directory / "nginx.conf").write_text(shipped.replace(LISTEN, f"listen 127.0.0.1:{self.port} http2;"))
         # Temporary files under the test's directory, so nginx also runs without root.
         kinds = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
         temp = "".join(f"{kind}_temp_path {directory / kind};\n" for kind in kinds)
-        upstream = static_upstream((NGINX_DIR / "upstream.compose.conf").read_text(), targets)
+        http_targets = list(http_targets) or [f"127.0.0.1:{free_port()}"]
+        upstreams = {"posenc_replicas": targets, "posenc_http_replicas": http_targets}
+        upstream = static_upstream((NGINX_DIR / "upstream.compose.conf").read_text(), upstreams)
         (directory / "upstream.conf").write_text(temp + upstream)
         self.log = directory / "nginx.log"
         command = [
@@ -115,7 +125,8 @@ def replicas(repository: Path, nginx: str) -> Iterator[list[ServerProcess]]:
 
 @pytest.fixture(scope="module")
 def proxy(nginx: str, replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
-    running = Proxy(nginx, tmp_path_factory.mktemp("nginx") / "proxy", [r.target for r in replicas])
+    http = [r.http_url.removeprefix("http://") for r in replicas]
+    running = Proxy(nginx, tmp_path_factory.mktemp("nginx") / "proxy", [r.target for r in replicas], http)
     yield running
     running.stop()
 
@@ -185,6 +196,60 @@ def test_a_stream_cancelled_through_the_proxy_frees_its_cache_on_the_replica(
     assert total("posenc_cancellation_latency_seconds_count") == cancellations + 1  # the engine saw the cancel
 
 
+def http_calls(replicas: list[ServerProcess], code: str = "OK") -> list[float]:
+    """Finished HTTP API calls per replica with that status code."""
+    return [finished(replica, api="http", code=code) for replica in replicas]
+
+
+def test_the_http_api_is_balanced_and_streams_unbuffered_through_the_proxy(
+    proxy: Proxy, replicas: list[ServerProcess]
+) -> None:
+    before = http_calls(replicas)
+    body = {"model": "alibi", "prompt": "x = ", "max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=proxy.http_url, headers=dict(AUTH), timeout=60) as client:  # one keep-alive connection
+        assert [model["id"] for model in client.get("/v1/models").json()["data"]] == ["alibi", "rope"]
+        answers = [client.post("/v1/completions", json=body) for _ in range(20)]
+        assert all(a.status_code == 200 and a.json()["usage"]["completion_tokens"] == 4 for a in answers)
+        assert client.get("/health").status_code == 200
+        # Server-sent events pass as they come: the first chunk long before the last.
+        streamed = {**body, "max_tokens": 300, "ignore_eos": True, "stream": True}
+        started, arrivals = time.monotonic(), []
+        with client.stream("POST", "/v1/completions", json=streamed) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((time.monotonic() - started, line))
+    assert arrivals[-1][1] == "data: [DONE]" and len(arrivals) > 10
+    assert arrivals[0][0] < 0.5 * arrivals[-1][0], (arrivals[0][0], arrivals[-1][0])
+
+    def served() -> list[float]:
+        return [after - first for after, first in zip(http_calls(replicas), before, strict=True)]
+
+    # /v1/models, 20 completions and the stream (counted as its handler returns, after [DONE]).
+    assert wait_for(lambda: sum(served()) == 22), served()
+    assert all(count >= 5 for count in served()), served()
+
+
+def test_a_client_leaving_an_http_stream_at_the_proxy_cancels_it_on_the_replica(
+    proxy: Proxy, replicas: list[ServerProcess]
+) -> None:
+    def total(name: str) -> float:
+        return sum(replica.metric(name, model="alibi") for replica in replicas)
+
+    cancelled = sum(http_calls(replicas, "CANCELLED"))
+    body = {"model": "alibi", "prompt": "def main():\n", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", proxy.http_url + "/v1/completions", json=body, headers=dict(AUTH), timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert total("posenc_kv_cache_used_bytes") > 0
+    assert wait_for(lambda: sum(http_calls(replicas, "CANCELLED")) == cancelled + 1)
+    assert wait_for(lambda: total("posenc_kv_cache_used_bytes") == 0)
+    assert wait_for(lambda: total("posenc_running_sequences") == 0)
+
+
 def test_the_client_deadline_reaches_the_replica(proxy: Proxy, replicas: list[ServerProcess]) -> None:
     """grpc-timeout passes through: the replica's engine ends the call at the deadline itself and
     counts DEADLINE_EXCEEDED. Had only the client known the deadline, the replica could only ever
@@ -214,6 +279,7 @@ def test_no_reachable_replica_is_a_retryable_unavailable(nginx: str, tmp_path: P
     try:
         with pytest.raises(grpc.RpcError) as error:
             unary(proxy.stub, 0)
+        refused = httpx.post(proxy.http_url + "/v1/completions", json={"model": "alibi", "prompt": "x"}, timeout=30)
     finally:
         proxy.stop()
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -221,6 +287,10 @@ def test_no_reachable_replica_is_a_retryable_unavailable(nginx: str, tmp_path: P
     attempts = RETRY_SERVICE_CONFIG["methodConfig"][0]["retryPolicy"]["maxAttempts"]
     answered = proxy.log.read_text().count('"POST /posenc.v1.Generation/Generate HTTP/2.0" 204 ')  # access log
     assert answered == attempts  # the channel retried it as often as its policy allows
+    # The HTTP API's side: an OpenAI-shaped 503, which OpenAI's clients retry.
+    assert refused.status_code == 503
+    assert refused.json()["error"] == {"message": "posenc proxy: no replica reachable", "type": "server_error",
+                                       "param": None, "code": "service_unavailable"}  # fmt: skip
 
 
 class Draining(generation_pb2_grpc.GenerationServicer):
@@ -264,9 +334,11 @@ def test_a_draining_replica_s_refusals_are_retried_on_the_other(
 def test_sigterm_on_one_replica_loses_no_call_and_its_streams_finish(
     proxy: Proxy, replicas: list[ServerProcess]
 ) -> None:
-    """Runs last: it stops a replica. Calls keep coming from one client while `leaving` gets
-    SIGTERM. Whether it refuses new calls with UNAVAILABLE while draining, or stops accepting
-    connections, no call is lost and every stream already running on it finishes."""
+    """Runs last: it stops a replica. Calls keep coming from two clients while `leaving` gets
+    SIGTERM: the project's (retry policy) and one without retries. Health goes NOT_SERVING, then the
+    port closes (GOAWAY) while running calls finish, so nginx sends each new call to `staying`
+    (a refused connection is an `error` it may retry): no call is lost by either client and every
+    stream already running on `leaving` finishes."""
     leaving, staying = replicas
     request = pb.GenerateRequest(model="alibi", prompt="def main():\n", max_new_tokens=1500)
     streams = [proxy.stub.GenerateStream(request, metadata=AUTH, timeout=60) for _ in range(4)]
@@ -274,36 +346,40 @@ def test_sigterm_on_one_replica_loses_no_call_and_its_streams_finish(
         next(call)  # started, on one replica or the other
     assert leaving.metric("posenc_running_sequences") > 0 and staying.metric("posenc_running_sequences") > 0
 
-    calls: list[tuple[float, grpc.StatusCode]] = []
+    plain = open_channel(f"127.0.0.1:{proxy.port}", retry=False)
+    clients = {"retrying": proxy.stub, "not retrying": generation_pb2_grpc.GenerationStub(plain)}
+    calls: dict[str, list[tuple[float, grpc.StatusCode]]] = {name: [] for name in clients}
     stop = threading.Event()
 
-    def client() -> None:
+    def client(name: str) -> None:
         i = 0
         while not stop.is_set():
             started = time.monotonic()
             try:
-                unary(proxy.stub, i)
-                calls.append((started, grpc.StatusCode.OK))
+                unary(clients[name], i) if i % 2 else stream(clients[name], i)
+                calls[name].append((started, grpc.StatusCode.OK))
             except grpc.RpcError as error:
-                calls.append((started, error.code()))
+                calls[name].append((started, error.code()))
             i += 1
 
-    thread = threading.Thread(target=client)
-    served_before = finished(staying, code="OK", method="Generate")
-    thread.start()
+    threads = [threading.Thread(target=client, args=(name,)) for name in clients]
+    served_before = finished(staying, code="OK")
+    for thread in threads:
+        thread.start()
     time.sleep(0.3)
     signalled = time.monotonic()
     leaving.process.send_signal(signal.SIGTERM)
     time.sleep(1.5)
     stop.set()
-    thread.join(timeout=30)
+    for thread in threads:
+        thread.join(timeout=30)
+    plain.close()
 
     last_chunks = [list(call)[-1] for call in streams]  # the drain: each ends normally
     assert all(chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED for chunk in last_chunks)
-    lost = [code for _, code in calls if code != grpc.StatusCode.OK]
-    assert not lost, lost
-    after_signal = sum(1 for started, _ in calls if started > signalled)
-    assert after_signal >= 5
-    served = finished(staying, code="OK", method="Generate") - served_before
-    assert served >= after_signal  # every call that started after SIGTERM went to `staying`
+    for name, made in calls.items():
+        lost = [code for _, code in made if code != grpc.StatusCode.OK]
+        assert not lost, (name, lost)
+        assert sum(1 for started, _ in made if started > signalled) >= 5, name
+    assert finished(staying, code="OK") > served_before
     assert leaving.process.wait(timeout=40) == 0

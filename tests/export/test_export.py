@@ -32,7 +32,7 @@ from contract.manifest import (
     variant_dtype,
 )
 from export.__main__ import main
-from export.evaluate import bits_per_byte, evaluation_sequences
+from export.evaluate import onnx_bits_per_byte
 from export.repository import GRAPH_FILES
 from export.runtime import OnnxCausalLM
 from export.verify import (
@@ -45,10 +45,11 @@ from export.verify import (
     tolerance,
     torch_reference,
 )
+from models.checkpoints import WEIGHTS_DIR
+from models.evaluation import evaluation_sequences
 from models.limits import PositionLimitError
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 
 
@@ -205,10 +206,10 @@ def test_bits_per_byte_and_not_servable(repository: Path) -> None:
     stream = np.frombuffer(Path(__file__).read_bytes() * 4, dtype=np.uint8).astype(np.int64)
     short = evaluation_sequences(stream, 256, 2, TOKENIZER.bos_token_id)
     long = evaluation_sequences(stream, 512, 2, TOKENIZER.bos_token_id)
-    bpb = bits_per_byte(OnnxCausalLM(repository / "learned"), short)
+    bpb = onnx_bits_per_byte(OnnxCausalLM(repository / "learned"), short)
     assert bpb is not None and 0.5 < bpb < 5.0
-    assert bits_per_byte(OnnxCausalLM(repository / "learned"), long) is None
-    assert bits_per_byte(OnnxCausalLM(repository / "alibi"), long) is not None
+    assert onnx_bits_per_byte(OnnxCausalLM(repository / "learned"), long) is None
+    assert onnx_bits_per_byte(OnnxCausalLM(repository / "alibi"), long) is not None
 
 
 def test_tampered_or_missing_files_are_refused_by_name(repository: Path, tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ from export.fused import FUSED_POSITIONS
 from export.repository import GRAPH_FILES
 from export.runtime import FusedDecoder, OnnxCausalLM
 from export.verify import FP32_TOLERANCE, check_fused_graph, check_prefill_graph, default_prompts
+from models.checkpoints import WEIGHTS_DIR
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 
 

@@ -21,10 +21,10 @@ from export.repository import ExportOptions, cuda_onnxruntime, export_model, rop
 from export.rope_variants import RopeRewriteError, derive_graph, derive_rope_variant, rotary_constants
 from export.runtime import OnnxCausalLM
 from export.verify import FP32_TOLERANCE, check_fused_graph, check_int8_graph, check_parity, default_prompts
+from models.checkpoints import WEIGHTS_DIR
 from models.config import ModelConfig, RopeScaling
 from models.positional import matched_config, rope_rotation_frequencies
 from models.tokenizer import TOKENIZER
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 
 FP32_GRAPHS = ("float32", SERVING, SERVING_INT8, SERVING_FUSED)

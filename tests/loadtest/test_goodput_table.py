@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.report import goodput_ratio, goodput_section, refusals_per_good
+from loadtest.report.analysis import goodput_ratio, refusals_per_good
+from loadtest.report.tables import goodput_section
+from loadtest.study.results import Results
 
 
 def load(goodput: list[float], refused: list[float]) -> dict[str, dict[str, float]]:
@@ -16,15 +18,19 @@ def load(goodput: list[float], refused: list[float]) -> dict[str, dict[str, floa
 
 
 def test_the_table_shows_the_goodput_ratio_and_refusals_per_good_request_per_scheme() -> None:
-    results = {
-        "schemes": ["learned", "alibi"],
-        "config": {"admission_ttft_slo_s": 0.4},
-        "load": {"learned": load([14, 26, 27, 1], [0] * 4), "alibi": load([7, 0.3, 0.2, 0.3], [0] * 4)},
-        "load_admission": {
-            "learned": load([15, 26, 26, 24], [0, 0, 5, 30]),
-            "alibi": load([7, 8, 8, 6], [0, 9, 12, 24]),
-        },
-    }
+    results = Results.from_dict(
+        {
+            "run_id": "test",
+            "environment": {},
+            "schemes": ["learned", "alibi"],
+            "config": {"admission_ttft_slo_s": 0.4},
+            "load": {"learned": load([14, 26, 27, 1], [0] * 4), "alibi": load([7, 0.3, 0.2, 0.3], [0] * 4)},
+            "load_admission": {
+                "learned": load([15, 26, 26, 24], [0, 0, 5, 30]),
+                "alibi": load([7, 8, 8, 6], [0, 9, 12, 24]),
+            },
+        }
+    )
     section = goodput_section(results)
     assert "refusals per good request @32" in section and "goodput ratio" in section
     assert "| learned | 0.04 | 0.92 | 24.00 | 30.0 | 1.25 |" in section

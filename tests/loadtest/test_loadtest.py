@@ -14,7 +14,7 @@ import pytest
 
 from contract.paths import REPOSITORY_ROOT
 from loadtest.compare import main as compare_main
-from loadtest.compare import rotated
+from loadtest.study.timed import rotated
 from models.positional import SCHEMES
 from service.process import ServerProcess, wait_for
 
@@ -43,6 +43,18 @@ def served_rpcs(server: ServerProcess) -> float:
         return 0.0
 
 
+def token_latency_rows(path: Path, counts: dict[str, int], kind: str) -> dict[tuple[str, str], dict[str, str]]:
+    """The token latency CSV's rows by (measure, name), checked per model against the streams Locust counted
+    as `<kind> <model>`: one TTFT per stream, an ITL for at most each, plausible values."""
+    rows = {(row["Type"], row["Name"]): row for row in csv.DictReader(path.open())}
+    for model in ("alibi", "learned"):
+        assert int(rows[("TTFT", model)]["Count"]) == counts[f"{kind} {model}"]  # one per stream
+        assert 0 < int(rows[("ITL", model)]["Count"]) <= counts[f"{kind} {model}"]
+        ttft, itl = float(rows[("TTFT", model)]["50% (ms)"]), float(rows[("ITL", model)]["95% (ms)"])
+        assert 0 < ttft < 10_000 and 0 < itl < 1_000
+    return rows
+
+
 def test_locust_aggregate_counts_rpcs_and_token_latency_is_reported_apart(
     server: ServerProcess, tmp_path: Path
 ) -> None:
@@ -68,17 +80,45 @@ def test_locust_aggregate_counts_rpcs_and_token_latency_is_reported_apart(
     )  # fmt: skip
     # Time to first token and inter-token latency: printed after Locust's summary, and in a CSV of their own.
     assert "Token latency, ms" in summary
-    rows = {(row["Type"], row["Name"]): row for row in csv.DictReader((tmp_path / "run_token_latency.csv").open())}
-    for model in ("alibi", "learned"):
-        assert int(rows[("TTFT", model)]["Count"]) == counts[f"GenerateStream {model}"]  # one per stream
-        assert 0 < int(rows[("ITL", model)]["Count"]) <= counts[f"GenerateStream {model}"]
-        ttft, itl = float(rows[("TTFT", model)]["50% (ms)"]), float(rows[("ITL", model)]["95% (ms)"])
-        assert 0 < ttft < 10_000 and 0 < itl < 1_000
+    rows = token_latency_rows(tmp_path / "run_token_latency.csv", counts, "GenerateStream")
     assert (
         int(rows[("TTFT", "All models")]["Count"]) == counts["GenerateStream alibi"] + counts["GenerateStream learned"]
     )
     locust_rows = {row["Name"] for row in csv.DictReader((tmp_path / "run_stats.csv").open())}
     assert not any(name.startswith(("TTFT", "ITL")) for name in locust_rows)
+
+
+def served_http_calls(server: ServerProcess) -> float:
+    """posenc_requests_total{api="http"} over every path, model and code (no sample yet: 0)."""
+    try:
+        return server.metric("posenc_requests_total", api="http")
+    except KeyError:
+        return 0.0
+
+
+def test_locust_http_user_runs_the_same_scenario_through_the_openai_api(server: ServerProcess, tmp_path: Path) -> None:
+    before, grpc_before = served_http_calls(server), served_rpcs(server) - served_http_calls(server)
+    command = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "4", "-r", "4", "-t", "6s",
+        "--api", "http", "--host", server.http_url, "--csv", str(tmp_path / "run"), "--models", "alibi:2,learned:1",
+        "--prompt-bytes", "64,300", "--cancel-fraction", "0.2", "--only-summary",
+    ]  # fmt: skip
+    env = {**os.environ, "LOCUST_MAX_NEW_TOKENS": "8", "LOCUST_IGNORE_EOS": "true"}
+    result = subprocess.run(command, cwd=REPOSITORY_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = result.stderr
+    counts = request_counts(summary)
+    assert counts["/v1/models"] == 4
+    assert counts["/v1/completions alibi"] > 0 and counts["/v1/completions learned"] > 0
+    assert {name.split()[0] for name in counts} <= {"/v1/models", "/v1/completions", "Cancelled", "Stopped",
+                                                     "Aggregated"}  # fmt: skip
+    assert " 0(0.00%) |" in summary.split("Aggregated", 1)[1].splitlines()[0]  # no failures
+    # Every HTTP call once: the server's api="http" count is Locust's Aggregated line, and no gRPC call was made.
+    assert wait_for(lambda: served_http_calls(server) - before == counts["Aggregated"], timeout=5), (
+        served_http_calls(server) - before, counts, summary,
+    )  # fmt: skip
+    assert served_rpcs(server) - served_http_calls(server) == grpc_before
+    token_latency_rows(tmp_path / "run_token_latency.csv", counts, "/v1/completions")
 
 
 def test_locust_help_lists_the_scenario_options() -> None:
@@ -87,7 +127,8 @@ def test_locust_help_lists_the_scenario_options() -> None:
     )
     assert result.returncode == 0, result.stderr
     for flag, env in [("--models", "LOCUST_MODELS"), ("--max-new-tokens", "LOCUST_MAX_NEW_TOKENS"),
-                      ("--prompt-bytes", "LOCUST_PROMPT_BYTES"), ("--load-shape", "LOCUST_LOAD_SHAPE")]:  # fmt: skip
+                      ("--prompt-bytes", "LOCUST_PROMPT_BYTES"), ("--load-shape", "LOCUST_LOAD_SHAPE"),
+                      ("--api", "LOCUST_API"), ("--ignore-eos", "LOCUST_IGNORE_EOS")]:  # fmt: skip
         assert flag in result.stdout and env in result.stdout, flag
 
 

@@ -5,7 +5,6 @@ answers what a cache policy saves."""
 from __future__ import annotations
 
 import ast
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +23,9 @@ from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
 
 from loadtest import palette
-from loadtest.report import WITHIN, cheapest_within, figures, int8_ratio, sequence_bytes
+from loadtest.report.analysis import WITHIN, cheapest_within, int8_ratio, sequence_bytes
+from loadtest.report.figures import figures
+from loadtest.study.results import Results
 from models.positional import SCHEMES
 
 REFERENCE_RESULTS = REPOSITORY_ROOT / "reports" / "reference" / "results.json"
@@ -37,20 +38,20 @@ SERIES_CALLS = {"plot", "scatter", "errorbar", "bar", "barh", "fill_between", "s
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:  # type: ignore[type-arg]
-    return json.loads(REFERENCE_RESULTS.read_text())
+def results() -> Results:
+    return Results.read(REFERENCE_RESULTS)
 
 
 @pytest.fixture(scope="module")
-def drawn(results: dict) -> Iterator[dict[str, Figure]]:  # type: ignore[type-arg]
+def drawn(results: Results) -> Iterator[dict[str, Figure]]:
     built = figures(results)
     yield built
     for fig in built.values():
         plt.close(fig)
 
 
-def allowed_colours(results: dict) -> set[str]:  # type: ignore[type-arg]
-    names = [*results["schemes"], *results["quality"]]
+def allowed_colours(results: Results) -> set[str]:
+    names = [*results.schemes, *results.quality]
     return (
         {palette.style(name).color for name in names}
         | {palette.REFERENCE, palette.UNBOUNDED, palette.TEXT_ON_DARK, palette.TEXT_ON_LIGHT}
@@ -97,7 +98,7 @@ def test_rope_variants_are_shades_of_rope_and_unknown_names_are_refused() -> Non
 
 
 def test_every_series_of_every_figure_takes_the_palette_s_colour_and_marker(
-    results: dict,  # type: ignore[type-arg]
+    results: Results,
     drawn: dict[str, Figure],
 ) -> None:
     """Rendered on the reference results.json with the Agg backend: each line, point set and error
@@ -132,8 +133,8 @@ def test_every_series_of_every_figure_takes_the_palette_s_colour_and_marker(
     per_scheme = {"bpb_vs_context.png", "itl_vs_context.png", "ttft_vs_prompt.png", "throughput_vs_concurrency.png",
                   "goodput_vs_users.png", "retrieval.png", "kv_bytes.png"}  # fmt: skip
     for name in per_scheme:
-        assert seen[name] >= set(results["schemes"]), (name, seen.get(name))
-    assert seen["bpb_vs_context.png"] == set(results["quality"])  # the rope variants too
+        assert seen[name] >= set(results.schemes), (name, seen.get(name))
+    assert seen["bpb_vs_context.png"] == set(results.quality)  # the rope variants too
     assert seen["cache_budget.png"] >= {"alibi", "rope", "relative", "none", "sinusoidal"}  # learned: no 8x text
 
 
@@ -153,7 +154,7 @@ def test_no_plotting_call_names_a_colour_of_its_own() -> None:
     """AST check: no call in a plotting module passes a literal colour (or colormap), and every
     series-drawing call passes a colour: a palette name or a palette function's keywords."""
     modules = _plotting_modules()
-    assert REPOSITORY_ROOT / "loadtest" / "report.py" in modules
+    assert REPOSITORY_ROOT / "loadtest" / "report" / "figures.py" in modules
     problems = []
     for path in modules:
         if path.is_relative_to(REPOSITORY_ROOT / "tests"):
@@ -177,10 +178,10 @@ def test_no_plotting_call_names_a_colour_of_its_own() -> None:
 
 
 def test_memory_figure_answers_what_each_policy_keeps(
-    results: dict,  # type: ignore[type-arg]
+    results: Results,
     drawn: dict[str, Figure],
 ) -> None:
-    data, train = results["cache_budget"], 256
+    data, train = results.cache_budget, 256
     ratio = int8_ratio(data)
     assert ratio is not None and 0.25 < ratio < 0.3  # int8 values plus a float32 scale per head and token
     assert sequence_bytes("window:64", 2048, 4096, ratio) == 64 * 4096

@@ -7,9 +7,9 @@ import json
 import tarfile
 from pathlib import Path
 
+from models.checkpoints import WEIGHTS_DIR
 from models.device_recipe import main, recipe_arguments
 from models.positional import SCHEMES
-from models.train import WEIGHTS_DIR
 
 
 def test_the_recipe_is_the_shipped_weights_own() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.palette import style
-from loadtest.report import figure_emergence, training_section
+from loadtest.report.figures import figure_emergence
+from loadtest.report.tables import training_section
 from models import emergence
 from models.train import main
 
@@ -69,7 +70,7 @@ def test_a_training_run_logs_the_curve_the_report_draws_and_tables(tmp_path: Pat
     assert list(far_line.get_ydata()) == [entry["copy_128"] for entry in evaluated]
     (bpb_line,) = [line for line in bpb.get_lines() if line.get_label() == "relative"]
     assert list(bpb_line.get_ydata()) == [entry["val_bpb"] for entry in evaluated]
-    section = training_section({"training": data})
+    section = training_section(data)
     assert curve["command"] in section
     row = next(line for line in section.splitlines() if line.startswith("| relative |"))
     assert (

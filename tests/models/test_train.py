@@ -1,5 +1,5 @@
-"""Training command on a tiny config: files written, budget recorded, loss goes down; planted
-repeats, presets and continued runs."""
+"""Training command on a tiny config: files written, budget recorded, loss goes down; presets,
+continued and resumed runs."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from models.train import TrainConfig, main, parse_args, sample_batch
+from models.train import main, parse_args
+from models.train_config import TrainConfig
 from models.transformer import Transformer
 
 
@@ -41,23 +41,6 @@ def test_tiny_training_run_writes_weights_config_and_log(tmp_path: Path) -> None
     assert len(summary["corpus"]["sha256"]["train"]) == 64
     model = Transformer.load(folder)
     assert model.config.train_context == 32 and model.config.scheme == "alibi"
-
-
-def test_planted_repeats_are_marked_where_only_copying_predicts() -> None:
-    generator = np.random.default_rng(0)
-    stream = np.full(5000, ord(" "), dtype=np.int16)
-    inputs, targets, copied = sample_batch(stream, 8, 64, generator, planted=4, spans=3)
-    assert inputs.shape == targets.shape == copied.shape == (8, 64)
-    assert not copied[4:].any() and copied[:4].any(axis=1).all()
-    for row in range(4):
-        window = targets[row].tolist()  # target t is window byte t
-        for t in np.flatnonzero(copied[row].numpy()):
-            assert chr(window[t]).isalnum()
-            # the byte before a copied one also appears earlier, followed by the same byte
-            earlier = [j for j in range(t - 1) if window[j] == window[t - 1] and window[j + 1] == window[t]]
-            assert earlier, (row, t)
-    plain, _, none_copied = sample_batch(stream, 8, 64, np.random.default_rng(0))
-    assert not none_copied.any() and not (plain[:, 1:] != ord(" ")).any()
 
 
 def test_presets_and_copy_share_schedule() -> None:

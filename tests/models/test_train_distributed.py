@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from contract.paths import REPOSITORY_ROOT
-from models.train import RANK_STATE_ENV, main
+from models.distributed import RANK_STATE_ENV
+from models.train import main
 
 ARGS = ["--scheme", "rope", "--steps", "6", "--batch-size", "4", "--context", "32", "--d-model", "32",
         "--n-layers", "1", "--eval-interval", "3", "--eval-windows", "4", "--warmup-steps", "2",

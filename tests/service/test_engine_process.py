@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from service.server import parse_config
 from tests.service.test_service import offline_greedy_text
 
 LONG = 3000  # new tokens: a stream still running when the core is killed
+RESUMED = 400  # new tokens of a request resumed after the kill, compared with an uninterrupted run
 
 
 def alive(pid: int) -> bool:
@@ -65,40 +67,102 @@ def watch_health(server: ServerProcess, seen: list[int], stop: threading.Event) 
     return thread
 
 
-def test_killed_core_fails_streams_with_unavailable_and_is_restarted(server: ServerProcess) -> None:
+def read_until(stream: Iterator[pb.GenerateStreamResponse], text: list[str], size: int) -> None:
+    """Chunks into `text` until it holds `size` characters (the stream still running)."""
+    while len("".join(text)) < size:
+        chunk = next(stream)
+        assert chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED, "the stream ended before the kill"
+        text.append(chunk.text)
+
+
+def kill_core(server: ServerProcess) -> int:
     core = server.engine_core_pid()
     assert core is not None and alive(core)
+    os.kill(core, signal.SIGKILL)
+    return core
+
+
+SEEDED = pb.GenerateRequest(
+    model="alibi", prompt="import os\n", max_new_tokens=RESUMED, temperature=0.8, top_k=40, top_p=0.95, seed=17
+)
+
+
+def test_streams_resume_on_the_restarted_core_with_the_text_of_an_uninterrupted_run(
+    server: ServerProcess, repository: Path
+) -> None:
+    """kill -9 of the core mid-stream: greedy and seeded streams go on where their clients are, no byte
+    twice or missing, and end with the uninterrupted text; health dips and comes back; the resumed
+    requests are counted and their stall measured."""
+    prompt = "def main():\n"
+    greedy = pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=RESUMED)
+    seeded_alone = "".join(c.text for c in server.stub.GenerateStream(SEEDED, timeout=120))
+    expected, _ = offline_greedy_text(repository, "alibi", prompt, RESUMED)
     seen: list[int] = []
     stop = threading.Event()
     watch_health(server, seen, stop)
     assert wait_for(lambda: seen == [health_pb2.HealthCheckResponse.SERVING])
 
-    request = pb.GenerateRequest(model="alibi", prompt="def main():\n", max_new_tokens=LONG)
-    streams = [server.stub.GenerateStream(request, timeout=60) for _ in range(3)]
-    for stream in streams:
-        next(stream)  # each is running: its first token arrived
-    os.kill(core, signal.SIGKILL)
-    started = time.monotonic()
-    for stream in streams:
-        with pytest.raises(grpc.RpcError) as caught:
-            for _ in stream:
-                pass
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "engine process was killed (signal 9)" in caught.value.details()
-    assert time.monotonic() - started < 10  # ended at once, not by the client's deadline
+    streams = [server.stub.GenerateStream(r, timeout=120) for r in (greedy, greedy, SEEDED)]
+    texts: list[list[str]] = [[], [], []]
+    for stream, text in zip(streams, texts, strict=True):
+        read_until(stream, text, 20)  # each is running
+    core = kill_core(server)
+    finals = []
+    for stream, text in zip(streams, texts, strict=True):
+        for chunk in stream:
+            text.append(chunk.text)
+        finals.append(chunk)
+    assert ["".join(t) for t in texts] == [expected, expected, seeded_alone]
+    generated = len(expected.encode())
+    assert finals[0].usage.completion_tokens in (generated, generated + 1)  # + an EOS
+    assert finals[0].usage.prompt_tokens == len(prompt.encode()) + 1
 
-    # Health went NOT_SERVING, then SERVING again with a new core, which serves.
     assert wait_for(lambda: seen[-1:] == [health_pb2.HealthCheckResponse.SERVING] and len(seen) >= 3, timeout=60)
     assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
     stop.set()
     replacement = server.engine_core_pid()
     assert replacement is not None and replacement != core and not alive(core)
-    reply = server.stub.Generate(pb.GenerateRequest(model="alibi", prompt="x = 1\n", max_new_tokens=8), timeout=30)
-    assert reply.usage.completion_tokens == 8
     assert server.metric("posenc_engine_restarts_total") == 1
+    assert server.metric("posenc_resumed_requests_total") == 3
+    assert server.metric("posenc_resume_failures_total") == 0
+    assert server.metric("posenc_resume_stall_seconds_count") == 3
     # Nothing of the old core's requests is held: the new core's cache is empty and nothing runs.
     assert wait_for(lambda: server.metric("posenc_running_sequences", model="alibi") == 0)
     assert server.metric("posenc_kv_cache_used_bytes", model="alibi") == 0
+
+
+def test_a_unary_generate_resumes_on_the_restarted_core(server: ServerProcess, repository: Path) -> None:
+    prompt = "class Parser:\n"
+    request = pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=RESUMED)
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(server.stub.Generate, request, timeout=120)
+        assert wait_for(lambda: server.metric("posenc_running_sequences", model="alibi") == 1, timeout=30)
+        time.sleep(0.05)  # some tokens produced
+        kill_core(server)
+        response = reply.result()
+    expected, _ = offline_greedy_text(repository, "alibi", prompt, RESUMED)
+    assert response.text == expected
+    assert server.metric("posenc_resumed_requests_total") == 1
+
+
+def test_a_request_whose_cores_keep_dying_ends_with_unavailable_and_says_why(server: ServerProcess) -> None:
+    """A request is resumed at most RESUMES_ALLOWED times; the core's next death ends it with a clear
+    UNAVAILABLE (a non-retrying client loses it; the server stays up within its restart budget)."""
+    stream = server.stub.GenerateStream(pb.GenerateRequest(model="alibi", prompt="def f(x):\n", max_new_tokens=LONG))
+    text: list[str] = []
+    for kills in range(1, 4):
+        read_until(stream, text, 20 * kills)  # running (again: resumed)
+        kill_core(server)
+    with pytest.raises(grpc.RpcError) as caught:
+        for _ in stream:
+            pass
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert caught.value.details() == (
+        "engine process was killed (signal 9); the request ran on 3 engine cores that died: not resumed"
+    )
+    assert server.metric("posenc_resumed_requests_total") == 2
+    assert server.metric("posenc_resume_failures_total") == 1
+    assert wait_for(lambda: server_serving(server), timeout=60)
 
 
 def test_server_exits_non_zero_when_the_core_keeps_dying(server: ServerProcess) -> None:
@@ -283,3 +347,22 @@ def test_the_stream_interval_reaches_the_engine_from_its_flag_and_its_variable(m
     assert parse_config(["--stream-interval-ms", "0"]).engine.stream_interval_ms == 0.0
     monkeypatch.setenv("POSENC_STREAM_INTERVAL_MS", "12.5")
     assert parse_config([]).engine.stream_interval_ms == 12.5
+
+
+def test_outputs_carry_the_ids_of_every_delivered_token_with_the_text_they_made() -> None:
+    """Token ids travel with text, held-back bytes included (a possible stop string, part of a
+    character): a front end that keeps them resumes a request exactly where its client is."""
+    sender = _Sender()
+    outputs = StepOutputs(sender)  # type: ignore[arg-type]
+    processor = _processor()
+    request = Request("r", "m", [1], SamplingParams(16, stop=("END",)), 257)
+    request.output = outputs.sink(request)
+    for token in "ab€EN".encode():
+        batch = OutputBatch()
+        processor.accept([request], [token], time.monotonic(), batch)
+        outputs.submit(processor.deliver, batch)
+        outputs.flush()
+    outputs.close_publisher()
+    entries = [entry for message in sender.sent for entry in message.entries]
+    assert [(e.text, bytes(e.token_ids)) for e in entries] == [("a", b"a"), ("b", b"b"), ("€", "€".encode())]
+    assert bytes(request.output_ids) == "ab€EN".encode()  # "EN" held back: its ids go with its text, later

@@ -78,6 +78,25 @@ def test_batched_sampling_equals_each_request_alone() -> None:
             assert token == alone.sample(ids[i], logits[i], params[i])
 
 
+def test_a_sampled_token_depends_on_the_seed_and_its_index_alone() -> None:
+    """A request that arrives with k tokens already produced (resumed on a restarted engine core)
+    samples from token k on exactly what an uninterrupted run samples there, filtered or not."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((40, 259)).astype(np.float32) * 2
+    for params in (
+        SamplingParams(1, temperature=0.9, seed=7),
+        SamplingParams(1, temperature=0.7, top_k=20, top_p=0.9, seed=2**64 - 1),
+    ):
+        uninterrupted = Sampler()
+        tokens = [uninterrupted.sample("r", logits[i], params, index=i) for i in range(40)]
+        for k in (1, 17, 39):
+            resumed = Sampler()  # a new core: no generator kept
+            assert [resumed.sample("r", logits[i], params, index=i) for i in range(k, 40)] == tokens[k:]
+        # Without an index each draw is the next one: the stream np.random.default_rng(seed) gives.
+        continuing = Sampler()
+        assert [continuing.sample("r", logits[i], params) for i in range(40)] == tokens
+
+
 def test_detokenizer_never_splits_characters_and_hides_stop_prefixes() -> None:
     detok = IncrementalDetokenizer()
     encoded = "é→".encode()
@@ -129,3 +148,34 @@ def test_output_stream_merges_what_the_consumer_has_not_taken_and_stays_readable
     assert stream.get(timeout=1) == StreamEvent("de", RequestStatus.FINISHED_LENGTH)
     for _ in range(2):  # closed: every later call answers at once, with no text
         assert stream.get(timeout=None) == StreamEvent("", RequestStatus.FINISHED_LENGTH)
+
+
+def test_eos_is_masked_while_a_request_may_not_end() -> None:
+    """ignore_eos masks EOS always, min_tokens until that many tokens exist; other rows keep theirs."""
+    from service.engine.request import Request
+
+    eos = 257
+    logits = np.zeros((3, 259), dtype=np.float32)
+    logits[:, eos] = 10.0  # EOS is every row's argmax
+    logits[:, 65] = 5.0
+
+    def request(params: SamplingParams, produced: int) -> Request:
+        made = Request("r", "m", [256], params, eos)
+        made.output_ids = [66] * produced
+        return made
+
+    rows = [
+        request(SamplingParams(8, ignore_eos=True), 7),
+        request(SamplingParams(8, min_tokens=4), 3),
+        request(SamplingParams(8, min_tokens=4), 4),
+    ]
+    assert Sampler().sample_batch(rows, logits, greedy=True) == [65, 65, eos]
+    assert logits[0, eos] == 10.0  # the caller's logits are untouched
+    sampled = [request(SamplingParams(8, temperature=1.0, seed=s, ignore_eos=True), 0) for s in range(50)]
+    assert eos not in Sampler().sample_batch(sampled, np.repeat(logits[:1], 50, axis=0))
+    assert SamplingParams(8, min_tokens=4).eos_allowed(4) and not SamplingParams(8, min_tokens=4).eos_allowed(3)
+    assert not SamplingParams(8, ignore_eos=True).eos_allowed(100)
+    other = np.random.default_rng(0).standard_normal((4, 259)).astype(np.float32)
+    other[:, eos] = -5.0  # masking a logit that was never the argmax changes nothing
+    never = [request(SamplingParams(8, ignore_eos=True), 0) for _ in range(4)]
+    assert Sampler().sample_batch(never, other, greedy=True) == other.argmax(axis=1).tolist()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.checkpoints import WEIGHTS_DIR
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess

@@ -23,9 +23,9 @@ from contract.cache_policy import CachePolicy, CachePolicyError, parse_cache_pol
 from contract.graph import input_names, past_names, past_scale_names
 from contract.kv_int8 import QMAX, dequantize, fake_quantize, quantize_numpy
 from contract.manifest import SERVING, SERVING_INT8, Manifest
+from models.checkpoints import WEIGHTS_DIR
 from models.streaming import stream_logits, stream_logprobs
 from models.tokenizer import TOKENIZER
-from models.train import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
 from service.engine.kv import INT8, Int8KV, KVLayout, KVStore, RowPolicy, TorchArrays

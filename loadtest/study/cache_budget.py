@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 
 from loadtest.probes import Scorer, copy_text, passkey_text
+from loadtest.study.results import CacheBudget, Cell, Cells
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
 
@@ -127,7 +128,7 @@ def measure_cache_budgets(
     text: Callable[[int], str],
     windows: Callable[[int, int], list[str]],
     plan: CacheBudgetPlan,
-) -> dict[str, object]:
+) -> CacheBudget:
     """Every policy's bpb, retrieval and cost for one served model (None cells: not servable)."""
     limit, context = info.max_positions, info.train_context
     policies = policies_for(plan.budgets)
@@ -137,16 +138,16 @@ def measure_cache_budgets(
         texts = windows(int(multiple * context), plan.windows)
         for policy in policies:
             bpb.setdefault(policy, {})[f"{multiple:g}"] = score_bpb(server, model, texts, policy)
-    retrieval: dict[str, dict[str, object]] = {}
+    retrieval: dict[str, Cells] = {}
     copy_probes = {d: [copy_text(text, rng, 64, d) for _ in range(plan.trials)] for d in plan.copy_distances}
     passkey_length = int(plan.passkey_context * context)
     passkeys = [passkey_text(text, rng, passkey_length) for _ in range(plan.trials)]
     for policy in policies:
         scorer = Scorer(server.stub, model, limit, cache_policy=policy)
-        cells: dict[str, object] = {f"copy@{d}": scorer.accuracy(copy_probes[d]) for d in plan.copy_distances}
+        cells: Cells = {f"copy@{d}": scorer.accuracy(copy_probes[d]) for d in plan.copy_distances}
         cells[f"passkey@{passkey_length}"] = scorer.accuracy(passkeys)
         retrieval[policy] = cells
-    int8: dict[str, dict[str, object]] = {}
+    int8: dict[str, dict[str, float | Cell | None]] = {}
     cost_policies = list(policies)
     if offers_int8(info):
         for policy in ("int8", f"window:{plan.budgets[-1]}+int8"):

@@ -1,0 +1,161 @@
+"""What the report concludes from the figures: pooled and farthest probe cells, the goodput goals,
+each scheme's verdict, and which cache policy keeps quality for the fewest KV bytes. Pure
+functions of the results, no plotting."""
+
+from __future__ import annotations
+
+from contract.cache_policy import parse_cache_policy
+from loadtest.probes import wilson
+from loadtest.study.cache_budget import policy_budget
+from loadtest.study.results import ByLength, CacheBudget, Cell, Cells, LoadFigures
+
+GOODPUT_RATIO_GOAL = 0.8  # issue 22: goodput at the most users over the best at fewer, with admission
+REFUSALS_PER_GOOD_GOAL = 3.0  # issue 22: refusals/s at the most users over goodput/s there
+WITHIN = 0.05  # quality kept: bits per byte at most 5% above the full cache's on the same texts
+
+
+def chance_fraction(chance: float) -> str:
+    """A span character's chance as the report states it ("1/62")."""
+    return f"1/{round(1 / chance)}"
+
+
+# ---------------------------------------------------------------------------------- load
+
+
+def refusals_per_good(load: LoadFigures) -> float | None:
+    """Refusals per second over goodput per second at one load (None without goodput)."""
+    good = load.get("goodput_per_s")
+    return load.get("refused_per_s", 0.0) / good if good else None
+
+
+def goodput_ratio(load: dict[str, LoadFigures]) -> float | None:
+    users = sorted(load, key=int)
+    if len(users) < 2:
+        return None
+    best = max(load[u]["goodput_per_s"] for u in users[:-1])
+    return load[users[-1]]["goodput_per_s"] / best if best else None
+
+
+# ---------------------------------------------------------------------------------- retrieval
+
+
+def pooled(cells: Cells, up_to: int) -> Cell | None:
+    """The copy cells at distances <= `up_to` bytes taken together (their trials pooled)."""
+    chosen = [c for k, c in cells.items() if k != "all" and int(k) <= up_to and c is not None]
+    n = sum(int(c["n"]) for c in chosen)
+    if not n:
+        return None
+    return wilson(sum(c["value"] * c["n"] for c in chosen) / n, n).as_dict()
+
+
+def largest(cells: Cells) -> Cell | None:
+    """The cell at the longest length (None if the model cannot take it)."""
+    keys = sorted((k for k in cells if k != "all"), key=int)
+    return cells[keys[-1]] if keys else None
+
+
+def verdict(quality: dict[float, float], near: Cell | None, far: Cell | None, chance: float) -> str:
+    """Whether bits per byte extrapolate and copying reaches far (above `chance`, a span
+    character's), and whether the two agree (the rules are stated under the report's table)."""
+    longest = max(quality, default=None)
+    base = quality.get(1.0)
+    extrapolates = base is not None and longest is not None and longest > 1 and quality[longest] <= 1.15 * base
+    copies = near is not None and near["low"] > chance
+    retrieves = (
+        copies
+        and far is not None
+        and near is not None
+        and far["value"] >= 0.5 * near["value"]
+        and far["low"] > chance
+    )
+    if far is None or longest is None or longest <= 1:
+        return "bounded: cannot take contexts past its positions"
+    if extrapolates and not retrieves:
+        return "disagree: bits per byte extrapolate, far retrieval does not"
+    if retrieves and not extrapolates:
+        return "disagree: retrieves far, but bits per byte degrade past the training context"
+    if retrieves:
+        return "agree: extrapolates and retrieves far"
+    return "agree: neither extrapolates nor retrieves far" + ("" if copies else " (does not copy at all)")
+
+
+# ---------------------------------------------------------------------------------- cache budgets
+
+
+def policy_tokens(policy: str, full_tokens: int) -> int:
+    """Tokens a policy's cache holds for a text of `full_tokens` (full: all of them)."""
+    budget = policy_budget(policy)
+    return full_tokens if budget is None else min(budget, full_tokens)
+
+
+def bpb_cell(value: float | Cell | None) -> float | None:
+    """An int8 table's bits-per-byte entry (its probe entries, "copy@D", are cells)."""
+    return None if isinstance(value, dict) else value
+
+
+def probe_cell(value: float | Cell | None) -> Cell | None:
+    """An int8 table's probe entry ("copy@D")."""
+    return value if isinstance(value, dict) else None
+
+
+def measured_bpb(figures: CacheBudget) -> dict[str, ByLength]:
+    """One scheme's bits per byte by policy and multiple of the training context: the bpb tables
+    and the int8 table (its `full` row, fp32 at the int8 table's lengths, joins `full`)."""
+    merged = {policy: dict(cells) for policy, cells in figures["bpb"].items()}
+    for policy, cells in figures.get("int8", {}).items():
+        merged.setdefault(policy, {}).update({k: bpb_cell(v) for k, v in cells.items() if "@" not in k})
+    return merged
+
+
+def bpb_multiples(data: dict[str, CacheBudget]) -> list[str]:
+    """Every multiple of the training context any scheme's bits per byte were measured at."""
+    return sorted({m for f in data.values() for cells in measured_bpb(f).values() for m in cells}, key=float)
+
+
+def int8_ratio(data: dict[str, CacheBudget]) -> float | None:
+    """int8 K/V bytes over float32's per token, from the allocations measured for `int8` and `full`
+    (the same tokens in the same capacity classes; per-token scales included)."""
+    for figures in data.values():
+        full, quantized = figures["cost"].get("full"), figures["cost"].get("int8")
+        if full and quantized:
+            return float(quantized["kv_physical_bytes"] / full["kv_physical_bytes"])
+    return None
+
+
+def sequence_bytes(policy: str, tokens: int, bytes_per_token: float, ratio: float | None) -> float:
+    """KV bytes one sequence of `tokens` tokens holds under `policy` (the tokens it keeps, whole)."""
+    parsed = parse_cache_policy(policy)
+    per_token = bytes_per_token * (ratio if parsed.int8 and ratio else 1.0)
+    return parsed.cached(tokens) * per_token
+
+
+def in_panel(policy: str, kind: str | None) -> bool:
+    """Unbounded policies (full, int8) belong to every panel; a bounded one to its own form's."""
+    parsed = parse_cache_policy(policy)
+    return kind is None or not parsed.bounded or parsed.form.removesuffix("+int8") == kind
+
+
+def cheapest_within(
+    figures: CacheBudget | None, multiple: str, train: int, ratio: float | None, kind: str | None = None
+) -> tuple[str, float, float] | None:
+    """The policy keeping the fewest KV bytes whose bits per byte at `multiple` stay within WITHIN of
+    the full cache's: (policy, bytes per sequence, bpb change); None where the full cache is not
+    servable (or the scheme was not measured). Ties go to the first measured (full before the
+    bounded policies)."""
+    if figures is None:
+        return None
+    bpb = measured_bpb(figures)
+    full = bpb.get("full", {}).get(multiple)
+    if full is None:
+        return None
+    tokens = round(float(multiple) * train)
+    candidates = [
+        (sequence_bytes(policy, tokens, figures["bytes_per_token"], ratio), policy, value / full - 1)
+        for policy, cells in bpb.items()
+        if (value := cells.get(multiple)) is not None
+        and value <= full * (1 + WITHIN)
+        and in_panel(policy, kind)
+        and (ratio or not parse_cache_policy(policy).int8)
+    ]
+    nbytes, policy, change = min(candidates, key=lambda c: c[0])
+    return policy, nbytes, change

@@ -1,0 +1,127 @@
+"""report.md: every section in order, drawn from a comparison's results.json, beside its figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest.report.analysis import chance_fraction
+from loadtest.report.cache_tables import cache_budget_section, memory_section
+from loadtest.report.figures import plot
+from loadtest.report.tables import (
+    depth_table,
+    goodput_section,
+    grid_table,
+    headline_table,
+    load_table,
+    memory_table,
+    probe_table,
+    runs_line,
+    training_section,
+    what_each_scheme_buys,
+)
+from loadtest.study.results import Results
+
+
+def retrieval_tables(results: Results) -> str:
+    tables = [
+        probe_table(
+            "Copy: share of the repeat predicted, by filler bytes between the copies", results, "copy", "bytes"
+        ),
+        probe_table("Passkey: share of the key's digits predicted, by context bytes", results, "passkey", "bytes"),
+        probe_table(
+            "Bits per byte on bytes completing a repeated 8-byte n-gram, by distance to its previous "
+            "occurrence (bucket upper edge; `all`: every byte)",
+            results,
+            "natural",
+            "bytes",
+        ),
+        depth_table(results),
+    ]
+    return "\n".join(tables)
+
+
+def write_report(out: Path) -> Path:
+    """Draw the figures and write report.md into `out`, from its results.json."""
+    results = Results.read(out / "results.json")
+    plot(results, out)
+    env = results.environment
+    budget = results.config["budget"]
+    targets = results.config["goodput_targets"]
+    train_context = results.train_context
+    text = f"""# Positional-encoding comparison — run {results.run_id}
+
+Measured through the gRPC service (`python -m loadtest.compare`); every raw figure is in
+`results.json`. Machine: {env["cpus"]} CPUs, {env["machine"]}, {env["memory"]}; {env["platform"]}.
+Versions: Python {env["python"]}, onnxruntime {env["onnxruntime"]}, torch {env["torch"]}, grpcio {env["grpcio"]}.
+Commit: `{env["commit"]}`.{runs_line(results)}
+
+## Headline
+
+{headline_table(results)}
+
+bpb: bits per byte on held-out text (the stdlib test split) through the `Score` RPC at multiples
+of the {train_context}-byte training context; "not servable" where the scheme has no positions for that length. Goodput
+counts requests with time to first token <= {targets["ttft_s"]} s and
+mean inter-token latency <= {targets["itl_s"] * 1000:.0f} ms.
+
+![bits per byte](bpb_vs_context.png)
+
+{grid_table("Bits per byte versus context multiple (rope-* rows: inference-time scaling)", results.quality, 1.0, 3)}
+## Latency
+
+![inter-token latency](itl_vs_context.png) ![time to first token](ttft_vs_prompt.png)
+
+{grid_table("Time to first token (ms, median) versus prompt bytes", results.ttft, 1000.0, 1)}
+{grid_table("Inter-token latency (ms, median) versus context bytes", results.itl, 1000.0, 2)}
+### Under load (closed loop, {budget["load_seconds"]} s per level, {budget["load_new_tokens"]} new tokens, sampling)
+
+![throughput](throughput_vs_concurrency.png)
+
+{load_table(results)}
+
+### Goodput, without and with admission control
+
+{goodput_section(results)}
+## Memory
+
+{memory_section(results)}
+{memory_table(results)}
+
+Per-step extras are per sequence for one decode step over 2048 keys, measured from each scheme's
+positional module (a bias tensor of heads x keys for `relative` and `alibi`, rotary tables for
+`rope`, an embedding row for `sinusoidal` and `learned`).
+
+## Retrieval over distance
+
+Graded probes through the `Score` RPC, teacher-forced, counting the bytes the model's greedy
+prediction gets right ({budget["retrieval_trials"]} trials per cell; 95% Wilson intervals with one
+observation per trial, since a trial's bytes are not independent). **Copy**: a random 16-character
+span in held-out text, repeated after a filler of D bytes; the share of the repeat's last 8
+characters predicted. **Passkey**: a 5-digit key in a line of code at a random depth, asked for at
+the end (`# what was it? pass_key = "`). **Natural**: bits per byte on held-out bytes that complete a
+repeated 8-byte n-gram, by how far back its previous occurrence is (interval: cluster-robust
+standard error over windows). Chance for a digit is 0.1, for a span character {chance_fraction(results.span_chance)}.
+
+![retrieval](retrieval.png)
+
+![copy by depth](retrieval_depth.png)
+
+{retrieval_tables(results)}
+## What each scheme buys
+
+{what_each_scheme_buys(results)}
+## Training: when each scheme starts to copy
+
+{training_section(results.training)}
+## Cache budgets: what each scheme keeps when its cache is bounded
+
+{cache_budget_section(results)}
+## Config
+
+```json
+{json.dumps(results.config, indent=2)}
+```
+"""
+    (out / "report.md").write_text(text)
+    return out / "report.md"

@@ -1,0 +1,70 @@
+"""How much a comparison run measures: the full run, `--quick`, and the tests' tiny one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loadtest.study.cache_budget import CacheBudgetPlan
+
+
+@dataclass
+class Budget:
+    """How much to measure; --quick shrinks every count."""
+
+    prompt_lengths: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+    itl_contexts: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    concurrency: tuple[int, ...] = (1, 8, 16, 32)
+    load_seconds: float = 15.0
+    load_new_tokens: int = 32
+    context_multiples: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
+    scaling_multiples: tuple[float, ...] = (2.0, 4.0, 8.0)
+    score_windows: int = 24
+    # Retrieval probes; lengths are multiples of the model's training context.
+    retrieval_trials: int = 48  # per cell: copy and passkey trials; natural windows are a quarter
+    copy_distances: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+    depth_contexts: tuple[float, ...] = (1.0, 4.0, 8.0)
+    retrieval_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    passkey_contexts: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
+    natural_context: float = 8.0
+    repeats: int = 3
+    # Cache budgets (loadtest/study/cache_budget.py): tokens the cache may hold, text lengths, cells.
+    cache_budgets: tuple[int, ...] = (64, 128, 256)
+    cache_multiples: tuple[float, ...] = (2.0, 4.0, 8.0)
+    cache_windows: int = 3
+    cache_trials: int = 16
+    cache_copy_distances: tuple[int, ...] = (32, 128, 512)
+    cache_passkey_context: float = 2.0
+    int8_multiples: tuple[float, ...] = (1.0, 4.0)
+
+    def cache_plan(self) -> CacheBudgetPlan:
+        return CacheBudgetPlan(
+            self.cache_budgets, self.cache_multiples, self.cache_windows, self.cache_trials,
+            self.cache_copy_distances, self.cache_passkey_context, self.int8_multiples,
+        )  # fmt: skip
+
+    @classmethod
+    def quick(cls) -> Budget:
+        """A first look at every section within the README's first-run budget on 2 CPU cores. Scoring
+        long texts is what costs, and retrieval scores the most of them: it keeps copy and passkey out
+        to 8x the training context (the headline's columns) on fewer trials, and its depth grid stops
+        at 4x; the cache budgets score the headline's budget (256 tokens: window and sinks) on fewer
+        trials; the load levels are shorter; quality scores fewer texts per length."""
+        return cls(
+            prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 8, 32),
+            load_seconds=2.0, load_new_tokens=16, score_windows=2, retrieval_trials=4,
+            copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 4.0), passkey_contexts=(1.0, 8.0), repeats=1,
+            cache_budgets=(256,), cache_multiples=(2.0, 8.0), cache_windows=1, cache_trials=4,
+            cache_copy_distances=(32, 512),
+        )  # fmt: skip
+
+    @classmethod
+    def tiny(cls) -> Budget:
+        """For tests: every measurement once, as small as it gets."""
+        return cls(
+            prompt_lengths=(64, 512), itl_contexts=(128, 512), concurrency=(1, 2), load_seconds=0.5,
+            load_new_tokens=4, context_multiples=(0.5, 2.0), scaling_multiples=(2.0,), score_windows=1,
+            retrieval_trials=2, copy_distances=(0.125, 2.0), depth_contexts=(1.0,), retrieval_depths=(0.5,),
+            passkey_contexts=(1.0, 2.0), natural_context=2.0, repeats=1, cache_budgets=(64,),
+            cache_multiples=(2.0,), cache_windows=1, cache_trials=2, cache_copy_distances=(32,),
+            cache_passkey_context=1.0, int8_multiples=(1.0,),
+        )  # fmt: skip

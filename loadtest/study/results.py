@@ -1,0 +1,153 @@
+"""What a comparison run measured: the typed form of reports/<run-id>/results.json.
+
+`python -m loadtest.compare` fills a `Results` and saves it; `python -m loadtest.report` loads the
+same `Results` back (`Results.read`). The nested figures stay plain JSON objects (TypedDicts and dicts keyed by
+length, users or policy), so the file is exactly `asdict(results)` and older files still load.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypedDict
+
+# A graded figure with its 95% interval (loadtest/probes.py, `Interval.as_dict()`): value, low, high, n.
+Cell = dict[str, float]
+# Cells by length in bytes (or a natural-text distance bucket, with "all"); None: not servable.
+Cells = dict[str, Cell | None]
+# One closed-loop load level's figures (requests, p50_s, tokens_per_s, goodput_per_s, ...).
+LoadFigures = dict[str, float]
+# A figure by prompt, context or text length (s or bits per byte); None: not servable.
+ByLength = dict[str, float | None]
+Probe = Literal["copy", "passkey", "natural"]
+# The alphabet loadtest/probes.py planted copy spans from before it took models.spans' alphabet:
+# the alphabet of every results.json written without a `span_alphabet`.
+LEGACY_SPAN_ALPHABET = string.ascii_lowercase + string.digits
+
+
+class ModelInfo(TypedDict):
+    """The served model's description, from ListModels."""
+
+    max_positions: int | None
+    kv_bytes_per_token: int
+    kv_capacity_bytes: int
+    train_context: int
+
+
+class Retrieval(TypedDict):
+    """One scheme's graded probes (loadtest/probes.py)."""
+
+    copy: Cells  # by filler bytes between the copies
+    copy_depth: dict[str, Cells]  # context bytes -> depth of the first copy -> cell
+    passkey: Cells  # by context bytes
+    natural: Cells  # by distance bucket, and "all"
+
+
+class CacheBudget(TypedDict):
+    """One scheme under bounded and int8 caches (loadtest/study/cache_budget.py)."""
+
+    policies: list[str]
+    bytes_per_token: int
+    bpb: dict[str, ByLength]  # policy -> multiple of the training context -> bits per byte
+    retrieval: dict[str, Cells]  # policy -> "copy@D" / "passkey@L" -> cell
+    # int8 policy (and "full" at the same lengths) -> multiple -> bpb, and "copy@D" -> cell
+    int8: dict[str, dict[str, float | Cell | None]]
+    cost: dict[str, dict[str, float] | None]  # policy -> kv_physical_bytes, itl_s (None: not servable)
+
+
+class TrainingCurve(TypedDict):
+    """One scheme's copy-emergence curve from its training log (models/emergence.py)."""
+
+    points: list[dict[str, float | None]]  # step, tokens, val_bpb and copy accuracy per distance ("32", "128")
+    copies_at: dict[str, int] | None  # step and tokens of the first point that copies
+    steps_done: int
+    cap_steps: int | None
+    finished: bool
+    command: str | None
+
+
+class Environment(TypedDict):
+    """The machine, library versions and commit a run measured on."""
+
+    machine: str
+    processor: str
+    cpus: int | None
+    memory: str
+    platform: str
+    python: str
+    onnxruntime: str
+    torch: str
+    grpcio: str
+    commit: str
+
+
+class RunRecord(TypedDict):
+    """One invocation: which sections it measured, where, and with which budget."""
+
+    sections: list[str]
+    environment: Environment
+    budget: dict[str, Any]  # asdict(Budget)
+
+
+class RunConfig(TypedDict, total=False):
+    budget: dict[str, Any]  # asdict(Budget) of the first, full run
+    threads: int
+    schemes: list[str]
+    goodput_targets: dict[str, float]  # ttft_s, itl_s
+    admission_ttft_slo_s: float
+    runs: list[RunRecord]
+
+
+@dataclass
+class Results:
+    run_id: str
+    config: RunConfig
+    environment: Environment
+    schemes: list[str]
+    models: dict[str, ModelInfo] = field(default_factory=dict)
+    ttft: dict[str, ByLength] = field(default_factory=dict)  # scheme -> prompt bytes -> s
+    itl: dict[str, ByLength] = field(default_factory=dict)  # scheme -> context -> s
+    load: dict[str, dict[str, LoadFigures]] = field(default_factory=dict)  # scheme -> users -> figures
+    # The same load against a server with --ttft-slo-seconds (refused requests counted, not hidden).
+    load_admission: dict[str, dict[str, LoadFigures]] = field(default_factory=dict)
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    quality: dict[str, ByLength] = field(default_factory=dict)  # model -> multiple -> bpb
+    retrieval: dict[str, Retrieval] = field(default_factory=dict)
+    cache_budget: dict[str, CacheBudget] = field(default_factory=dict)
+    # The served weights' copy-emergence curves, from their training logs (models/emergence.py).
+    training: dict[str, TrainingCurve] = field(default_factory=dict)
+    # The characters the retrieval section's copy spans were drawn from (models.spans.SPAN_ALPHABET).
+    span_alphabet: str = LEGACY_SPAN_ALPHABET
+
+    @property
+    def span_chance(self) -> float:
+        """Chance of guessing one character of a planted copy span: 1 / len(alphabet)."""
+        return 1 / len(self.span_alphabet)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Results:
+        return cls(**data)
+
+    @classmethod
+    def read(cls, path: Path) -> Results:
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @property
+    def train_context(self) -> int:
+        """The models' training context in bytes (256 when no model was described)."""
+        return next(iter(self.models.values()))["train_context"] if self.models else 256
+
+    def probe(self, scheme: str, probe: Probe) -> Cells:
+        """One scheme's cells of one retrieval probe (empty where it was not measured)."""
+        found = self.retrieval.get(scheme)
+        return {} if found is None else found.get(probe, {})
+
+    def copy_depth(self, scheme: str) -> dict[str, Cells]:
+        """One scheme's copy cells by context and depth (empty where it was not measured)."""
+        found = self.retrieval.get(scheme)
+        return {} if found is None else found.get("copy_depth", {})

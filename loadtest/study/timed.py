@@ -1,0 +1,221 @@
+"""The timed sections: latency (first token by prompt length, inter-token by context) and the
+closed-loop load series, without and with admission control, then memory at the load's end.
+
+Both are measured in rounds that visit every scheme, in an order rotated each round, against
+servers started together, rather than one scheme after another: a shared machine's speed drifts
+over minutes, and measured in sequence that drift lands between schemes, where it reads as what a
+positional scheme costs.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from loadtest.streaming import timed_stream
+from loadtest.study.budget import Budget
+from loadtest.study.held_out import HeldOut
+from loadtest.study.results import LoadFigures, Results
+from loadtest.study.serving import generate, servable, served_limits, serving
+from models.checkpoints import WEIGHTS_DIR
+from models.transformer import Transformer
+from service.api import generation_pb2 as pb
+from service.api.retry import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
+from service.process import ServerProcess
+
+# Goodput targets: a request counts when both hold.
+TTFT_TARGET_S = 0.5
+ITL_TARGET_S = 0.05
+# The server's --ttft-slo-seconds in the admission-control series: below the goodput target, since
+# the server checks its own first token (9 in 10 requests within it) and the client sees it later.
+ADMISSION_TTFT_SLO_S = 0.4
+# A load client honours the server's retry hint (retry-after-ms), up to the server's own longest
+# hint: a real hint is never cut short, a corrupt one cannot stall a client.
+MAX_RETRY_AFTER_S = MAX_RETRY_AFTER_SECONDS
+ITL_NEW_TOKENS = 16
+SECTIONS = ("latency", "load")
+
+
+def rotated(schemes: list[str], turn: int) -> list[str]:
+    """`schemes` from a different one each turn, so that no scheme is always measured first."""
+    shift = turn % len(schemes)
+    return schemes[shift:] + schemes[:shift]
+
+
+def measure_latency(
+    servers: dict[str, ServerProcess], limits: dict[str, int], held_out: HeldOut, budget: Budget, results: Results
+) -> None:
+    """Time to first token by prompt length and inter-token latency by context, for every scheme on
+    the same prompts, `budget.repeats` rounds each visiting every scheme once (medians)."""
+    schemes = list(servers)
+    ttft_prompts = {str(length): held_out.text(length) for length in budget.prompt_lengths}
+    itl_prompts = {str(context): held_out.text(context) for context in budget.itl_contexts}
+    ttft: dict[str, dict[str, list[float]]] = {s: {length: [] for length in ttft_prompts} for s in schemes}
+    itl: dict[str, dict[str, list[float]]] = {s: {context: [] for context in itl_prompts} for s in schemes}
+    for turn in range(budget.repeats):
+        for scheme in rotated(schemes, turn):
+            server, limit = servers[scheme], limits[scheme]
+            for length, prompt in ttft_prompts.items():
+                if servable(limit, prompt, 1):
+                    response = generate(server, scheme, prompt, 1)
+                    ttft[scheme][length].append(response.timings.time_to_first_token_seconds)
+            for context, prompt in itl_prompts.items():
+                if servable(limit, prompt, ITL_NEW_TOKENS):
+                    response = generate(server, scheme, prompt, ITL_NEW_TOKENS)
+                    steps = max(1, response.usage.completion_tokens - 1)
+                    timings = response.timings
+                    itl[scheme][context].append((timings.total_seconds - timings.time_to_first_token_seconds) / steps)
+    for scheme in schemes:
+        results.ttft[scheme] = {k: statistics.median(v) if v else None for k, v in ttft[scheme].items()}
+        results.itl[scheme] = {k: statistics.median(v) if v else None for k, v in itl[scheme].items()}
+
+
+def load_prompt_bytes(limit: int) -> int:
+    return 200 if limit else 512
+
+
+def measure_load(server: ServerProcess, model: str, prompts: list[str], users: int, budget: Budget) -> LoadFigures:
+    """Closed loop: `users` clients stream generations of `prompts` for `load_seconds`; /metrics
+    sampled for peaks."""
+    records: list[tuple[float, float, float, int]] = []  # latency, ttft, mean itl, tokens
+    errors = refused = 0
+    lock = threading.Lock()
+    stop_at = time.monotonic() + budget.load_seconds
+    peak = {"kv": 0.0}
+    sampling = threading.Event()
+
+    def sample_metrics() -> None:
+        while not sampling.is_set():
+            try:
+                peak["kv"] = max(peak["kv"], server.metric("posenc_kv_cache_used_bytes", model=model))
+            except Exception:  # a scrape racing the server is not a result
+                pass
+            time.sleep(0.05)
+
+    def client(index: int) -> None:
+        nonlocal errors, refused
+        rng = random.Random(index)
+        while time.monotonic() < stop_at:
+            request = pb.GenerateRequest(
+                model=model,
+                prompt=rng.choice(prompts),
+                max_new_tokens=budget.load_new_tokens,
+                temperature=0.8,
+                seed=index,
+            )
+            timing = timed_stream(server.stub, request, 120)
+            if timing.error is not None and timing.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                with lock:
+                    refused += 1
+                # A well-behaved client backs off as the server asks (retry-after-ms).
+                hint = dict(timing.error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
+                pause = min(MAX_RETRY_AFTER_S, int(hint) / 1000 if hint else 0.1)
+                time.sleep(min(pause, max(0.0, stop_at - time.monotonic())))
+                continue
+            with lock:
+                if timing.error is not None:
+                    errors += 1
+                    continue
+                ttft = timing.time_to_first_token or 0.0
+                records.append((timing.seconds, ttft, timing.mean_inter_token or 0.0, timing.completion_tokens))
+
+    sampler = threading.Thread(target=sample_metrics, daemon=True)
+    sampler.start()
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=users) as pool:
+        list(pool.map(client, range(users)))
+    wall = time.monotonic() - started
+    sampling.set()
+    sampler.join()
+    latencies = np.array([r[0] for r in records]) if records else np.zeros(1)
+    good = sum(1 for r in records if r[1] <= TTFT_TARGET_S and r[2] <= ITL_TARGET_S)
+    capacity = server.metric("posenc_kv_cache_capacity_bytes", model=model)
+    return {
+        "requests": len(records),
+        "errors": errors,
+        "refused": refused,
+        "refused_per_s": refused / wall,
+        "p50_s": float(np.percentile(latencies, 50)),
+        "p95_s": float(np.percentile(latencies, 95)),
+        "p99_s": float(np.percentile(latencies, 99)),
+        "ttft_p50_s": float(np.median([r[1] for r in records])) if records else 0.0,
+        "itl_p50_s": float(np.median([r[2] for r in records])) if records else 0.0,
+        "requests_per_s": len(records) / wall,
+        "tokens_per_s": sum(r[3] for r in records) / wall,
+        "goodput_per_s": good / wall,
+        "kv_peak_bytes": peak["kv"],
+        "pool_utilisation": peak["kv"] / capacity if capacity else 0.0,
+    }
+
+
+def measure_load_series(
+    repository: Path, threads: int, schemes: list[str], held_out: HeldOut, budget: Budget, results: Results,
+    progress: tqdm,
+) -> None:  # fmt: skip
+    """The load series (`budget.concurrency` users, each level a round over every scheme on the same
+    prompts), then memory at its end; then the series again against servers started with
+    --ttft-slo-seconds (the same limits), so refusals and goodput can be set beside it."""
+    admission = ("--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S))
+    prompts: dict[int, list[str]] = {}
+    for series, flags in (("load", ()), ("load, admission control", admission)):
+        progress.set_postfix(part=series)
+        loads: dict[str, dict[str, LoadFigures]] = {s: {} for s in schemes}
+        with serving(repository, threads, schemes, *flags) as servers:
+            limits = served_limits(servers, results)
+            for n in {load_prompt_bytes(limit) for limit in limits.values()} - set(prompts):
+                prompts[n] = [held_out.text(n) for _ in range(64)]
+            for turn, users in enumerate(budget.concurrency):
+                for scheme in rotated(schemes, turn):
+                    chosen = prompts[load_prompt_bytes(limits[scheme])]
+                    loads[scheme][str(users)] = measure_load(servers[scheme], scheme, chosen, users, budget)
+                    progress.update()
+            if not flags:
+                for scheme, server in servers.items():
+                    results.memory[scheme] = {
+                        "process_peak_bytes": server.memory_bytes("VmHWM"),  # front end + engine core
+                        "kv_peak_bytes": max(v["kv_peak_bytes"] for v in loads[scheme].values()),
+                        **per_step_extra_bytes(scheme),
+                    }
+        (results.load_admission if flags else results.load).update(loads)
+
+
+def measure_timed_sections(
+    repository: Path, threads: int, schemes: list[str], sections: set[str], held_out: HeldOut, budget: Budget,
+    results: Results, progress: tqdm,
+) -> None:  # fmt: skip
+    """Latency and load, each in rounds over every scheme (see the module's docstring)."""
+    if "latency" in sections:
+        progress.set_postfix(part="latency")
+        with serving(repository, threads, schemes) as servers:
+            measure_latency(servers, served_limits(servers, results), held_out, budget, results)
+        progress.update(len(schemes))
+    if "load" in sections:
+        measure_load_series(repository, threads, schemes, held_out, budget, results, progress)
+
+
+def per_step_extra_bytes(scheme: str, context: int = 2048) -> dict[str, int]:
+    """Bytes a scheme adds per decode step (one query over `context` keys), per sequence,
+    measured from its positional module: input embedding, logit bias, rotary tables."""
+    model = Transformer.load(WEIGHTS_DIR / scheme)
+    context = min(context, model.positional.max_positions or context)  # learned: its whole table
+    query = torch.tensor([[context - 1]])
+    keys = torch.arange(context)[None]
+    positional = model.positional
+    embedding = positional.input_embedding(query)
+    bias = positional.attention_bias(query, keys)
+    rotation = positional.rotation(query)
+    tables = sum(t.numel() * 4 for t in vars(rotation).values() if isinstance(t, torch.Tensor))
+    return {
+        "input_embedding_bytes": 0 if embedding is None else embedding.numel() * 4,
+        "attention_bias_bytes": 0 if bias is None else bias.numel() * 4,
+        "rotary_bytes": int(tables),
+    }

@@ -1,0 +1,211 @@
+"""The OpenAI-compatible HTTP API (aiohttp), on the gRPC server's engine client: one engine core,
+one KV budget and one admission control for both front ends.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 while
+serving, 503 while starting, restarting or draining; no token needed, as gRPC's health). Every other
+path needs `Authorization: Bearer <token>` when the server has a token. Streams are server-sent
+events as OpenAI sends them, ending `data: [DONE]`. A client that goes away (its connection closes)
+cancels its request in the engine. Each call is counted in posenc_requests_total{api="http"} with
+its path as `method` and the gRPC name of its outcome as `code` (CANCELLED for a client that left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from service.engine.messages import RequestError, RequestStatus
+from service.engine_client import EngineClient, RequestHandle
+from service.metrics import ServiceMetrics
+from service.openai_api.protocol import DONE, ApiError, Generation, Shapes, models_list, parse_generation
+from service.openai_api.stream import AsyncOutputStream
+from service.security import authorized, bearer
+
+logger = logging.getLogger(__name__)
+
+# The outcome of a call as the gRPC side names it (one `code` vocabulary in posenc_requests_total).
+CODES = {
+    200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
+    429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+}  # fmt: skip
+ABORTS = {
+    RequestStatus.FINISHED_CANCELLED: ApiError(499, "request cancelled", code="cancelled"),
+    RequestStatus.FINISHED_DEADLINE: ApiError(504, "deadline exceeded", code="deadline_exceeded"),
+    RequestStatus.FINISHED_ERROR: ApiError(500, "inference failed", code="internal_error"),
+    RequestStatus.FINISHED_SHUTDOWN: ApiError(503, "server shut down", code="service_unavailable"),
+}
+PUBLIC = ("/health",)
+Labels = Callable[[str], dict[str, str]]
+
+
+class OpenAIApi:
+    """The handlers, over whatever engine client the server holds now (None while it starts)."""
+
+    def __init__(
+        self, engine: Callable[[], EngineClient | None], draining: Callable[[], bool], metrics: ServiceMetrics,
+        labels: Labels, token: str | None = None, submit_threads: int = 64,
+        leaving: Callable[[], bool] | None = None,
+    ) -> None:  # fmt: skip
+        """`draining`: new calls are refused (503); `leaving`: /health says 503 (from the start of a
+        drain, while new calls are still served for the drain delay, so proxies move away first)."""
+        self._engine, self._draining, self._metrics, self._labels = engine, draining, metrics, labels
+        self._leaving = leaving or draining
+        self._expected = bearer(token) if token else None
+        # EngineClient.submit blocks until the core accepts or refuses (a pipe round trip): off the loop.
+        self._submitter = ThreadPoolExecutor(submit_threads, thread_name_prefix="http-submit")
+        self._created = int(time.time())
+
+    def application(self) -> web.Application:
+        app = web.Application(middlewares=[self._account, self._errors, self._authorize], client_max_size=16 << 20)
+        app.router.add_post("/v1/completions", lambda request: self._generate(request, chat=False))
+        app.router.add_post("/v1/chat/completions", lambda request: self._generate(request, chat=True))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    def close(self) -> None:
+        self._submitter.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ middlewares (outermost first)
+
+    @web.middleware
+    async def _account(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+        """Count the call once, with the code its client saw (a client that left: CANCELLED)."""
+        started, code = time.monotonic(), "UNKNOWN"
+        try:
+            response = await handler(request)
+            code = request.get("code") or CODES.get(response.status, "UNKNOWN")
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            code = "CANCELLED"
+            raise
+        finally:
+            if request.path != "/health":
+                labels = self._labels(request.get("model", ""))
+                method = request.path if request.match_info.route.resource is not None else "unknown"
+                self._metrics.requests.labels(**labels, method=method, code=code, api="http").inc()
+                self._metrics.request_duration.labels(**labels, method=method, api="http").observe(
+                    time.monotonic() - started
+                )
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+        """Every refusal in OpenAI's error shape."""
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return error_response(error)
+        except web.HTTPException as error:  # unknown path or method
+            if error.status < 400:
+                raise
+            return error_response(ApiError(error.status, f"{request.method} {request.path}: {error.reason}"))
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+        if self._expected is not None and request.path not in PUBLIC:
+            if not authorized(request.headers.get("Authorization", ""), self._expected):
+                raise ApiError(401, "authorization: missing or invalid bearer token", code="invalid_api_key")
+        return await handler(request)
+
+    # ------------------------------------------------------------------ routes
+
+    async def _health(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        serving = engine is not None and engine.serving and not self._leaving()
+        return web.json_response({"status": "serving" if serving else "not serving"}, status=200 if serving else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        engine = self._serving_engine()
+        return web.Response(body=models_list(engine.models, self._created), content_type="application/json")
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        engine = self._serving_engine()
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as error:
+            raise ApiError(400, f"request body: not valid JSON ({error})") from None
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            request["model"] = body["model"]
+        generation = parse_generation(body, engine.models, chat)
+        loop = asyncio.get_running_loop()
+        output = AsyncOutputStream(loop)
+        try:
+            handle = await loop.run_in_executor(self._submitter, engine.submit, generation.input, output)
+        except RequestError as error:
+            raise ApiError.of(error) from None
+        try:
+            if generation.stream:
+                return await self._stream(request, generation, handle, output)
+            return await self._whole(generation, handle, output)
+        finally:
+            if not handle.status.finished:  # the client left (or the response failed): free its cache
+                engine.cancel(handle)
+                request["code"] = "CANCELLED"
+
+    async def _whole(self, generation: Generation, handle: RequestHandle, output: AsyncOutputStream) -> web.Response:
+        while True:
+            event = await output.next()
+            if event is not None and event.status.finished:
+                break
+        if handle.status in ABORTS:
+            raise _abort(handle)
+        body = Shapes(generation).whole(handle.text, handle.status, handle.prompt_tokens, handle.completion_tokens)
+        return web.Response(body=body, content_type="application/json")
+
+    async def _stream(
+        self, request: web.Request, generation: Generation, handle: RequestHandle, output: AsyncOutputStream
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        shapes = Shapes(generation)
+        first = shapes.first()
+        if first:
+            await response.write(first)
+        while True:
+            event = await output.next()
+            if event is None:
+                continue
+            if event.status.finished:
+                break
+            if event.text:
+                await response.write(shapes.chunk(event.text))
+        if handle.status in ABORTS:  # the stream has begun: the error goes in it, as vLLM sends it
+            error = _abort(handle)
+            request["code"] = CODES[error.status]
+            await response.write(b"data: " + error.body() + b"\n\n")
+        else:
+            await response.write(shapes.last(event.text, handle.status))
+            if generation.include_usage:
+                await response.write(shapes.usage_chunk(handle.prompt_tokens, handle.completion_tokens))
+        await response.write(DONE)
+        await response.write_eof()
+        return response
+
+    def _serving_engine(self) -> EngineClient:
+        if self._draining():
+            raise ApiError(503, "server is draining (stopping): running requests finish, new ones go elsewhere; retry",
+                           code="service_unavailable")  # fmt: skip
+        engine = self._engine()
+        if engine is None or not engine.models:
+            raise ApiError(503, "server is starting: models are loading; retry", code="service_unavailable")
+        return engine
+
+
+def _abort(handle: RequestHandle) -> ApiError:
+    template = ABORTS[handle.status]
+    return ApiError(template.status, handle.error or template.message, code=template.code)
+
+
+def error_response(error: ApiError) -> web.Response:
+    headers = {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(error.retry_after + 0.499)))  # whole seconds, rounded up
+        headers["retry-after-ms"] = str(max(1, round(error.retry_after * 1000)))
+    return web.Response(status=error.status, body=error.body(), content_type="application/json", headers=headers)
