@@ -3,7 +3,8 @@
 Prints single-stream decode tokens/s through gRPC versus an in-process ONNX Runtime loop and
 onnxruntime-genai on the same ONNX files; aggregate tokens/s at several concurrencies; decode
 step time versus context length per scheme; the share of step time spent handling the KV
-cache; and KV bytes per token. Figures, not verdicts: ratios are computed within the run.
+cache; KV bytes per token; and time to first token against the prompt's arithmetic and
+onnxruntime-genai's prompt phase. Figures, not verdicts: ratios are computed within the run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from bench.fused import print_fused_steps
 from bench.mixed import print_mixed_lengths
 from bench.policies import print_policy_steps
+from bench.prefill import print_prefill
 from bench.share import print_cache_share
 from bench.steps import print_step_table
 from bench.throughput import print_throughput
@@ -22,7 +24,7 @@ from contract.manifest import Manifest
 from contract.paths import REPOSITORY_ROOT
 from service.engine.runner import default_threads
 
-SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused")
+SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print_policy_steps(folders, args, steps)
     if "fused" in args.sections:
         print_fused_steps(folders, args, steps)
+    if "prefill" in args.sections:
+        print_prefill(args, repository, server_threads, device_flags)
     return 0
 
 

@@ -6,6 +6,12 @@ in-place serving graph takes the same inputs and returns `new_key_values.{i}.key
 (the new tokens only) instead of `present`. The int8 serving graph (variant serving-int8) takes
 the past as int8 `past_key_values.{i}.key|value` plus float32 `past_key_values.{i}.key_scale|value_scale`
 (one scale per token and head, contract/kv_int8.py) and returns the same float32 outputs.
+
+The fused prompt graph (variant prefill-fused) takes S new tokens per row after P past ones: input_ids
+and position_ids (B, S), attention_mask (B, P + S), past_key_values.{i}.* (B, heads, P, head_dim), and
+returns logits (B, S, vocab) and `present.{i}.*` (B, heads, P + S, head_dim): past and new together. Rows
+are right-padded (`right_pad_batch`): a row's tokens sit at columns [0, length), its length is
+sum(attention_mask); with P > 0 the batch is one row (GroupQueryAttention's continued prompt).
 """
 
 from __future__ import annotations
@@ -90,3 +96,17 @@ def target_logprobs(logits: np.ndarray, targets: list[int]) -> np.ndarray:
     top = logits.max(-1, keepdims=True)
     log_norm = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
     return logits[np.arange(len(targets)), targets] - log_norm
+
+
+def right_pad_batch(sequences: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask, position_ids), each (B, longest), padding on the right (the fused
+    prompt graph's layout); a padded column repeats its row's last position, so no position exceeds
+    the row's own."""
+    longest = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), longest), pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(sequences), longest), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    positions = np.minimum(np.arange(longest, dtype=np.int64), np.maximum(mask.sum(1, keepdims=True) - 1, 0))
+    return ids, mask, positions

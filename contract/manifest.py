@@ -28,6 +28,9 @@ INT8_SCALE_BYTES = 4  # one float32 scale per token, head and K or V
 # The fused decode graph (export/fused.py): one GroupQueryAttention per layer, float32, writing each
 # new token's K/V into the cache buffer itself; `Manifest.fused_attention` says how it is fed.
 SERVING_FUSED = "serving-fused"
+# The fused prompt graph (export/fused.py, `fused_graph(prompt=True)`): one GroupQueryAttention per layer
+# over S new tokens per row, float32; how it is fed: contract.graph (PREFILL_FUSED's paragraph).
+PREFILL_FUSED = "prefill-fused"
 _SERVING_PREFIX = "serving-"
 # A manifest without any of these is refused (manifest.json may carry more).
 REQUIRED_KEYS = (
@@ -45,7 +48,7 @@ def serving_variant(dtype: str) -> str:
 
 def variant_dtype(variant: str) -> str:
     """The storage dtype of a variant's cache and activations ("serving-float16" -> "float16")."""
-    if variant == SERVING_FUSED:
+    if variant in (SERVING_FUSED, PREFILL_FUSED):
         return "float32"
     dtype = variant.removeprefix(_SERVING_PREFIX)
     if dtype not in DTYPE_BYTES:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from contract.cli import HelpFormatter
-from contract.manifest import SERVING, SERVING_FP16, SERVING_FUSED, SERVING_INT8
+from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FP16, SERVING_FUSED, SERVING_INT8
 from export.repository import GRAPH_FILES, ExportOptions, ExportResult, run
 from models.positional import SCHEMES
 
@@ -28,6 +28,7 @@ SHORT_NAMES = {
     SERVING_FP16: "serving-fp16",
     SERVING_INT8: "int8",
     SERVING_FUSED: "fused",
+    PREFILL_FUSED: "prefill",
 }
 
 
@@ -35,7 +36,8 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
     sizes = "/".join(SHORT_NAMES[v] for v in results[0].onnx_bytes) if results else ""
     header = ["model", "params", "val bpb@256"] + [f"test bpb@{c}" for c in contexts]
     # fp32 limit: what the float32 graphs are held to (FP32_TOLERANCE, or twice PyTorch's own rounding).
-    header += ["parity fp32", "parity fp16", "parity fused", "cached=full", "fp32 limit", f"onnx MB {sizes}"]
+    header += ["parity fp32", "parity fp16", "parity fused", "parity prefill", "cached=full", "fp32 limit"]
+    header += [f"onnx MB {sizes}"]
     header += ["export s"]
     rows = [header]
 
@@ -54,6 +56,7 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
                 f"{parity['float32'].max_abs:.1e}" if "float32" in parity else "-",
                 f"{parity['float16'].max_abs:.1e}" if "float16" in parity else "-",
                 f"{r.fused_max_abs:.1e}" if r.fused_max_abs is not None else "-",
+                f"{r.prefill_max_abs:.1e}" if r.prefill_max_abs is not None else "-",
                 f"{cached:.1e}" if cached is not None else "-",
                 f"{r.float32_limit:.1e}" if r.parity else "-",
                 "/".join(f"{size / 1e6:.1f}" for size in r.onnx_bytes.values()),

@@ -88,12 +88,17 @@ class GraphBuilder:
 class StepInputs:
     """What every scheme unit may read, computed once per step."""
 
-    position_ids: str  # (B, 1) int64: each row's new token position
+    position_ids: str  # (B, S) int64: the positions of each row's new tokens
     total: str  # () int64: T = the longest row + 1, the kernel's total_sequence_length
 
     def key_positions(self, g: GraphBuilder) -> str:
         """(T,) int64: absolute key positions 0 .. T-1 (a row's token i sits at column i)."""
         return g.one("Range", ZERO, self.total, ONE)
+
+    def distances(self, g: GraphBuilder) -> str:
+        """(B, S, T) int64: query position - key position, for each query row and key column."""
+        queries = g.one("Unsqueeze", self.position_ids, g.const("axis_last_q", np.array([-1])))  # (B, S, 1)
+        return g.one("Sub", queries, self.key_positions(g))
 
 
 class FusedPositions:
@@ -112,6 +117,10 @@ class FusedPositions:
 
     def rotary(self, g: GraphBuilder, step: StepInputs) -> tuple[str, str, str] | None:
         """The kernel's rotary inputs (cos cache, sin cache, position_ids), or None: no rotation."""
+        return None
+
+    def prompt_rotary(self, g: GraphBuilder, step: StepInputs) -> tuple[str, str, str] | None:
+        """`rotary` for S new tokens per row (the prompt graph), or None: no rotation."""
         return None
 
 
@@ -148,23 +157,23 @@ class RelativeBias(FusedPositions):
             -distances, bidirectional=False, num_buckets=config.relative_num_buckets,
             max_distance=config.relative_max_distance,
         )  # fmt: skip
-        table = self.model.positional.bias.weight[buckets]  # type: ignore[union-attr]  # (max_distance+1, H)
-        distance = g.one("Sub", step.position_ids, step.key_positions(g))  # (B, T) query - key
+        table = self.model.positional.bias.weight[buckets].T  # type: ignore[union-attr]  # (H, max_distance+1)
         top = g.const("max_distance", np.array(config.relative_max_distance))
-        distance = g.one("Min", g.one("Max", distance, ZERO), top)
-        bias = g.one("Gather", g.const("relative_bias_by_distance", table), distance)  # (B, T, H)
-        return g.one("Unsqueeze", g.one("Transpose", bias, perm=[0, 2, 1]), g.const("axis_2", np.array([2])))
+        distance = g.one("Clip", step.distances(g), ZERO, top)  # (B, S, T)
+        bias = g.one("Gather", g.const("relative_bias_by_distance", table), distance, axis=1)  # (H, B, S, T)
+        return g.one("Transpose", bias, perm=[1, 0, 2, 3])
 
 
 class AlibiBias(FusedPositions):
     """-slope * (query - key) per head, as `AlibiBias.attention_bias`."""
 
     def attention_bias(self, g: GraphBuilder, step: StepInputs) -> str:
-        slopes = -torch.from_numpy(alibi_slopes(self.config.n_heads)).view(1, -1, 1, 1)
-        distance = g.one("Sub", step.position_ids, step.key_positions(g))  # (B, T) query - key
-        distance = g.one("Cast", distance, to=TensorProto.FLOAT)
-        distance = g.one("Unsqueeze", distance, g.const("axes_1_2", np.array([1, 2])))  # (B, 1, 1, T)
-        return g.one("Mul", g.const("negative_alibi_slopes", slopes), distance)  # (B, H, 1, T)
+        # slope * key - slope * query: the (B, H, S, T) bias is written once, by one broadcasting Sub.
+        slopes = g.const("alibi_slopes", torch.from_numpy(alibi_slopes(self.config.n_heads)).view(1, -1, 1, 1))
+        keys = g.one("Mul", slopes, g.one("Cast", step.key_positions(g), to=TensorProto.FLOAT))  # (1, H, 1, T)
+        queries = g.one("Unsqueeze", step.position_ids, g.const("axes_1_3", np.array([1, 3])))  # (B, 1, S, 1)
+        queries = g.one("Mul", slopes, g.one("Cast", queries, to=TensorProto.FLOAT))  # (B, H, S, 1)
+        return g.one("Sub", keys, queries)  # (B, H, S, T)
 
 
 class RotaryInKernel(FusedPositions):
@@ -179,16 +188,7 @@ class RotaryInKernel(FusedPositions):
     variants from this graph too; partial rotary's unrotated pairs have frequency 0 (cos 1, sin 0)."""
 
     def rotary(self, g: GraphBuilder, step: StepInputs) -> tuple[str, str, str]:
-        config = self.config
-        inv_freq, factor = rope_inverse_frequencies(
-            config.head_dim, config.rope_base, config.rope_scaling, config.rope_rotary_dims
-        )
-        positions = g.one("Cast", step.position_ids, to=TensorProto.FLOAT)  # (B, 1)
-        angles = g.one("Mul", positions, g.const("rope_inv_freq", inv_freq))  # (B, head_dim/2)
-        cos, sin = g.one("Cos", angles), g.one("Sin", angles)
-        if factor != 1.0:  # YaRN's attention temperature, carried by cos and sin
-            scale = g.const("rope_attention_factor", np.array(factor, dtype=np.float32))
-            cos, sin = g.one("Mul", cos, scale), g.one("Mul", sin, scale)
+        cos, sin = self._tables(g, g.one("Cast", step.position_ids, to=TensorProto.FLOAT))  # (B, head_dim/2)
         batch = g.one("Gather", g.one("Shape", step.position_ids), g.const("zero_index", np.array(0)))
         spare = g.one("Sub", g.one("Max", step.total, batch), batch)  # rows up to max(T, B)
         pads = g.one("Concat", *(g.const(f"pad_{k}", np.array([0])) for k in ("row", "column")),
@@ -196,6 +196,27 @@ class RotaryInKernel(FusedPositions):
         cos, sin = (g.one("Pad", table, pads) for table in (cos, sin))  # (max(T, B), head_dim/2)
         rows = g.one("Unsqueeze", g.one("Range", ZERO, batch, ONE), g.const("axis_1b", np.array([1])))
         return cos, sin, rows  # rows: (B, 1), each row's index into the cache
+
+    def prompt_rotary(self, g: GraphBuilder, step: StepInputs) -> tuple[str, str, str]:
+        """A prompt's rows need every position up to T - 1: the caches cover positions 0 .. T-1 (T x
+        head_dim/2 cos and sin, small next to the call), and the kernel reads each token's own position."""
+        positions = g.one("Cast", step.key_positions(g), to=TensorProto.FLOAT)  # (T,)
+        positions = g.one("Unsqueeze", positions, g.const("axis_1r", np.array([1])))  # (T, 1)
+        cos, sin = self._tables(g, positions)  # (T, head_dim/2)
+        return cos, sin, step.position_ids
+
+    def _tables(self, g: GraphBuilder, positions: str) -> tuple[str, str]:
+        """cos and sin of positions (N, 1) float times the inverse frequencies: (N, head_dim/2) each."""
+        config = self.config
+        inv_freq, factor = rope_inverse_frequencies(
+            config.head_dim, config.rope_base, config.rope_scaling, config.rope_rotary_dims
+        )
+        angles = g.one("Mul", positions, g.const("rope_inv_freq", inv_freq))
+        cos, sin = g.one("Cos", angles), g.one("Sin", angles)
+        if factor != 1.0:  # YaRN's attention temperature, carried by cos and sin
+            scale = g.const("rope_attention_factor", np.array(factor, dtype=np.float32))
+            cos, sin = g.one("Mul", cos, scale), g.one("Mul", sin, scale)
+        return cos, sin
 
 
 # The one mapping of schemes to their fused units (every scheme of models.positional.SCHEMES).
@@ -209,43 +230,77 @@ FUSED_POSITIONS: dict[str, type[FusedPositions]] = {
 }
 
 
-def fused_graph(model: Transformer) -> onnx.ModelProto:
-    """The serving-fused graph of a float32 model (see the module docstring for its contract)."""
+def fused_graph(model: Transformer, prompt: bool = False) -> onnx.ModelProto:
+    """The serving-fused graph of a float32 model (see the module docstring for its contract), or with
+    `prompt` the prefill-fused graph (export/prefill.py's contract): S new tokens per row."""
     model = model.float().eval()
     config = model.config
     positional = FUSED_POSITIONS[config.scheme](model)
     g = GraphBuilder()
-    sd = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-
-    # Per-step values shared by every layer: each row's cached length (from the mask), T, positions.
     g.const(ZERO, np.array(0))
     g.const(ONE, np.array(1))
+    # Per-call values shared by every layer: each row's total length - 1 (from the mask), T, positions.
     lengths = g.one("Sub", g.one("ReduceSum", ATTENTION_MASK, g.const("axis_1", np.array([1])), keepdims=0), ONE)
-    total = g.one("Add", g.one("ReduceMax", lengths, keepdims=0), ONE)  # scalar: longest row + 1
-    seqlens_k = g.one("Cast", lengths, to=TensorProto.INT32)  # (B,): each row's cached tokens
-    total_i32 = g.one("Cast", total, to=TensorProto.INT32)
+    if prompt:  # T = the mask's width: P past columns then S new ones; rows are right-padded
+        total = g.one("Squeeze", g.one("Slice", g.one("Shape", ATTENTION_MASK), ONE_1D, TWO_1D), ZERO_1D)
+        rotary = positional.prompt_rotary(g, StepInputs(POSITION_IDS, total))
+    else:
+        total = g.one("Add", g.one("ReduceMax", lengths, keepdims=0), ONE)  # scalar: longest row + 1
+        rotary = positional.rotary(g, StepInputs(POSITION_IDS, total))
     step = StepInputs(POSITION_IDS, total)
-    bias = positional.attention_bias(g, step)
-    rotary = positional.rotary(g, step)
+    seqlens_k = g.one("Cast", lengths, to=TensorProto.INT32)  # (B,)
+    _layers(g, model, positional, step, seqlens_k, g.one("Cast", total, to=TensorProto.INT32), rotary)
+    return _model(g, config, prompt)
 
-    x = g.one("Gather", g.const("token_embedding", sd["token_embedding.weight"]), INPUT_IDS)  # (B, 1, d)
+
+ZERO_1D, ONE_1D, TWO_1D = "zero_1d", "one_1d", "two_1d"
+
+
+def _layers(
+    g: GraphBuilder,
+    model: Transformer,
+    positional: FusedPositions,
+    step: StepInputs,
+    seqlens_k: str,
+    total_i32: str,
+    rotary: tuple[str, str, str] | None,
+) -> None:
+    """Embedding, the blocks (one GroupQueryAttention each) and the LM head, writing LOGITS and present.*."""
+    config = model.config
+    sd = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    for name, value in ((ZERO_1D, 0), (ONE_1D, 1), (TWO_1D, 2)):
+        g.const(name, np.array([value]))
+    bias = positional.attention_bias(g, step)
+    x = g.one("Gather", g.const("token_embedding", sd["token_embedding.weight"]), INPUT_IDS)  # (B, S, d)
     embedding = positional.input_embedding(g, step)
     if embedding is not None:
         x = g.one("Add", x, embedding)
 
     def linear(h: str, prefix: str) -> str:
-        weight = g.const(f"{prefix}.weight_t", sd[f"{prefix}.weight"].T)  # (in, out) for MatMul
-        return g.one("Add", g.one("MatMul", h, weight), g.const(f"{prefix}.bias", sd[f"{prefix}.bias"]))
+        return g.one("Add", project(h, prefix), g.const(f"{prefix}.bias", sd[f"{prefix}.bias"]))
 
-    def norm(h: str, prefix: str) -> str:
-        scale, shift = (g.const(f"{prefix}.{part}", sd[f"{prefix}.{part}"]) for part in ("weight", "bias"))
-        return g.one("LayerNormalization", h, scale, shift, axis=-1, epsilon=config.layer_norm_eps)
+    def project(h: str, prefix: str) -> str:
+        return g.one("MatMul", h, g.const(f"{prefix}.weight_t", sd[f"{prefix}.weight"].T))  # (in, out)
+
+    def norm_weights(prefix: str) -> list[str]:
+        return [g.const(f"{prefix}.{part}", sd[f"{prefix}.{part}"]) for part in ("weight", "bias")]
+
+    def add_and_norm(residual: str, h: str, prefix: str, norm: str) -> tuple[str, str]:
+        """(layer norm `norm` of residual + h + `prefix`'s bias, that sum): one SkipLayerNormalization
+        instead of two Adds and a LayerNormalization (ORT's own fusion misses a sum read twice)."""
+        bias = g.const(f"{prefix}.bias", sd[f"{prefix}.bias"])
+        normed, _, _, total = g.op(
+            "SkipLayerNormalization", h, residual, *norm_weights(norm), bias,
+            outputs=4, domain="com.microsoft", epsilon=config.layer_norm_eps,
+        )  # fmt: skip
+        return normed, total
 
     cos, sin, rotary_positions = rotary if rotary is not None else ("", "", "")
     past, present = past_names(config.n_layers), present_names(config.n_layers)
+    normed = g.one("LayerNormalization", x, *norm_weights("blocks.0.attn_norm"), axis=-1, epsilon=config.layer_norm_eps)
     for i in range(config.n_layers):
         block = f"blocks.{i}"
-        qkv = linear(norm(x, f"{block}.attn_norm"), f"{block}.attn.qkv")  # packed (B, 1, 3d)
+        qkv = linear(normed, f"{block}.attn.qkv")  # packed (B, S, 3d)
         attended, _, _ = g.op(
             "GroupQueryAttention",
             qkv, "", "", past[2 * i], past[2 * i + 1], seqlens_k, total_i32, cos, sin,
@@ -254,36 +309,38 @@ def fused_graph(model: Transformer) -> onnx.ModelProto:
             do_rotary=int(rotary is not None), rotary_interleaved=0, scale=1.0 / math.sqrt(config.head_dim),
         )  # fmt: skip
         g.nodes[-1].output[1:] = [present[2 * i], present[2 * i + 1]]
-        x = g.one("Add", x, linear(attended, f"{block}.attn.out_proj"))
-        hidden = g.one("Gelu", linear(norm(x, f"{block}.mlp_norm"), f"{block}.mlp.up"), domain="com.microsoft")
-        x = g.one("Add", x, linear(hidden, f"{block}.mlp.down"))
-    x = norm(x, "final_norm")
-    g.nodes.append(
-        helper.make_node("MatMul", [x, g.const("lm_head", sd["token_embedding.weight"].T)], [LOGITS], name="lm_head")
-    )
-    return _model(g, config)
+        out = f"{block}.attn.out_proj"
+        normed, x = add_and_norm(x, project(attended, out), out, f"{block}.mlp_norm")
+        hidden = g.one("Gelu", linear(normed, f"{block}.mlp.up"), domain="com.microsoft")
+        after = f"blocks.{i + 1}.attn_norm" if i + 1 < config.n_layers else "final_norm"
+        normed, x = add_and_norm(x, project(hidden, f"{block}.mlp.down"), f"{block}.mlp.down", after)
+    lm_head = g.const("lm_head", sd["token_embedding.weight"].T)
+    g.nodes.append(helper.make_node("MatMul", [normed, lm_head], [LOGITS], name="lm_head"))
 
 
-def _model(g: GraphBuilder, config: ModelConfig) -> onnx.ModelProto:
+def _model(g: GraphBuilder, config: ModelConfig, prompt: bool = False) -> onnx.ModelProto:
     float_type, cache_dims = TensorProto.FLOAT, ["batch", config.n_heads, "past_sequence", config.head_dim]
+    present_dims = ["batch", config.n_heads, "total_sequence", config.head_dim] if prompt else cache_dims
+    width = "sequence" if prompt else 1
     inputs = [
-        helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch", 1]),
+        helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch", width]),
         helper.make_tensor_value_info(ATTENTION_MASK, TensorProto.INT64, ["batch", "total_sequence"]),
-        helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, ["batch", 1]),
+        helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, ["batch", width]),
         *(helper.make_tensor_value_info(name, float_type, cache_dims) for name in past_names(config.n_layers)),
     ]
     outputs = [
-        helper.make_tensor_value_info(LOGITS, float_type, ["batch", 1, config.vocab_size]),
-        *(helper.make_tensor_value_info(name, float_type, cache_dims) for name in present_names(config.n_layers)),
+        helper.make_tensor_value_info(LOGITS, float_type, ["batch", width, config.vocab_size]),
+        *(helper.make_tensor_value_info(name, float_type, present_dims) for name in present_names(config.n_layers)),
     ]
-    graph = helper.make_graph(g.nodes, "serving_fused", inputs, outputs, g.initializers)
+    name = "prefill_fused" if prompt else "serving_fused"
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", CONTRIB_OPSET)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="posenc-serve")
 
 
-def export_fused(model: Transformer, path: Path) -> onnx.ModelProto:
-    """Write the serving-fused graph of `model` (float32, one self-contained file)."""
-    proto = fused_graph(model)
+def export_fused(model: Transformer, path: Path, prompt: bool = False) -> onnx.ModelProto:
+    """Write the serving-fused (or, with `prompt`, prefill-fused) graph of `model` (float32, one file)."""
+    proto = fused_graph(model, prompt)
     onnx.checker.check_model(proto, full_check=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(proto, str(path))

@@ -1,7 +1,7 @@
 """Building the model repository, as a library: `python -m export` is its command line.
 
 For every scheme with shipped weights: export the graphs this device serves (float32 and its
-in-place serving graph, the int8 cache's serving graph, the fused decode graph (`export.fused`), and
+in-place serving graph, the int8 cache's serving graph, the fused decode and prompt graphs (`export.fused`), and
 both float16 graphs where CUDA ONNX Runtime is present or when asked), write manifest.json and
 genai_config.json, then optionally check parity against PyTorch and evaluate bits per byte. Models
 are exported side by side in worker processes (tracing is single-threaded Python, so one process per
@@ -31,6 +31,7 @@ from tqdm import tqdm
 from contract.manifest import (
     GENAI_CONFIG,
     MANIFEST,
+    PREFILL_FUSED,
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
@@ -50,6 +51,7 @@ from export.verify import (
     check_fused_graph,
     check_int8_graph,
     check_parity,
+    check_prefill_graph,
     default_prompts,
     tolerance,
     torch_reference,
@@ -71,6 +73,7 @@ GRAPH_FILES = {
     SERVING_FP16: "model.serving.fp16.onnx",
     SERVING_INT8: "model.serving.int8.onnx",
     SERVING_FUSED: "model.serving.fused.onnx",
+    PREFILL_FUSED: "model.prefill.fused.onnx",
 }
 FP16_GRAPHS = ("float16", SERVING_FP16)
 # The graphs whose parity against PyTorch export checks (serving graphs are held to these in tests).
@@ -126,6 +129,7 @@ class ExportResult:
     test_bpb: dict[int, float | None] = field(default_factory=dict)
     int8_max_abs: float | None = None  # serving-int8 against PyTorch fed the same dequantized cache
     fused_max_abs: float | None = None  # serving-fused decode steps against PyTorch (nan: greedy differed)
+    prefill_max_abs: float | None = None  # prefill-fused prompt logits against PyTorch
 
     @property
     def float32_limit(self) -> float:
@@ -141,6 +145,8 @@ class ExportResult:
             failures.append(f"{self.name} {SERVING_INT8}")
         if self.fused_max_abs is not None and not self.fused_max_abs <= limit:
             failures.append(f"{self.name} {SERVING_FUSED}")
+        if self.prefill_max_abs is not None and not self.prefill_max_abs <= limit:
+            failures.append(f"{self.name} {PREFILL_FUSED}")
         return failures
 
 
@@ -152,6 +158,7 @@ class Verification:
     int8_max_abs: float | None
     test_bpb: dict[int, float | None]
     fused_max_abs: float | None = None
+    prefill_max_abs: float | None = None
 
 
 def rope_scaled_name(scaling: RopeScaling) -> str:
@@ -177,8 +184,8 @@ def export_model(
         # A copy each time: export casts the model and the serving layout rewires its layers.
         if variant == SERVING_INT8:
             export_onnx(copy.deepcopy(model), variants[variant], int8=True)
-        elif variant == SERVING_FUSED:
-            export_fused(copy.deepcopy(model), variants[variant])
+        elif variant in (SERVING_FUSED, PREFILL_FUSED):
+            export_fused(copy.deepcopy(model), variants[variant], prompt=variant == PREFILL_FUSED)
         else:
             dtype = TORCH_DTYPES[variant_dtype(variant)]
             export_onnx(copy.deepcopy(model), variants[variant], dtype, new_only=variant != variant_dtype(variant))
@@ -257,9 +264,10 @@ def verify_model(
     if SERVING_FUSED in graphs:
         report = check_fused_graph(reference, folder, prompts, threads=threads)
         fused = report.max_abs if report.greedy_equal else float("nan")
+    prefill = check_prefill_graph(reference, folder, prompts) if PREFILL_FUSED in graphs else None
     runtime = OnnxCausalLM(folder, threads=threads)
     test_bpb = {context: onnx_bits_per_byte(runtime, windows) for context, windows in sequences.items()}
-    return Verification(parity, int8, test_bpb, fused)
+    return Verification(parity, int8, test_bpb, fused, prefill)
 
 
 @dataclass
@@ -290,12 +298,9 @@ def _verify_job(
 
 
 def _attach(result: ExportResult, verification: Verification) -> ExportResult:
-    result.parity, result.int8_max_abs, result.test_bpb, result.fused_max_abs = (
-        verification.parity,
-        verification.int8_max_abs,
-        verification.test_bpb,
-        verification.fused_max_abs,
-    )
+    result.parity, result.int8_max_abs = verification.parity, verification.int8_max_abs
+    result.test_bpb = verification.test_bpb
+    result.fused_max_abs, result.prefill_max_abs = verification.fused_max_abs, verification.prefill_max_abs
     return result
 
 

@@ -24,7 +24,15 @@ from contract.graph import (
     present_names,
     target_logprobs,
 )
-from contract.manifest import NP_DTYPES, SERVING, SERVING_FP16, SERVING_FUSED, Manifest, variant_dtype
+from contract.manifest import (
+    NP_DTYPES,
+    PREFILL_FUSED,
+    SERVING,
+    SERVING_FP16,
+    SERVING_FUSED,
+    Manifest,
+    variant_dtype,
+)
 from models.limits import check_positions
 
 Past = list[np.ndarray]  # per layer: key, value, key, value, ...
@@ -141,3 +149,25 @@ class FusedDecoder:
         self.lengths += 1
         self.positions += 1
         return self.logits[:, 0].copy()
+
+
+class PromptGraph:
+    """The fused prompt graph (prefill-fused) run plainly: S new tokens per row after P past ones, the
+    whole cache (past and new) back (contract.graph's PREFILL_FUSED paragraph)."""
+
+    def __init__(self, folder: Path, threads: int = 0) -> None:
+        self.manifest = Manifest.load(folder)
+        path = self.manifest.verify(PREFILL_FUSED)
+        self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+
+    def empty_past(self, batch: int) -> Past:
+        m = self.manifest
+        return [np.zeros((batch, m.n_heads, 0, m.head_dim), np.float32) for _ in past_names(m.n_layers)]
+
+    def run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Past) -> tuple[np.ndarray, Past]:
+        """(logits (B, S, vocab), present: per layer key, value (B, heads, P + S, head_dim))."""
+        check_positions(positions, self.manifest.max_positions)
+        feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
+        feeds.update(zip(past_names(self.manifest.n_layers), past, strict=True))
+        logits, *present = self.session.run(None, feeds)
+        return logits, present

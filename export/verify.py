@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from contract.graph import LOGITS, input_names, left_pad_batch, new_kv_names
+from contract.graph import LOGITS, input_names, left_pad_batch, new_kv_names, right_pad_batch
 from contract.kv_int8 import quantize_numpy
 from contract.manifest import SERVING_INT8, variant_dtype
-from export.runtime import FusedDecoder, OnnxCausalLM
+from export.runtime import FusedDecoder, OnnxCausalLM, PromptGraph
+from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
 # Tolerances on logits (max absolute difference).
@@ -236,3 +237,25 @@ def check_fused_graph(
         worst = max(worst, float(np.abs(got - expected_logits[:, k]).max()))
         greedy = greedy and bool((got.argmax(-1) == expected_logits[:, k].argmax(-1)).all())
     return FusedReport(worst, greedy, steps)
+
+
+@torch.no_grad()
+def check_prefill_graph(model: Transformer, folder: Path, prompts: list[list[int]], chunk: int = 7) -> float:
+    """The fused prompt graph (prefill-fused) against PyTorch run on each prompt alone, every position's
+    logits: all prompts in one right-padded call, and each prompt in chunks of `chunk` tokens fed the
+    cache the graph returned for the chunks before. Returns the largest absolute difference."""
+    model = model.float().eval()
+    expected = [model(torch.tensor([ids]))[0][0].numpy() for ids in prompts]
+    graph = PromptGraph(folder)
+    ids, mask, positions = right_pad_batch(prompts, TOKENIZER.pad_token_id)
+    logits, _ = graph.run(ids, mask, positions, graph.empty_past(len(prompts)))
+    worst = max(float(np.abs(logits[row, : len(p)] - expected[row]).max()) for row, p in enumerate(prompts))
+    for prompt, reference in zip(prompts, expected, strict=True):
+        past = graph.empty_past(1)
+        for start in range(0, len(prompt), chunk):
+            piece = np.asarray([prompt[start : start + chunk]], dtype=np.int64)
+            end = start + piece.shape[1]
+            positions = np.arange(start, end, dtype=np.int64)[None]
+            logits, past = graph.run(piece, np.ones((1, end), dtype=np.int64), positions, past)
+            worst = max(worst, float(np.abs(logits[0] - reference[start:end]).max()))
+    return worst

@@ -3,7 +3,8 @@
 The arrays are numpy on the CPU and torch tensors on CUDA (or on the CPU, to run the GPU path's code
 in CI). `ModelSession` is one ONNX Runtime session and its IO binding. A model decodes through one
 serving graph per storage kind of its rows (`cache_graphs`), and full float rows through the fused
-graph where it is exported and allowed (`fused_graph`). `GraphBinder` knows how the graphs are fed:
+graph where it is exported and allowed (`fused_graph`); prompts through the fused prompt graph where
+it is exported and allowed (`prompt_graph`). `GraphBinder` knows how the graphs are fed:
 the token inputs, the past cache arrays of a class (`CacheGraph`) and freshly allocated outputs for
 the logits and the new tokens' K/V, or, for the fused graph, the cache arrays bound as past and
 present alike.
@@ -27,7 +28,14 @@ from contract.graph import (
     new_kv_names,
     present_names,
 )
-from contract.manifest import NP_DTYPES, SERVING_INT8, FusedAttention, Manifest, serving_variant
+from contract.manifest import (
+    NP_DTYPES,
+    PREFILL_FUSED,
+    SERVING_INT8,
+    FusedAttention,
+    Manifest,
+    serving_variant,
+)
 from service.engine.kv import INT8, Array, Backend, KVLayout
 
 ORT_DTYPES = {**NP_DTYPES, "int64": np.int64, "int8": np.int8}
@@ -119,6 +127,13 @@ def fused_graph(manifest: Manifest, dtype: str, attention: str) -> FusedAttentio
     return None if attention == "explicit" else usable
 
 
+def prompt_graph(manifest: Manifest, dtype: str, attention: str) -> str | None:
+    """The fused prompt graph's variant for `dtype` prompts, where exported and `attention` allows it
+    (it is float32, and `explicit` keeps every call on the explicit serving graph)."""
+    exported = PREFILL_FUSED in manifest.data["variants"]  # type: ignore[operator]
+    return PREFILL_FUSED if exported and dtype == "float32" and attention != "explicit" else None
+
+
 class GraphBinder:
     """Binds a model's graph calls to arrays of one backend: the inputs and past caches it is given,
     and new output arrays it allocates."""
@@ -154,6 +169,20 @@ class GraphBinder:
         inputs.update(zip(self.fused_cache_names, cache, strict=True))
         outputs = {LOGITS: logits, **dict(zip(self.present_names, cache, strict=True))}
         return session.bind(inputs, outputs), logits
+
+    def bind_prompt(
+        self, session: ModelSession, ids: Array, mask: Array, positions: Array, past: Array
+    ) -> tuple[ort.IOBinding, Array, Array]:
+        """A fused prompt call (prefill-fused): `past` (2L, B, heads, P, hd) in; new arrays for logits
+        (B, S, vocab) and the whole cache, past and new, (2L, B, heads, P + S, hd) out."""
+        layout, (batch, width) = self.layout, ids.shape
+        total = past.shape[3] + width
+        cache = self.backend.zeros((layout.tensors, batch, layout.n_heads, total, layout.head_dim), "float32")
+        logits = self.backend.zeros((batch, width, self.vocab_size), "float32")
+        inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
+        inputs.update(zip(self.fused_cache_names, past, strict=True))
+        outputs = {LOGITS: logits, **dict(zip(self.present_names, cache, strict=True))}
+        return session.bind(inputs, outputs), logits, cache
 
     def set_ids(self, target: Array, values: np.ndarray | list[int]) -> None:
         """Token ids into a bound input array, on its device."""

@@ -17,7 +17,11 @@ outputs are bound to the past buffers), so the store only advances lengths and m
 holding a bounded or int8 row keep the explicit graph, which the fused kernel cannot express.
 
 Prompts run in a second session (the prefill worker's, in its own thread) and touch no store
-state; their caches are written into the rows the scheduler reserved, on the engine thread.
+state; their caches are written into the rows the scheduler reserved, on the engine thread. Where the
+export has the fused prompt graph (prefill-fused: one GroupQueryAttention per layer over the prompt's
+tokens, no score or mask tensor in the graph) and `attention` allows it, prompts run through it: its
+batches are right-padded, and it returns the whole cache (past and new), so a chunk's result is the
+next chunk's past without a copy here.
 """
 
 from __future__ import annotations
@@ -32,12 +36,19 @@ import numpy as np
 import onnxruntime as ort
 
 from contract.cache_policy import CachePolicy
-from contract.graph import left_pad_batch
+from contract.graph import left_pad_batch, right_pad_batch
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
 from service.engine.kv import INT8, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
 from service.engine.messages import Scored
-from service.engine.model_session import GraphBinder, ModelSession, cache_graphs, choose_providers, fused_graph
+from service.engine.model_session import (
+    GraphBinder,
+    ModelSession,
+    cache_graphs,
+    choose_providers,
+    fused_graph,
+    prompt_graph,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +155,8 @@ class ModelRunner:
         # The fused decode graph (full float rows), where exported and `attention` allows it.
         self.fused = fused_graph(manifest, self.dtype, attention)
         self.fused_session = self._session(self.threads, True, self.fused.variant) if self.fused else None
+        # The fused prompt graph, where exported and `attention` allows it (else prompts take the serving graph).
+        self.prompt_variant = prompt_graph(manifest, self.dtype, attention)
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
         self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
@@ -162,7 +175,11 @@ class ModelRunner:
         self.prefill_sessions = {
             kind: self._session(self.prefill_threads, False, graph.variant) for kind, graph in self.graphs.items()
         }
-        self.prefill_session = self.prefill_sessions[self.dtype]
+        self.prefill_session = (
+            self._session(self.prefill_threads, False, self.prompt_variant)
+            if self.prompt_variant
+            else self.prefill_sessions[self.dtype]
+        )
 
     def _session(self, threads: int, arena: bool, variant: str) -> ModelSession:
         path = str(self.manifest.onnx_path(variant))
@@ -174,6 +191,15 @@ class ModelRunner:
         self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Array | None, last_only: bool
     ) -> tuple[np.ndarray, Array]:
         """One prompt call: host logits (B, T or 1, vocab) and the new tokens' K/V (2L, B, heads, T, hd)."""
+        logits, cache = self._prompt_forward(ids, mask, positions, past, last_only)
+        return logits, cache[:, :, :, cache.shape[3] - ids.shape[1] :]
+
+    def _prompt_forward(
+        self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Array | None, last_only: bool
+    ) -> tuple[np.ndarray, Array]:
+        """One prompt call: host logits (B, T or 1, vocab; with `last_only` each row's last token's) and
+        the whole cache, past and new, (2L, B, heads, P + T, hd). Batches come padded as
+        `pad_batch` pads them (the fused prompt graph: on the right)."""
         session = self.prefill_session
         assert session is not None, "open_prefill_session() first"
         backend, layout = self.backend, self.layout
@@ -181,10 +207,32 @@ class ModelRunner:
         if past is None:
             past = backend.zeros((layout.tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
-        binding, logits, new_kv = self.binder.bind(session, *inputs, [past], self.dtype)
+        if self.prompt_variant is None:
+            binding, logits, new_kv = self.binder.bind(session, *inputs, [past], self.dtype)
+            session.run(binding)
+            cache = new_kv if past.shape[3] == 0 else backend.concatenate([past, new_kv], axis=3)
+            host_logits = backend.download(logits[:, -1:] if last_only else logits)
+            return host_logits.astype(np.float32), cache
+        binding, logits, cache = self.binder.bind_prompt(session, *inputs, past)
         session.run(binding)
-        host_logits = backend.download(logits[:, -1:] if last_only else logits)
-        return host_logits.astype(np.float32), new_kv
+        if not last_only:
+            return backend.download(logits).astype(np.float32), cache
+        last = mask.sum(axis=1) - past.shape[3] - 1  # each row's last token among the new columns
+        rows = [backend.download(logits[row, int(column) : int(column) + 1]) for row, column in enumerate(last)]
+        return np.stack(rows).astype(np.float32), cache
+
+    def pad_batch(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[slice]]:
+        """(input_ids, attention_mask, position_ids) of prompts in one call, and each row's columns:
+        left-padded for the explicit graph, right-padded for the fused prompt graph."""
+        if self.prompt_variant is None:
+            ids, mask, positions = left_pad_batch(prompts, self.pad_token_id)
+            return ids, mask, positions, [slice(ids.shape[1] - len(p), ids.shape[1]) for p in prompts]
+        ids, mask, positions = right_pad_batch(prompts, self.pad_token_id)
+        return ids, mask, positions, [slice(0, len(p)) for p in prompts]
+
+    def prompt_graph_path(self) -> str:
+        """The graph prompts run through (for profiling it)."""
+        return str(self.manifest.onnx_path(self.prompt_variant or self.variant))
 
     def _check_fault(self, prompts: list[list[int]]) -> None:
         if self._fault_marker and any(self._fault_marker in bytes(t for t in ids if t < 256) for ids in prompts):
@@ -193,11 +241,10 @@ class ModelRunner:
     def prefill_batch(self, prompts: dict[str, list[int]]) -> list[PrefilledPrompt]:
         """Whole prompts in one left-padded call; each row's cache comes back without padding."""
         self._check_fault(list(prompts.values()))
-        ids, mask, positions = left_pad_batch(list(prompts.values()), self.pad_token_id)
-        logits, new_kv = self._prompt_call(ids, mask, positions, None, last_only=True)
-        width = ids.shape[1]
+        ids, mask, positions, columns = self.pad_batch(list(prompts.values()))
+        logits, cache = self._prompt_forward(ids, mask, positions, None, last_only=True)
         return [
-            PrefilledPrompt(rid, logits[row, -1], new_kv[:, row, :, width - len(p) :], len(p))
+            PrefilledPrompt(rid, logits[row, -1], cache[:, row, :, columns[row]], len(p))
             for row, (rid, p) in enumerate(prompts.items())
         ]
 
@@ -216,8 +263,7 @@ class ModelRunner:
             ids = np.asarray([chunk], dtype=np.int64)
             mask = np.ones((1, end), dtype=np.int64)
             positions = np.arange(start, end, dtype=np.int64)[None]
-            logits, new_kv = self._prompt_call(ids, mask, positions, past, last_only=True)
-            past = new_kv if past is None else self.backend.concatenate([past, new_kv], axis=3)
+            logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
             yield PrefilledPrompt(request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
 
     def prefill_chunked(
@@ -284,11 +330,11 @@ class ModelRunner:
             end = start + len(chunk)
             ids = np.asarray([chunk], dtype=np.int64)
             positions = np.arange(start, end, dtype=np.int64)[None]
-            logits, new_kv = self._prompt_call(ids, np.ones((1, end), dtype=np.int64), positions, past, not keep_logits)
+            mask = np.ones((1, end), dtype=np.int64)
+            logits, past = self._prompt_forward(ids, mask, positions, past, not keep_logits)
             if keep_logits:
                 kept.append(logits[0])
             last = logits[0, -1]
-            past = new_kv if past is None else self.backend.concatenate([past, new_kv], axis=3)
             yield None
         assert past is not None
         row = CapacityClass(self.backend, self.layout, capacity, 1, self.store.rotary_inv_freq, kind)

@@ -22,6 +22,7 @@ from contract.graph import (
     past_names,
 )
 from contract.manifest import (
+    PREFILL_FUSED,
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
@@ -82,7 +83,9 @@ def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
         "pad_token_id": 258,
         "add_bos": True,
     }
-    assert list(data["variants"]) == ["float32", SERVING, "float16", SERVING_FP16, SERVING_INT8, SERVING_FUSED]
+    assert list(data["variants"]) == [
+        "float32", SERVING, "float16", SERVING_FP16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED,
+    ]  # fmt: skip
     for variant, entry in data["variants"].items():  # type: ignore[union-attr]
         assert entry["file"] == GRAPH_FILES[variant]
     manifest.verify_all()
@@ -254,8 +257,8 @@ def test_export_command_prints_table(
     table = capsys.readouterr().out
     assert "test bpb@64" in table and "parity fp32" in table
     variants = json.loads((tmp_path / "none" / "manifest.json").read_text())["variants"]
-    assert variants.keys() == {"float32", SERVING, SERVING_INT8, SERVING_FUSED}
-    assert "parity fused" in table
+    assert variants.keys() == {"float32", SERVING, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED}
+    assert "parity fused" in table and "parity prefill" in table
     assert (tmp_path / "none" / "genai_config.json").is_file()
 
 

@@ -11,11 +11,11 @@ import onnx
 import pytest
 
 from contract.graph import input_names, new_kv_names, past_names, present_names
-from contract.manifest import SERVING, SERVING_FUSED, Manifest
+from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FUSED, Manifest
 from export.fused import FUSED_POSITIONS
 from export.repository import GRAPH_FILES
 from export.runtime import FusedDecoder, OnnxCausalLM
-from export.verify import FP32_TOLERANCE, check_fused_graph, default_prompts
+from export.verify import FP32_TOLERANCE, check_fused_graph, check_prefill_graph, default_prompts
 from models.checkpoints import WEIGHTS_DIR
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
@@ -91,3 +91,20 @@ def test_more_rows_than_tokens(repository: Path, scheme: str) -> None:
     prompts = [[TOKENIZER.bos_token_id, byte] for byte in b"abcdefgh"]
     report = check_fused_graph(model, repository / scheme, prompts, steps=3)
     assert report.passed(FP32_TOLERANCE), report
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_fused_prompt_graph_has_no_score_tensor_and_equals_pytorch(repository: Path, scheme: str) -> None:
+    """prefill-fused: one GroupQueryAttention per layer and no Softmax (no S x T scores in the graph);
+    every position's logits within 1e-4 of PyTorch, in one right-padded batch and in chunks."""
+    manifest = Manifest.load(repository / scheme)
+    if PREFILL_FUSED not in manifest.data["variants"]:  # type: ignore[operator]
+        pytest.skip("an export without the fused prompt graph")
+    graph = onnx.load(str(manifest.verify(PREFILL_FUSED))).graph
+    ops = [node.op_type for node in graph.node]
+    assert ops.count("GroupQueryAttention") == manifest.n_layers
+    assert "Softmax" not in ops and ops.count("MatMul") == 4 * manifest.n_layers + 1
+    assert [i.name for i in graph.input] == input_names(manifest.n_layers)
+    assert [o.name for o in graph.output][1:] == present_names(manifest.n_layers)
+    model = Transformer.load(WEIGHTS_DIR / scheme)
+    assert check_prefill_graph(model, repository / scheme, default_prompts(TOKENIZER.bos_token_id)) <= FP32_TOLERANCE

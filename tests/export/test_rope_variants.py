@@ -15,19 +15,26 @@ import torch
 from onnx import numpy_helper
 
 from contract.graph import input_names, left_pad_batch, output_names
-from contract.manifest import SERVING, SERVING_FP16, SERVING_FUSED, SERVING_INT8, Manifest
+from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FP16, SERVING_FUSED, SERVING_INT8, Manifest
 from export.onnx import export_onnx
 from export.repository import ExportOptions, cuda_onnxruntime, export_model, rope_scaled_name, run
 from export.rope_variants import RopeRewriteError, derive_graph, derive_rope_variant, rotary_constants
 from export.runtime import OnnxCausalLM
-from export.verify import FP32_TOLERANCE, check_fused_graph, check_int8_graph, check_parity, default_prompts
+from export.verify import (
+    FP32_TOLERANCE,
+    check_fused_graph,
+    check_int8_graph,
+    check_parity,
+    check_prefill_graph,
+    default_prompts,
+)
 from models.checkpoints import WEIGHTS_DIR
 from models.config import ModelConfig, RopeScaling
 from models.positional import matched_config, rope_rotation_frequencies
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
-FP32_GRAPHS = ("float32", SERVING, SERVING_INT8, SERVING_FUSED)
+FP32_GRAPHS = ("float32", SERVING, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED)
 
 
 def scaled(model: Transformer, scaling: RopeScaling) -> Transformer:
@@ -52,6 +59,7 @@ def test_derived_graphs_equal_pytorch_with_that_scaling(repository: Path, tmp_pa
     assert check_int8_graph(reference, OnnxCausalLM(folder, SERVING_INT8), prompts) <= FP32_TOLERANCE
     fused = check_fused_graph(reference, folder, prompts)  # its one inv_freq initializer, rewritten alike
     assert fused.passed(FP32_TOLERANCE), fused
+    assert check_prefill_graph(reference, folder, prompts) <= FP32_TOLERANCE  # the prompt graph's, likewise
     unscaled = check_parity(reference, OnnxCausalLM(repository / "rope"), prompts)
     assert unscaled.max_abs > 100 * FP32_TOLERANCE, unscaled
 
@@ -150,7 +158,9 @@ def test_graphs_by_device_or_as_asked() -> None:
     fp16 = ("float16", SERVING_FP16)
     default = ExportOptions().graph_variants()
     assert set(fp16) <= set(default) if cuda_onnxruntime() else default == FP32_GRAPHS
-    assert ExportOptions(fp16=True).graph_variants() == ("float32", SERVING, *fp16, SERVING_INT8, SERVING_FUSED)
+    assert ExportOptions(fp16=True).graph_variants() == (
+        "float32", SERVING, *fp16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED,
+    )  # fmt: skip
     assert ExportOptions(fp16=False).graph_variants() == FP32_GRAPHS
     assert ExportOptions(graphs=(SERVING_INT8,)).graph_variants() == ("float32", SERVING_INT8)
     with pytest.raises(ValueError, match="unknown graph variants"):

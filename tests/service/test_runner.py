@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from contract.cache_policy import parse_cache_policy
-from contract.manifest import Manifest
+from contract.manifest import PREFILL_FUSED, Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.engine.runner import ModelRunner, PrefilledPrompt, StoreConfig
@@ -204,3 +204,21 @@ def test_a_class_with_a_bounded_row_keeps_the_explicit_graph(repository: Path) -
 def test_attention_mode_is_checked(repository: Path) -> None:
     with pytest.raises(ValueError, match="attention must be one of auto, fused, explicit"):
         runner_for(repository, "alibi", attention="flash")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("model", ["alibi", "relative", "rope", "sinusoidal"])
+def test_the_fused_prompt_graph_equals_the_explicit_one(repository: Path, model: str, backend: str) -> None:
+    """prefill-fused (right-padded batches, the whole cache back from each chunk) against the explicit
+    serving graph: the same last logits and caches for a batch of prompts and for a chunked prompt."""
+    if PREFILL_FUSED not in Manifest.load(repository / model).data["variants"]:  # type: ignore[operator]
+        pytest.skip("an export without the fused prompt graph")
+    runs = {}
+    for attention in ("auto", "explicit"):
+        runner = runner_for(repository, model, backend, attention)
+        assert (runner.prompt_variant is None) == (attention == "explicit")
+        runs[attention] = [*runner.prefill_batch(PROMPTS), runner.prefill_chunked("b", PROMPTS["b"], chunk_tokens=20)]
+    for fused, explicit in zip(runs["auto"], runs["explicit"], strict=True):
+        assert fused.length == explicit.length and fused.request_id == explicit.request_id
+        np.testing.assert_allclose(fused.logits, explicit.logits, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(fused.cache), np.asarray(explicit.cache), atol=1e-4)

@@ -1,0 +1,198 @@
+"""The prefill section: time to first token per prompt length and scheme, through gRPC and through the
+runner alone, against what the arithmetic costs (FLOPs from the manifest, numpy's sgemm rate in the same
+run) and against onnxruntime-genai's prompt phase on the same model.onnx; then the prompt graph's
+nodes as ONNX Runtime's profiler times them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from contract.graph import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, past_names
+from contract.manifest import Manifest
+from models.tokenizer import TOKENIZER
+from service.api import generation_pb2 as pb
+from service.engine.messages import EngineConfig
+from service.engine.runner import ModelRunner, StoreConfig
+from service.process import ServerProcess
+
+PROMPT_BYTES = (256, 512, 1024, 2048, 4000)
+QUICK_PROMPT_BYTES = (256, 2048, 4000)
+PROFILE_BYTES = 2048  # the prompt the per-node profile is taken on
+TOP_NODES = 8
+_LINE = "x = [i * 2 for i in range(10)]  # a line of code\n"
+
+
+def prompt_text(size: int, salt: int) -> str:
+    """`size` bytes of code-like text; `salt` changes its first line, so no two runs share a prefix
+    (a prefix cache would otherwise answer a repeated prompt without computing it)."""
+    head = f"# run {salt}\n"
+    return (head + _LINE * (size // len(_LINE) + 1))[:size]
+
+
+def prefill_flops(manifest: Manifest, tokens: int) -> float:
+    """FLOPs of one causal prompt of `tokens` tokens: the linear layers (QKV, output projection, MLP
+    up and down, the LM head) at 2 per multiply-add, and causal attention (Q K^T and weights x V over
+    the lower triangle, T^2/2 pairs each)."""
+    d, layers, vocab = int(manifest.data["d_model"]), manifest.n_layers, manifest.vocab_size  # type: ignore[call-overload]
+    width = int(manifest.data.get("d_ff", 4 * d))  # type: ignore[call-overload]
+    linear = 2 * tokens * (layers * (4 * d * d + 2 * d * width) + d * vocab)
+    attention = layers * 2 * 2 * d * tokens * tokens / 2
+    return float(linear + attention)
+
+
+def sgemm_gflops(size: int = 1024, runs: int = 5) -> float:
+    """numpy's float32 matrix product rate (GFLOP/s, best of `runs`), with its BLAS's own threads."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((size, size)).astype(np.float32) for _ in range(2))
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(runs):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best / 1e9
+
+
+def runner_ttft(runner: ModelRunner, text: str, chunk_tokens: int) -> float:
+    """Seconds to compute a prompt's cache and last logits through the runner (the prefill worker's call)."""
+    ids = TOKENIZER.encode(text)
+    started = time.perf_counter()
+    if len(ids) <= chunk_tokens:
+        runner.prefill_batch({"p": ids})
+    else:
+        runner.prefill_chunked("p", ids, chunk_tokens)
+    return time.perf_counter() - started
+
+
+def grpc_ttft(server: ServerProcess, model: str, text: str) -> float:
+    """Seconds from sending a request to its first streamed chunk."""
+    started = time.perf_counter()
+    stream = server.stub.GenerateStream(pb.GenerateRequest(model=model, prompt=text, max_new_tokens=1), timeout=600)
+    next(stream)
+    elapsed = time.perf_counter() - started
+    list(stream)
+    return elapsed
+
+
+def genai_prompt_seconds(folder: Path, text: str, threads: int) -> float | None:
+    """onnxruntime-genai's prompt phase (append_tokens: one call over the whole prompt) on model.onnx."""
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return None
+    ids = TOKENIZER.encode(text)
+    config = og.Config(str(folder))
+    options = {"intra_op_num_threads": threads}
+    overlay = {"model": {"context_length": len(ids) + 8, "decoder": {"session_options": options}}}
+    config.overlay(json.dumps(overlay))
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + 1, do_sample=False)
+    warm = og.Generator(model, params)
+    warm.append_tokens(np.array([ids[:64]], dtype=np.int32))
+    generator = og.Generator(model, params)
+    started = time.perf_counter()
+    generator.append_tokens(np.array([ids], dtype=np.int32))
+    return time.perf_counter() - started
+
+
+def profile_prompt_graph(runner: ModelRunner, tokens: int, threads: int) -> list[tuple[str, str, float, float]]:
+    """(node, op type, ms, share) of the `TOP_NODES` slowest nodes of the runner's prompt graph on one
+    `tokens`-token prompt, from ONNX Runtime's profiler (SessionOptions.enable_profiling)."""
+    path = runner.prompt_graph_path()
+    with tempfile.TemporaryDirectory(prefix="prefill-profile-") as scratch:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(scratch, "prefill")
+        options.log_severity_level = 3
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        layout = runner.layout
+        empty = np.zeros((1, layout.n_heads, 0, layout.head_dim), dtype=np.float32)
+        ids = np.full((1, tokens), 65, dtype=np.int64)
+        feeds = {INPUT_IDS: ids, ATTENTION_MASK: np.ones_like(ids), POSITION_IDS: np.arange(tokens)[None]}
+        feeds.update(dict.fromkeys(past_names(layout.n_layers), empty))
+        session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    times: dict[tuple[str, str], float] = defaultdict(float)
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            times[(event["name"].removesuffix("_kernel_time"), event["args"].get("op_name", ""))] += event["dur"]
+    total = sum(times.values()) or 1.0
+    top = sorted(times.items(), key=lambda item: -item[1])[:TOP_NODES]
+    return [(name, op, micros / 1000, micros / total) for (name, op), micros in top]
+
+
+def print_prefill(args: argparse.Namespace, repository: Path, server_threads: int, device_flags: list[str]) -> None:
+    """TTFT per scheme and prompt length (gRPC and runner), effective GFLOP/s against numpy's sgemm,
+    onnxruntime-genai's prompt phase, and the prompt graph's top nodes."""
+    sizes = QUICK_PROMPT_BYTES if args.quick else PROMPT_BYTES
+    runs = 1 if args.quick else 3
+    threads = os.cpu_count() or 1  # the prefill session's threads (the server's default: every core)
+    chunk = EngineConfig().prefill_tokens
+    folders = [
+        f for f in sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
+        if not Manifest.load(f).is_scaling_variant and Manifest.load(f).max_positions is None
+    ]  # fmt: skip
+    sgemm = sgemm_gflops()
+    print(
+        f"\nPrefill: time to first token (ms, median of {runs}) per prompt length in bytes, {threads} prefill "
+        f"thread(s), chunks of {chunk} tokens; effective GFLOP/s = FLOPs of the prompt (from the manifest) / TTFT; "
+        f"numpy sgemm (1024^3, its own threads) {sgemm:.1f} GFLOP/s in this run; load {os.getloadavg()[0]:.1f}:"
+    )
+    print("  " + f"{'model':<12}{'path':<10}" + "".join(f"{s:>18}" for s in sizes))
+    names = [Manifest.load(f).name for f in folders]
+    server = ServerProcess(repository, "--models", *names, "--max-new-tokens-limit", "16", *device_flags,
+                           threads=server_threads)  # fmt: skip
+    salt = iter(range(10**9))
+    at_2048: dict[str, dict[str, float]] = {}
+    try:
+        server.wait_serving()
+        for folder, name in zip(folders, names, strict=True):
+            manifest = Manifest.load(folder)
+            grpc_ttft(server, name, prompt_text(300, next(salt)))  # warm-up
+            runner = ModelRunner(manifest, StoreConfig(1 << 30, 16, 8192), "cpu", 0)
+            runner_ttft(runner, prompt_text(300, 0), chunk)
+            rows: dict[str, list[float]] = {"gRPC": [], "runner": [], "genai": []}
+            for size in sizes:
+                rows["gRPC"].append(statistics.median(grpc_ttft(server, name, prompt_text(size, next(salt)))
+                                                      for _ in range(runs)))  # fmt: skip
+                rows["runner"].append(statistics.median(runner_ttft(runner, prompt_text(size, 0), chunk)
+                                                        for _ in range(runs)))  # fmt: skip
+                genai = genai_prompt_seconds(folder, prompt_text(size, 0), threads)
+                rows["genai"].append(math.nan if genai is None else genai)
+            for path, seconds in rows.items():
+                cells = []
+                for size, s in zip(sizes, seconds, strict=True):
+                    rate = prefill_flops(manifest, size + 1) / s / 1e9
+                    cells.append(f"{s * 1000:8.1f} ({rate:5.1f})")
+                print(f"  {name:<12}{path:<10}" + "".join(f"{c:>18}" for c in cells))
+            if 2048 in sizes:
+                at = sizes.index(2048)
+                at_2048[name] = {path: seconds[at] for path, seconds in rows.items()}
+    finally:
+        server.stop()
+    if at_2048:
+        flops = prefill_flops(Manifest.load(folders[0]), 2049)
+        print(f"  at 2048 bytes ({flops / 1e9:.2f} GFLOP): gRPC rate / numpy sgemm (goal >= 0.4), "
+              "gRPC TTFT / onnxruntime-genai prompt phase (goal <= 1):")  # fmt: skip
+        for name, figures in at_2048.items():
+            rate = prefill_flops(Manifest.load(repository / name), 2049) / figures["gRPC"] / 1e9
+            print(f"    {name:<12} {rate / sgemm:5.2f}   {figures['gRPC'] / figures['genai']:5.2f}")
+    runner = ModelRunner(Manifest.load(repository / args.model), StoreConfig(1 << 30, 16, 8192), "cpu", 0)
+    tokens = PROFILE_BYTES + 1
+    print(f"\nPrompt graph of {args.model} ({Path(runner.prompt_graph_path()).name}), {tokens} tokens in one call, "
+          f"{threads} thread(s): top nodes by ONNX Runtime's profiler")  # fmt: skip
+    for node, op, ms, share in profile_prompt_graph(runner, tokens, threads):
+        print(f"  {node:<44}{op:<28}{ms:8.2f} ms {share * 100:5.1f}%")
