@@ -198,9 +198,13 @@ class RotaryInKernel(FusedPositions):
         return cos, sin, rows  # rows: (B, 1), each row's index into the cache
 
     def prompt_rotary(self, g: GraphBuilder, step: StepInputs) -> tuple[str, str, str]:
-        """A prompt's rows need every position up to T - 1: the caches cover positions 0 .. T-1 (T x
-        head_dim/2 cos and sin, small next to the call), and the kernel reads each token's own position."""
-        positions = g.one("Cast", step.key_positions(g), to=TensorProto.FLOAT)  # (T,)
+        """A prompt's rows need every position up to T - 1, or up to the largest position id where a
+        caller places tokens further on (a segment computed at an offset): the caches cover positions
+        0 .. max(T, max position + 1) - 1 (cos and sin of head_dim/2 each, small next to the call), and
+        the kernel reads each token's own position."""
+        top = g.one("Add", g.one("ReduceMax", step.position_ids, keepdims=0), ONE)  # () int64
+        count = g.one("Max", step.total, top)
+        positions = g.one("Cast", g.one("Range", ZERO, count, ONE), to=TensorProto.FLOAT)  # (N,)
         positions = g.one("Unsqueeze", positions, g.const("axis_1r", np.array([1])))  # (T, 1)
         cos, sin = self._tables(g, positions)  # (T, head_dim/2)
         return cos, sin, step.position_ids
