@@ -165,7 +165,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.peer_bench", description=__doc__,
                                      formatter_class=HelpFormatter)  # fmt: skip
     parser.add_argument("--guidellm", default=shutil.which("guidellm"), help="the guidellm command (its own venv)")
-    parser.add_argument("--target", help="base URL of a running server's HTTP API (default: start one)")
+    parser.add_argument(
+        "--target",
+        help="base URL of a running server's HTTP API, started with --no-prefix-cache: both tools send the same "
+        "prompts (default: start one)",
+    )
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository",
                         help="repository of the server started when there is no --target")  # fmt: skip
     parser.add_argument("--model", default="alibi", help="the model both tools call")
@@ -186,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     server = None
     if args.target is None:
-        server = ServerProcess(args.model_repository, "--models", args.model, threads=args.threads).wait_serving()
+        # No prefix cache: both tools send the same prompts, and the second would find them cached.
+        server = ServerProcess(
+            args.model_repository, "--models", args.model, "--no-prefix-cache", threads=args.threads
+        ).wait_serving()
     target = args.target or server.http_url  # type: ignore[union-attr]
     try:
         warm = ["def warm_up():\n" * 16] * 4
