@@ -81,14 +81,18 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        # 1. Every decoding sequence gets room for the token it feeds this step.
+        # 1. Every decoding sequence gets room for the token it feeds this step. Membership, not
+        # `status`, decides who decodes: the delivering thread may mark a request finished by its
+        # stop string at any time, and its row stays in the store (so in the step) until reaped.
+        preempted: set[str] = set()
         for request in [r for r in self.running if r.prefill_done]:
-            if request.status is not RequestStatus.RUNNING:
+            if request.request_id in preempted:
                 continue  # preempted below for an earlier request of this step
             while not self.kv.reserve(request.request_id, request.cached_tokens):
                 victim = self.preemption.victim(self.running)
                 self._preempt(victim)
                 out.preempted.append(victim)
+                preempted.add(victim.request_id)
                 if victim is request:
                     break
             else:
@@ -103,7 +107,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.admitted.append(request)
-        out.decode = [r for r in out.decode if r.status is RequestStatus.RUNNING]
+        out.decode = [r for r in out.decode if r.request_id not in preempted]
         return out
 
     def steady_steps(self, decoding: list[Request]) -> int:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from service.engine.kv import KVBudgetError, KVLayout, KVStore, TorchArrays, capacity_ladder
+from service.engine.messages import RequestStatus
 from service.engine.request import Request, SamplingParams
 from service.engine.scheduler import QueueFullError, Scheduler
 
@@ -242,6 +243,27 @@ def test_scheduler_preempts_newest_when_memory_runs_out() -> None:
     assert store.holders() == ["a"] and store.peak_physical_bytes <= store.capacity_bytes
     scheduler.remove(a)
     assert store.stats().used_bytes == 0 and store.physical_bytes == 0
+
+
+def test_a_request_its_stop_string_ended_still_decodes_until_the_loop_reaps_it() -> None:
+    """The delivering thread marks a request finished (its stop string) while the engine loop runs:
+    its row is still in the store, so a decode step still feeds it (the step must feed every
+    member: CI once failed every sequence of a batch with "'alibi-150' is not fed")."""
+    store = KVStore(LAYOUT, KVStore.minimum_budget(LAYOUT, 256, 16), 16, 256)
+    scheduler = Scheduler(store, max_batch_size=4)
+    a, b = make_request("a", 10), make_request("b", 10)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert scheduler.schedule().admitted == [a, b]
+    for request in (a, b):
+        write(store, request.request_id, 10)
+        request.num_computed_tokens = 10
+        request.output_ids.append(7)
+    b.finish(RequestStatus.FINISHED_STOP)  # as OutputProcessor.deliver does, on its own thread
+    out = scheduler.schedule()
+    assert out.decode == [a, b] and sorted(store.members()) == ["a", "b"]
+    scheduler.remove(b)  # the loop reaps it at its next step
+    assert scheduler.schedule().decode == [a] and store.members() == ["a"]
 
 
 def test_a_class_left_mostly_spare_gives_rows_back() -> None:
