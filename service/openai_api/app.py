@@ -24,7 +24,7 @@ from aiohttp import web
 from service.engine.messages import RequestError, RequestStatus
 from service.engine_client import EngineClient, RequestHandle
 from service.metrics import ServiceMetrics
-from service.openai_api.protocol import DONE, ApiError, Generation, Shapes, models_list, parse_generation
+from service.openai_api.protocol import DONE, ApiError, Generation, Shapes, Usage, models_list, parse_generation
 from service.openai_api.stream import AsyncOutputStream
 from service.security import authorized, bearer
 
@@ -156,7 +156,7 @@ class OpenAIApi:
                 break
         if handle.status in ABORTS:
             raise _abort(handle)
-        body = Shapes(generation).whole(handle.text, handle.status, handle.prompt_tokens, handle.completion_tokens)
+        body = Shapes(generation).whole(handle.text, handle.status, _usage(handle))
         return web.Response(body=body, content_type="application/json")
 
     async def _stream(
@@ -183,7 +183,7 @@ class OpenAIApi:
         else:
             await response.write(shapes.last(event.text, handle.status))
             if generation.include_usage:
-                await response.write(shapes.usage_chunk(handle.prompt_tokens, handle.completion_tokens))
+                await response.write(shapes.usage_chunk(_usage(handle)))
         await response.write(DONE)
         await response.write_eof()
         return response
@@ -196,6 +196,11 @@ class OpenAIApi:
         if engine is None or not engine.models:
             raise ApiError(503, "server is starting: models are loading; retry", code="service_unavailable")
         return engine
+
+
+def _usage(handle: RequestHandle) -> Usage:
+    counts = handle.prompt_tokens, handle.completion_tokens
+    return Usage(*counts, handle.cached_prompt_tokens, handle.reused_prompt_tokens)
 
 
 def _abort(handle: RequestHandle) -> ApiError:

@@ -8,6 +8,14 @@ The chat template. These are byte-level code models trained on raw source files,
 so there is no chat format to honour: the prompt is the messages' contents joined with one newline
 ("\\n"), in order, whatever their roles (system, user, assistant), and the completion continues it.
 Send the code to continue as the last message's content.
+
+Reusable segments (extra body fields of /v1/completions, as gRPC's GenerateRequest has them): the
+prompt as `segments: [{"text": str, "reusable": bool}, ...]`, in order, instead of `prompt` (omit
+it, or send null or ""), and `segment_repair_tokens` (leading tokens of each reused segment
+recomputed in context). The usage reports `prompt_tokens_details.cached_tokens` (the prefix cache's,
+exact, as OpenAI and vLLM send it) and `prompt_tokens_details.reused_tokens` (an extra: segment
+tokens whose K/V was reused, not computed in context); /v1/models gives each model's
+`segment_reuse` (as_is, rotate or recompute).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from service.engine.messages import ErrorKind, GenerateInput, ModelInfo, RequestError, RequestStatus
+from service.engine.messages import ErrorKind, GenerateInput, ModelInfo, PromptSegment, RequestError, RequestStatus
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
@@ -29,6 +37,8 @@ FINISH_REASONS = {
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 # Fields OpenAI defines that these models cannot honour: accepted only at their neutral value.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1, "echo": False}
+SEGMENT_FIELDS = ("text", "reusable")
+UINT32_MAX = 2**32 - 1  # gRPC's segment_repair_tokens is a uint32
 _encode = msgspec.json.Encoder().encode
 
 
@@ -81,16 +91,18 @@ class Generation:
     chat: bool
 
 
-def _typed(body: dict[str, Any], field: str, kind: type | tuple[type, ...], default: Any) -> Any:
+def _typed(body: dict[str, Any], field: str, kind: type | tuple[type, ...], default: Any, within: str = "") -> Any:
+    """`body[field]` if of `kind`, `default` if absent or null; `within`: where `body` sits (its errors' name)."""
     value = body.get(field)
     if value is None:
         return default
+    name = f"{within}.{field}" if within else field
     if isinstance(value, bool) and kind is not bool and kind != (bool,):
-        raise invalid(field, f"must be {_kind_name(kind)}, got {value!r}")
+        raise invalid(name, f"must be {_kind_name(kind)}, got {value!r}")
     if kind is float and isinstance(value, int):
         return float(value)
     if not isinstance(value, kind):
-        raise invalid(field, f"must be {_kind_name(kind)}, got {value!r}")
+        raise invalid(name, f"must be {_kind_name(kind)}, got {value!r}")
     return value
 
 
@@ -110,7 +122,11 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
         served = ", ".join(sorted(models)) or "none yet"
         raise ApiError(404, f"model: {model!r} is not served here; served models: {served}", "model", "model_not_found")
     info = models[model]
-    prompt = chat_prompt(body.get("messages")) if chat else completion_prompt(body.get("prompt"))
+    segments, repair = prompt_segments(body, chat)
+    if chat:
+        prompt = chat_prompt(body.get("messages"))
+    else:
+        prompt = "".join(s.text for s in segments) if segments else completion_prompt(body.get("prompt"))
     limit = info.max_new_tokens_limit
     max_tokens = _typed(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                         int, None)  # fmt: skip
@@ -146,6 +162,8 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
         cache_policy=_typed(body, "cache_policy", str, ""),
         ignore_eos=_typed(body, "ignore_eos", bool, False),
         min_tokens=min_tokens,
+        segments=segments,
+        segment_repair_tokens=repair,
     )
     return Generation(raw, stream, bool(options.get("include_usage")), chat)
 
@@ -156,6 +174,31 @@ def completion_prompt(prompt: Any) -> str:
     if isinstance(prompt, list):
         raise invalid("prompt", "arrays (several prompts, or token ids) are not supported: send one string")
     raise invalid("prompt", f"required, a string; got {prompt!r}")
+
+
+def prompt_segments(body: dict[str, Any], chat: bool) -> tuple[tuple[PromptSegment, ...], int]:
+    """The extras `segments` and `segment_repair_tokens` (module docstring), checked as gRPC checks
+    them: segments instead of a prompt, never both; an empty list is no segments."""
+    for field in ("segments", "segment_repair_tokens") if chat else ():
+        if body.get(field) is not None:
+            raise invalid(field, "only on /v1/completions (send the prompt there as segments)")
+    raw, repair = body.get("segments"), _typed(body, "segment_repair_tokens", int, 0)
+    if not 0 <= repair <= UINT32_MAX:
+        raise invalid("segment_repair_tokens", f"must be in [0, {UINT32_MAX}], got {repair}")
+    if raw is None:
+        return (), repair
+    if not isinstance(raw, list):
+        raise invalid("segments", f"must be a list of {{text, reusable}} objects, got {raw!r}")
+    if raw and body.get("prompt") not in (None, ""):
+        raise invalid("segments", "set either prompt or segments, not both")
+    segments = []
+    for index, segment in enumerate(raw):
+        field = f"segments[{index}]"
+        if not isinstance(segment, dict) or not set(segment) <= set(SEGMENT_FIELDS):
+            raise invalid(field, f"must be an object with only the fields {', '.join(SEGMENT_FIELDS)}, got {segment!r}")
+        text, reusable = _typed(segment, "text", str, "", field), _typed(segment, "reusable", bool, False, field)
+        segments.append(PromptSegment(text, reusable))
+    return tuple(segments), repair
 
 
 def chat_prompt(messages: Any) -> str:
@@ -193,9 +236,22 @@ def _check_unsupported(body: dict[str, Any], chat: bool) -> None:
 # ---------------------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+@dataclass(frozen=True)
+class Usage:
+    """A request's token counts. `cached_tokens`: prompt tokens served from the prefix cache (their
+    output is the same as without it); `reused_tokens`: tokens of reusable segments whose K/V was
+    reused, not computed in this prompt's context (an approximation; gRPC's reused_prompt_tokens)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reused_tokens: int = 0
+
+    def body(self) -> dict[str, Any]:
+        details = {"cached_tokens": self.cached_tokens, "reused_tokens": self.reused_tokens}
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": total, "prompt_tokens_details": details}  # fmt: skip
 
 
 class Shapes:
@@ -216,7 +272,7 @@ class Shapes:
         self._prefix = b"data: " + self._prefix
         self._head = head
 
-    def whole(self, text: str, status: RequestStatus, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def whole(self, text: str, status: RequestStatus, usage: Usage) -> bytes:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
@@ -224,7 +280,7 @@ class Shapes:
         choice.update(logprobs=None, finish_reason=FINISH_REASONS[status])
         obj = "chat.completion" if self.chat else "text_completion"
         return _encode({**self._head, "object": obj, "choices": [choice],
-                        "usage": usage(prompt_tokens, completion_tokens)})  # fmt: skip
+                        "usage": usage.body()})  # fmt: skip
 
     def first(self) -> bytes:
         """Chat streams open with the assistant's role (as OpenAI's do); completions need nothing."""
@@ -245,9 +301,9 @@ class Shapes:
         choice.update(logprobs=None, finish_reason=reason)
         return self._event({**self._head, "choices": [choice]})
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage_chunk(self, usage: Usage) -> bytes:
         """stream_options.include_usage: one more chunk, no choices, the usage (as OpenAI sends it)."""
-        return self._event({**self._head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        return self._event({**self._head, "choices": [], "usage": usage.body()})
 
     @staticmethod
     def _event(obj: dict[str, Any]) -> bytes:
@@ -260,7 +316,7 @@ DONE = b"data: [DONE]\n\n"
 def models_list(models: dict[str, ModelInfo], created: int) -> bytes:
     data = [
         {"id": name, "object": "model", "created": created, "owned_by": "posenc-serve",
-         "max_model_len": info.max_positions or info.max_sequence_tokens}
+         "max_model_len": info.max_positions or info.max_sequence_tokens, "segment_reuse": info.segment_reuse}
         for name, info in sorted(models.items())
     ]  # fmt: skip
     return _encode({"object": "list", "data": data})
