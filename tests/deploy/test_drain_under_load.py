@@ -47,7 +47,8 @@ class ClientLoop:
     """`python -m service.client` through the proxy, one run after another until stopped."""
 
     def __init__(self, target: str) -> None:
-        self.target, self.runs = target, []  # (started, exit code, stderr)
+        self.target = target
+        self.runs: list[tuple[float, int, str]] = []  # (started, exit code, stderr)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -72,7 +73,9 @@ def test_sigterm_on_one_of_two_replicas_under_load_fails_no_call_of_our_client_o
     repository: Path, nginx: str, tmp_path: Path
 ) -> None:
     replicas = [ServerProcess(repository, *REPLICA_FLAGS) for _ in range(2)]  # both load at once
-    proxy = None
+    proxy: Proxy | None = None
+    locust: subprocess.Popen[str] | None = None
+    client: ClientLoop | None = None
     try:
         leaving, staying = (replica.wait_serving() for replica in replicas)
         proxy = Proxy(nginx, tmp_path / "proxy", [replica.target for replica in replicas])
@@ -98,6 +101,11 @@ def test_sigterm_on_one_of_two_replicas_under_load_fails_no_call_of_our_client_o
         runs = client.finish()
         served_after = streams_served(staying) - served_when_gone
     finally:
+        if locust is not None and locust.poll() is None:  # the test failed before Locust ended
+            locust.kill()
+            locust.wait()
+        if client is not None:
+            client.finish()
         if proxy is not None:
             proxy.stop()
         for replica in replicas:
