@@ -10,6 +10,13 @@ client saw it (accepted: a first message arrived; finished; failed, by code), th
 load request that was running while a fault struck, and a sample of the others, is run again on
 a quiet replica and its text compared (greedy and seeded requests are deterministic).
 
+The servers' counts are complete: a replica that is stopped (B at its SIGTERM, both at the end)
+is scraped once its drain has finished (`posenc_drained 1`; `--final-scrape-seconds` keeps its
+/metrics up for that scrape), and its counts before and after a restart are summed, as
+Prometheus' `increase()` sums a counter across a reset. They must equal the clients' counts:
+streams finished, streams the clients cancelled, and accepted streams lost
+(`posenc_resume_failures_total`).
+
 The Locust users run in a child process (`--load`: gevent), this process drives the faults.
 """
 
@@ -19,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,17 +41,18 @@ from typing import Any
 import grpc
 
 from contract.paths import REPOSITORY_ROOT
+from loadtest.proxy import Proxy
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.channel import open_channel
-from service.process import ServerProcess, free_port, wait_for
+from service.process import ServerProcess, wait_for
 
 MODEL = "alibi"
 PROMPTS = ["def main():\n", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):\n",
            "for i in range(10):\n", "# Utilities for the", "x = "]  # fmt: skip
 REPLICA_FLAGS = (
     "--models", MODEL, "--kv-cache-bytes", str(24 << 20), "--max-sequence-tokens", "2048",
-    "--grace-seconds", "30", "--drain-delay-seconds", "1",
+    "--grace-seconds", "30", "--drain-delay-seconds", "1", "--final-scrape-seconds", "30",
 )  # fmt: skip
 LONG_PROMPT = "def f(x):\n    return x + 1\n" * 60  # ~1,600 bytes: eight of them outgrow the KV budget
 
@@ -72,9 +81,9 @@ def streamed(stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateReque
         for chunk in call:
             accepted = True
             text.append(chunk.text)
-            if cancel_after is not None and len(text) > cancel_after:
-                call.cancel()
-                code = "CANCELLED (client)"
+            if cancel_after is not None and len(text) > cancel_after and not chunk.finish_reason:
+                # cancel() is False when the call had already ended: then it ended as the server said.
+                code = "CANCELLED (client)" if call.cancel() else call.code().name
                 break
     except grpc.RpcError as error:
         code, details = error.code().name, error.details() or ""
@@ -127,47 +136,67 @@ def run_load(target: str, users: int, seconds: float, record: Path) -> None:
 # ---------------------------------------------------------------------------- the proxy and the faults
 
 
-def start_proxy(directory: Path, targets: list[str]) -> tuple[subprocess.Popen[bytes], int]:
-    """Debian's nginx with the shipped nginx.conf and a static upstream of the replicas."""
-    directory.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    conf = (REPOSITORY_ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
-    (directory / "nginx.conf").write_text(conf.replace("listen 50051 http2;", f"listen 127.0.0.1:{port} http2;"))
-    temp = "".join(
-        f"{kind}_temp_path {directory / kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    servers = "".join(f"    server {target} max_fails=1 fail_timeout=5s;\n" for target in targets)
-    upstream = f"upstream posenc_replicas {{\n    zone posenc_replicas 256k;\n{servers}    keepalive 64;\n}}\n"
-    (directory / "upstream.conf").write_text(temp + upstream)
-    command = ["nginx", "-p", str(directory), "-c", str(directory / "nginx.conf"), "-e", "stderr",
-               "-g", f"daemon off; pid {directory / 'nginx.pid'};"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=(directory / "nginx.log").open("a"), stderr=subprocess.STDOUT)
-    assert wait_for(lambda: process.poll() is None and _listening(port), timeout=10), "nginx did not start"
-    return process, port
+COUNTED = ("posenc_resumed_requests_total", "posenc_resume_failures_total", "posenc_engine_restarts_total")
 
 
-def _listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def counters(replica: ServerProcess) -> dict[str, float]:
-    """The replica's own counts, from its /metrics."""
+def counters(exposition: str) -> dict[str, float]:
+    """A replica's own counts from its /metrics: GenerateStream calls by code, resumes, restarts."""
     found: dict[str, float] = {}
-    try:
-        text = replica.metrics()
-    except OSError:
-        return found
-    for line in text.splitlines():
-        name = line.partition("{")[0].partition(" ")[0]
-        if name in ("posenc_requests_total",) and 'method="GenerateStream"' in line:
+    for line in exposition.splitlines():
+        name, value = line.partition("{")[0].partition(" ")[0], line.rpartition(" ")[2]
+        if name == "posenc_requests_total" and 'method="GenerateStream"' in line:
             code = line.partition('code="')[2].partition('"')[0]
-            found[f"GenerateStream {code}"] = found.get(f"GenerateStream {code}", 0) + float(line.rpartition(" ")[2])
-        elif name in ("posenc_resumed_requests_total", "posenc_resume_failures_total", "posenc_engine_restarts_total"):
-            found[name] = float(line.rpartition(" ")[2])
+            found[f"GenerateStream {code}"] = found.get(f"GenerateStream {code}", 0) + float(value)
+        elif name in COUNTED:
+            found[name] = float(value)
     return found
+
+
+def drain_and_count(replica: ServerProcess, timeout: float = 120.0) -> dict[str, float] | None:
+    """SIGTERM, then the replica's final counts: the scrape that says it has drained (the last one
+    it waits for before it exits); None if none came."""
+    replica.process.send_signal(signal.SIGTERM)
+    final: list[dict[str, float]] = []
+
+    def drained() -> bool:
+        try:
+            text = replica.metrics()
+        except OSError:
+            return replica.process.poll() is not None  # gone without a final scrape
+        if "posenc_drained 1.0" in text.splitlines():
+            final.append(counters(text))
+        return bool(final)
+
+    wait_for(drained, timeout=timeout, interval=0.1)
+    replica.process.wait(timeout=timeout)
+    replica.channel.close()
+    return final[0] if final else None
+
+
+def summed(parts: list[dict[str, float] | None]) -> dict[str, float]:
+    """Counts summed over a replica's lives (a restart resets its counters)."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in (part or {}).items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def compared_counts(records: list[dict[str, Any]], servers: dict[str, float]) -> dict[str, dict[str, float]]:
+    """What the clients counted beside what the servers counted, for what both can see: streams
+    finished, streams the clients cancelled, accepted streams lost. (Refused attempts are not
+    compared: a client's retry policy turns a refusal into a call served elsewhere, and a call
+    nginx could not place never reached a server.)"""
+    codes = Counter(r["code"] for r in records)
+    lost = sum(r["accepted"] and r["code"] not in ("OK", "CANCELLED (client)") for r in records)
+    return {
+        "finished (OK)": {"clients": codes["OK"], "servers": servers.get("GenerateStream OK", 0)},
+        "cancelled by the client": {
+            "clients": codes["CANCELLED (client)"],
+            "servers": servers.get("GenerateStream CANCELLED", 0),
+        },
+        "accepted, then lost": {"clients": lost, "servers": servers.get("posenc_resume_failures_total", 0)},
+    }
 
 
 class Chaos:
@@ -175,17 +204,21 @@ class Chaos:
         self.repository, self.out, self.users, self.duration = repository, out, users, duration
         self.records: list[dict[str, Any]] = []
         self.faults: list[tuple[float, str]] = []
-        self.server_counts: dict[str, dict[str, float]] = {}
+        self.server_counts: dict[str, dict[str, float] | None] = {}
         self.lock = threading.Lock()
 
     def run(self) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
-        flags = (*REPLICA_FLAGS, "--threads", "1")
-        self.a, self.b = ServerProcess(self.repository, *flags), ServerProcess(self.repository, *flags)
+        nginx = shutil.which("nginx")
+        if nginx is None:
+            raise SystemExit("nginx is not installed (apt-get install nginx)")
+        self.a, self.b = ServerProcess(self.repository, *REPLICA_FLAGS), ServerProcess(self.repository, *REPLICA_FLAGS)
         self.a.wait_serving(), self.b.wait_serving()
-        self.proxy, port = start_proxy(self.out / "nginx", [self.a.target, self.b.target])
-        self.target = f"127.0.0.1:{port}"
-        self.stub = generation_pb2_grpc.GenerationStub(open_channel(self.target))
+        replicas = (self.a, self.b)
+        http = [replica.http_url.removeprefix("http://") for replica in replicas]
+        self.proxy = Proxy(nginx, self.out / "nginx", [replica.target for replica in replicas], http)
+        self.target = self.proxy.target
+        self.stub = self.proxy.stub
         record = self.out / "load.jsonl"
         record.unlink(missing_ok=True)
         load = subprocess.Popen(
@@ -213,11 +246,10 @@ class Chaos:
             thread.join()
         load.wait()
         self.records += [json.loads(line) for line in record.read_text().splitlines()]
-        self.server_counts["A"] = counters(self.a)
-        self.server_counts["B (since its restart)"] = counters(self.b)
-        mismatches, checked = self.verify()
-        self.proxy.terminate()
-        self.a.stop(), self.b.stop()
+        mismatches, checked = self.verify()  # unary Generate calls: not among the GenerateStream counts
+        self.server_counts["A"] = drain_and_count(self.a)
+        self.server_counts["B (after its restart)"] = drain_and_count(self.b)
+        self.proxy.stop()
         return self.summary(mismatches, checked)
 
     def kill_core(self) -> None:
@@ -226,12 +258,11 @@ class Chaos:
             os.kill(core, signal.SIGKILL)
 
     def restart_b(self) -> None:
-        self.server_counts["B (at its SIGTERM)"] = counters(self.b)
-        self.b.process.send_signal(signal.SIGTERM)
-        self.b.process.wait(timeout=120)
-        self.b.channel.close()
-        self.b = ServerProcess(self.repository, *REPLICA_FLAGS, "--threads", "1", port=self.b.port,
-                               metrics_port=self.b.metrics_port).wait_serving()  # fmt: skip
+        self.server_counts["B (before its restart)"] = drain_and_count(self.b)
+        self.b = ServerProcess(
+            self.repository, *REPLICA_FLAGS, port=self.b.port, metrics_port=self.b.metrics_port,
+            http_port=self.b.http_port,
+        ).wait_serving()  # fmt: skip
 
     def _driven(self, requests: list[tuple[pb.GenerateRequest, str, int | None]]) -> None:
         with ThreadPoolExecutor(len(requests)) as pool:
@@ -240,8 +271,14 @@ class Chaos:
             self.records += results
 
     def storm(self) -> None:
+        """Streams cancelled after 1-4 chunks; each runs far longer than that (1000 tokens, EOS ignored)."""
         rng = random.Random(1)
-        self._driven([(load_request(rng), "storm", rng.randint(0, 3)) for _ in range(64)])
+        requests = []
+        for _ in range(64):
+            request = load_request(rng)
+            request.max_new_tokens, request.ignore_eos = 1000, True
+            requests.append((request, "storm", rng.randint(0, 3)))
+        self._driven(requests)
 
     def long_prompts(self) -> None:
         request = pb.GenerateRequest(model=MODEL, prompt=LONG_PROMPT, max_new_tokens=128)
@@ -264,6 +301,10 @@ class Chaos:
         return [r for r, ok in zip(chosen, same, strict=True) if not ok], len(chosen)
 
     def summary(self, mismatches: list[dict[str, Any]], checked: int) -> dict[str, Any]:
+        complete = all(counts is not None for counts in self.server_counts.values())
+        servers = summed(list(self.server_counts.values()))
+        compared = compared_counts(self.records, servers)
+        equal = complete and all(pair["clients"] == pair["servers"] for pair in compared.values())
         by_kind: dict[str, dict[str, Any]] = {}
         for kind in ("load", "storm", "long prompt"):
             records = [r for r in self.records if r["kind"] == kind]
@@ -287,7 +328,29 @@ class Chaos:
             "text_mismatches": len(mismatches),
             "mismatched": [r["request"] for r in mismatches[:5]],
             "servers": self.server_counts,
+            "servers, summed over replicas and restarts": servers,
+            "counts (clients, servers)": compared,
+            "server counts equal client counts": equal,
         }
+
+
+def verdict(result: dict[str, Any]) -> tuple[list[str], bool]:
+    """The run's closing lines, and whether it passed: no accepted stream lost, no text mismatch,
+    and the servers' counts equal to the clients'."""
+    lost = sum(kind["accepted, then failed"] for kind in result["clients"].values())
+    equal = result["server counts equal client counts"]
+    pairs = ", ".join(
+        f"{name} {pair['clients']:g} {'==' if pair['clients'] == pair['servers'] else '!='} {pair['servers']:g}"
+        for name, pair in result["counts (clients, servers)"].items()
+    )
+    missing = [name for name, counts in result["servers"].items() if counts is None]
+    lines = [
+        f"[chaos] server counts {'==' if equal else '!='} client counts: {pairs}"
+        + (f" (no final scrape of {', '.join(missing)})" if missing else ""),
+        f"[chaos] accepted streams lost: {lost}; text mismatches: {result['text_mismatches']} of "
+        f"{result['text_checked']} rerun",
+    ]
+    return lines, lost == 0 and result["text_mismatches"] == 0 and equal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     result = Chaos(args.repository, args.out, args.users, args.duration).run()
     (args.out / "summary.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
-    lost = sum(kind["accepted, then failed"] for kind in result["clients"].values())
-    return 0 if lost == 0 and result["text_mismatches"] == 0 else 1
+    lines, passed = verdict(result)
+    print("\n".join(lines))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

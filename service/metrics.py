@@ -59,10 +59,10 @@ POLICY_LABELS = (*LABELS, "policy")  # policy: the form of the request's cache p
 
 
 # What the front end (gRPC and HTTP) records itself (RPC accounting, engine restarts); the engine core process
-# records every other series, and /metrics serves both (service.server.MetricsHandler).
+# records every other series, and /metrics serves both (service.metrics_endpoint).
 # Requests carried over an engine core restart (service.engine_client), recorded by the front end.
 RESUME = ("resumed_requests", "resume_failures", "resume_stall")
-FRONT_END = ("requests", "request_duration", "engine_restarts", *RESUME)
+FRONT_END = ("requests", "request_duration", "engine_restarts", "drained", *RESUME)
 
 
 class ServiceMetrics:
@@ -144,6 +144,11 @@ class ServiceMetrics:
             "posenc_engine_restarts",
             "Engine core processes started again after one exited unexpectedly (its accepted requests resume there).",
             **kw,
+        )  # fmt: skip
+        self.drained = Gauge(
+            "posenc_drained",
+            "1 once the server has drained on SIGTERM: no call runs and every counter holds its final value "
+            "(it waits for one scrape of them, --final-scrape-seconds, before it exits).", **kw,
         )  # fmt: skip
         # ---- requests carried over an engine core restart (front end)
         self.resumed_requests = Counter(

@@ -12,16 +12,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import REGISTRY
 
 from contract.cache_policy import CachePolicyError
 from contract.cli import HelpFormatter
@@ -33,6 +31,7 @@ from service.engine.messages import DrainReport, EngineConfig
 from service.engine_client import EngineClient, EngineStartError, ResumeObserver
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
+from service.metrics_endpoint import MetricsEndpoint
 from service.openai_api.app import OpenAIApi
 from service.openai_api.server import HttpServer
 from service.security import BearerTokenInterceptor, read_token, server_credentials, ssl_context
@@ -53,6 +52,7 @@ class ServerConfig:
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` (0 = none)
     grace_seconds: float = 10.0
     drain_delay_seconds: float = 0.0  # SIGTERM: NOT_SERVING but still serving this long, then GOAWAY
+    final_scrape_seconds: float = 0.0  # drained: wait this long at most for a scrape of the final counters
     workers: int = 128
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -121,6 +121,12 @@ SERVER_FLAGS = {
         float,
         "on SIGTERM: health says NOT_SERVING but new calls are still served this long, so proxies and "
         "Kubernetes readiness move new calls elsewhere before the port closes (0: close at once)",
+    ),
+    "final_scrape_seconds": (
+        "--final-scrape-seconds",
+        float,
+        "once drained, keep /metrics up until one scrape has read the final counters (posenc_drained 1), at "
+        "most this long: set it to the scrape interval so no count is lost across a restart (0: exit at once)",
     ),
     "workers": ("--workers", int, "gRPC handler threads"),
 }
@@ -201,39 +207,6 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     )
 
 
-class MetricsHandler(BaseHTTPRequestHandler):
-    """/metrics of both processes as one exposition: this process's (RPC accounting, its own
-    process and Python series) and then the engine core's, as the core wrote them (token
-    latencies, steps, KV cache, its process's memory). No parsing on the way: a scrape costs a
-    round trip to the core. While the core is down only this process's series are there."""
-
-    registry = REGISTRY
-    engine: Callable[[], EngineClient | None] = staticmethod(lambda: None)
-
-    def do_GET(self) -> None:
-        if self.path.partition("?")[0] not in ("/", "/metrics"):
-            self.send_error(404)
-            return
-        engine = self.engine()
-        body = generate_latest(self.registry) + ((engine.metrics_text() if engine is not None else None) or b"")
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass  # a line per scrape would drown the log
-
-
-def start_metrics_server(host: str, port: int, engine: Callable[[], EngineClient | None]) -> ThreadingHTTPServer:
-    handler = type("Handler", (MetricsHandler,), {"engine": staticmethod(engine)})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-    return server
-
-
 class RunningServer:
     """Handles to everything serve() started."""
 
@@ -254,7 +227,7 @@ class RunningServer:
             options=[("grpc.so_reuseport", 0)],
         )
         self.engine: EngineClient | None = None
-        self.metrics_server = None
+        self.metrics_endpoint: MetricsEndpoint | None = None
         self.http: HttpServer | None = None
         self.stopped = threading.Event()
         self._engine_went_down = False
@@ -284,8 +257,8 @@ class RunningServer:
 
     def _configure_metrics(self) -> None:
         if self.config.metrics_port:
-            self.metrics_server = start_metrics_server(
-                self.config.metrics_host, self.config.metrics_port, lambda: self.engine
+            self.metrics_endpoint = MetricsEndpoint(
+                self.config.metrics_host, self.config.metrics_port, lambda: self.engine, self.metrics.drained
             )
 
     def _configure_http(self) -> None:
@@ -358,8 +331,13 @@ class RunningServer:
         if self.http is not None:
             self.http.stop(left)
         closed.wait(left + 1)
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
+        if self.metrics_endpoint is not None:
+            linger = self.config.final_scrape_seconds
+            if self.metrics_endpoint.serve_final_values(linger):
+                logger.info("drained: a scrape read the final counters")
+            elif linger > 0:
+                logger.warning("drained: no scrape read the final counters within %g s", linger)
+            self.metrics_endpoint.shutdown()
         self.metrics.unregister()
         self.stopped.set()
         return report

@@ -7,6 +7,7 @@ and the real /proc: the core is killed with SIGKILL as the OOM killer would.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -146,24 +147,80 @@ def test_a_unary_generate_resumes_on_the_restarted_core(server: ServerProcess, r
     assert server.metric("posenc_resumed_requests_total") == 1
 
 
+def generated(server: ServerProcess) -> float:
+    """Tokens the core has generated so far (0 before the first)."""
+    try:
+        return server.metric("posenc_generated_tokens_total", model="alibi")
+    except KeyError:
+        return 0.0
+
+
+def unavailable(call: Callable[[], object]) -> str:
+    """The details of the UNAVAILABLE that `call` ends with."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value
+    return caught.value.details()
+
+
 def test_a_request_whose_cores_keep_dying_ends_with_unavailable_and_says_why(server: ServerProcess) -> None:
     """A request is resumed at most RESUMES_ALLOWED times; the core's next death ends it with a clear
-    UNAVAILABLE (a non-retrying client loses it; the server stays up within its restart budget)."""
-    stream = server.stub.GenerateStream(pb.GenerateRequest(model="alibi", prompt="def f(x):\n", max_new_tokens=LONG))
-    text: list[str] = []
-    for kills in range(1, 4):
-        read_until(stream, text, 20 * kills)  # running (again: resumed)
-        kill_core(server)
-    with pytest.raises(grpc.RpcError) as caught:
-        for _ in stream:
-            pass
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert caught.value.details() == (
-        "engine process was killed (signal 9); the request ran on 3 engine cores that died: not resumed"
-    )
-    assert server.metric("posenc_resumed_requests_total") == 2
-    assert server.metric("posenc_resume_failures_total") == 1
+    UNAVAILABLE (a non-retrying client loses it; the server stays up within its restart budget).
+    A unary Generate and a stream alike: the unary one arrived first, so it is resubmitted first
+    and runs on each new core by the time the stream's text goes on."""
+    unary = pb.GenerateRequest(model="alibi", prompt="class A:\n", max_new_tokens=LONG, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(server.stub.Generate, unary, timeout=300)
+        assert wait_for(lambda: server.metric("posenc_running_sequences", model="alibi") == 1, timeout=30)
+        stream = server.stub.GenerateStream(
+            pb.GenerateRequest(model="alibi", prompt="def f(x):\n", max_new_tokens=LONG)
+        )
+        text: list[str] = []
+        for kills in range(1, 4):
+            read_until(stream, text, 20 * kills)  # running (again: resumed)
+            kill_core(server)
+        expected = "engine process was killed (signal 9); the request ran on 3 engine cores that died: not resumed"
+        assert unavailable(lambda: [None for _ in stream]) == expected
+        assert unavailable(reply.result) == expected
+    assert server.metric("posenc_resumed_requests_total") == 4
+    assert server.metric("posenc_resume_failures_total") == 2
     assert wait_for(lambda: server_serving(server), timeout=60)
+
+
+CANNOT_FIT = re.compile(
+    r"engine process was killed \(signal 9\); the request could not be resumed: cannot resume: its prompt "
+    r"\(\d+ tokens\) and the (\d+) tokens it produced exceed max_sequence_tokens=128, the longest prompt this "
+    r"server computes"
+)
+
+
+def test_a_request_that_no_longer_fits_ends_with_unavailable_and_says_why(repository: Path) -> None:
+    """A bounded cache policy lets a request generate past the longest sequence this server computes
+    (--max-sequence-tokens 128); once it has, a new core cannot rebuild it (prompt + output would be
+    one prompt of more than 128 tokens): the unary Generate and the stream both end with UNAVAILABLE
+    naming the limit, counted as resume failures, and the server goes on serving."""
+    server = ServerProcess(
+        repository, "--models", "alibi", "--max-sequence-tokens", "128", "--max-new-tokens-limit", str(LONG)
+    ).wait_serving()
+    try:
+        long = {"model": "alibi", "max_new_tokens": LONG, "cache_policy": "window:64", "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(server.stub.Generate, pb.GenerateRequest(prompt="class A:\n", **long), timeout=300)
+            assert wait_for(lambda: generated(server) > 200, timeout=60)  # past 128 tokens
+            stream = server.stub.GenerateStream(pb.GenerateRequest(prompt="def f(x):\n", **long), timeout=300)
+            read_until(stream, [], 200)  # one byte a token: past 128 tokens too
+            kill_core(server)
+            refusals = [unavailable(lambda: [None for _ in stream]), unavailable(reply.result)]
+        for details in refusals:
+            match = CANNOT_FIT.fullmatch(details)
+            assert match is not None and int(match[1]) > 128, details
+        assert server.metric("posenc_resumed_requests_total") == 0
+        assert server.metric("posenc_resume_failures_total") == 2
+        assert wait_for(lambda: server_serving(server), timeout=60)
+        short = pb.GenerateRequest(model="alibi", prompt="x = ", max_new_tokens=4, ignore_eos=True)
+        assert server.stub.Generate(short, timeout=60).usage.completion_tokens == 4
+    finally:
+        server.stop()
 
 
 def test_server_exits_non_zero_when_the_core_keeps_dying(server: ServerProcess) -> None:
