@@ -210,17 +210,20 @@ class RotaryInKernel(FusedPositions):
         return cos, sin, step.position_ids
 
     def _tables(self, g: GraphBuilder, positions: str) -> tuple[str, str]:
-        """cos and sin of positions (N, 1) float times the inverse frequencies: (N, head_dim/2) each."""
+        """cos and sin of positions (N, 1) float times the inverse frequencies: (N, head_dim/2) each,
+        float32, computed in float64 as `models.positional.rope_angles` does (a float32 angle strays
+        in proportion to the position; reused segments' keys are moved by exact rotations)."""
         config = self.config
         inv_freq, factor = rope_inverse_frequencies(
             config.head_dim, config.rope_base, config.rope_scaling, config.rope_rotary_dims
         )
-        angles = g.one("Mul", positions, g.const("rope_inv_freq", inv_freq))
+        frequencies = g.const("rope_inv_freq", inv_freq.double())
+        angles = g.one("Mul", g.one("Cast", positions, to=TensorProto.DOUBLE), frequencies)
         cos, sin = g.one("Cos", angles), g.one("Sin", angles)
         if factor != 1.0:  # YaRN's attention temperature, carried by cos and sin
-            scale = g.const("rope_attention_factor", np.array(factor, dtype=np.float32))
+            scale = g.const("rope_attention_factor", np.array(factor, dtype=np.float64))
             cos, sin = g.one("Mul", cos, scale), g.one("Mul", sin, scale)
-        return cos, sin
+        return g.one("Cast", cos, to=TensorProto.FLOAT), g.one("Cast", sin, to=TensorProto.FLOAT)
 
 
 # The one mapping of schemes to their fused units (every scheme of models.positional.SCHEMES).

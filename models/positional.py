@@ -185,10 +185,13 @@ def rope_angles(
     (Su et al. 2021, https://arxiv.org/abs/2104.09864; layout as in Llama/transformers.)
     """
     inv_freq, attention_factor = rope_inverse_frequencies(head_dim, base, scaling, rotary_dims)
-    pos = _to_torch(positions).to(torch.float32)
-    freqs = pos.unsqueeze(-1) * inv_freq.to(pos.device)  # (..., head_dim/2)
+    # Angles in float64: a float32 product strays from position x inv_freq in proportion to the
+    # position, so a key rotated at p would differ from one rotated at 0 and moved by p (`move_keys`).
+    pos = _to_torch(positions).to(torch.float64)
+    freqs = pos.unsqueeze(-1) * inv_freq.to(pos.device, torch.float64)  # (..., head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., head_dim)
-    cos, sin = torch.cos(emb) * attention_factor, torch.sin(emb) * attention_factor
+    cos = (torch.cos(emb) * attention_factor).to(torch.float32)
+    sin = (torch.sin(emb) * attention_factor).to(torch.float32)
     return _like(cos, positions), _like(sin, positions)  # type: ignore[return-value]
 
 
@@ -369,7 +372,7 @@ class RotaryPositions(PositionalScheme):
         """A pure rotation by offset * inv_freq. Scores depend only on q and k position
         differences, so a key moved from i to i + offset equals one rotated at i + offset in the
         first place. No attention factor (YaRN): the cached keys already carry it once."""
-        freqs = offset * rope_rotation_frequencies(self.config).to(keys.device)  # (head_dim/2,)
+        freqs = offset * rope_rotation_frequencies(self.config).to(keys.device, torch.float64)  # (head_dim/2,)
         emb = torch.cat((freqs, freqs), dim=-1)  # (head_dim,)
         return apply_rope(keys, torch.cos(emb).to(keys.dtype), torch.sin(emb).to(keys.dtype))
 
