@@ -35,6 +35,17 @@ def decode_tokens_per_second_grpc(server: ServerProcess, model: str, new_tokens:
     return decode_rate(token_arrivals(stream_texts(server.stub.GenerateStream(request, timeout=600))))
 
 
+def unique_prompt_tokens_per_second(server: ServerProcess, model: str, new_tokens: int, salt: int) -> float:
+    """Tokens/s of one greedy request, prefill included, whose 512-byte prompt no other request
+    shares (`new_tokens` exactly: ignore_eos): with the prefix cache on, a miss whose blocks are
+    hashed, looked up and kept; with it off, the same work without the cache."""
+    prompt = f"# request {salt}\n" + "x = [i * 2 for i in range(10)]  # a line of code\n" * 11
+    request = pb.GenerateRequest(model=model, prompt=prompt[:512], max_new_tokens=new_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    server.stub.Generate(request, timeout=600)
+    return new_tokens / (time.perf_counter() - started)
+
+
 def http_completion(server: ServerProcess, body: dict[str, object]) -> http.client.HTTPResponse:
     """POST /v1/completions on the server's OpenAI-compatible API; the response, unread."""
     address = urllib.parse.urlsplit(server.http_url)

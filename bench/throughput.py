@@ -24,6 +24,7 @@ from bench.layers import (
     decode_tokens_per_second_runner,
     grpc_stream_ceiling,
     http_completion,
+    unique_prompt_tokens_per_second,
 )
 from bench.runners import batch_runner, step_seconds
 from bench.streams import median_of, stream_texts, token_arrivals
@@ -31,6 +32,8 @@ from service.api import generation_pb2 as pb
 from service.process import ServerProcess
 
 REQUESTS_PER_STREAM = 4  # aggregate throughput: unary requests each stream sends back to back
+MISSES = "gRPC, unique 512-byte prompts"  # prefix-cache misses (prefill included)
+UNCACHED = "the same, prefix cache off"
 
 
 def print_throughput(
@@ -48,10 +51,17 @@ def print_throughput(
     server = ServerProcess(
         repository, "--models", args.model, "--max-new-tokens-limit", "4096", *device_flags, threads=server_threads
     )
+    # The same server without its prefix cache, for what a miss costs (idle while the others run).
+    uncached = ServerProcess(
+        repository, "--models", args.model, "--max-new-tokens-limit", "4096", "--no-prefix-cache", *device_flags,
+        threads=server_threads,
+    )  # fmt: skip
     try:
         server.wait_serving()
+        uncached.wait_serving()
         decode_tokens_per_second_grpc(server, args.model, 16)  # warm-up
-        rounds = [single_stream_figures(args, repository, server, server_threads) for _ in range(args.rounds)]
+        decode_tokens_per_second_grpc(uncached, args.model, 16)
+        rounds = [single_stream_figures(args, repository, server, server_threads, uncached) for _ in range(args.rounds)]
         figures = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
         for name, value in figures.items():
             print(f"  {name:<30} {value:8.1f} tokens/s")
@@ -60,6 +70,7 @@ def print_throughput(
         ratios = [
             ("gRPC", "onnxruntime-genai", "(goal >= 0.8, same threads)"),
             ("HTTP", "gRPC", "(goal >= 0.9: /v1/completions streaming, ignore_eos)"),
+            (MISSES, UNCACHED, "(goal >= 0.97: a prefix-cache miss costs no more than no cache)"),
             ("engine core", "runner", "(goal >= 0.9)"),
             ("in-process engine", "runner", ""),
             ("gRPC", "runner", ""),
@@ -114,6 +125,7 @@ def print_throughput(
             )
     finally:
         server.stop()
+        uncached.stop()
     ceilings = [16 * one / sixteen for one, sixteen in graphs]
     one, sixteen = (statistics.median(times) for times in zip(*graphs, strict=True))
     print(
@@ -152,12 +164,20 @@ def print_throughput(
 
 
 def single_stream_figures(
-    args: argparse.Namespace, repository: Path, server: ServerProcess, server_threads: int
+    args: argparse.Namespace, repository: Path, server: ServerProcess, server_threads: int, uncached: ServerProcess
 ) -> dict[str, float]:
     """Decode tokens/s of one stream through each layer, one after the other (one round). Each is
-    the median of three runs: the machine is noisy and one run can land on a busy moment."""
+    the median of three runs: the machine is noisy and one run can land on a busy moment. `uncached`:
+    the server without its prefix cache; unique prompts on both, alternated, price a miss."""
     folder = repository / args.model
+    salts = itertools.count()
+    misses, uncached_rates = [], []
+    for _ in range(5):
+        misses.append(unique_prompt_tokens_per_second(server, args.model, args.new_tokens // 4, next(salts)))
+        uncached_rates.append(unique_prompt_tokens_per_second(uncached, args.model, args.new_tokens // 4, next(salts)))
     figures = {
+        MISSES: statistics.median(misses),
+        UNCACHED: statistics.median(uncached_rates),
         "gRPC": median_of(lambda: decode_tokens_per_second_grpc(server, args.model, args.new_tokens)),
         "HTTP": median_of(lambda: decode_tokens_per_second_http(server, args.model, args.new_tokens)),
         "engine core": decode_tokens_per_second_core(repository, args.model, args.new_tokens, server_threads),
