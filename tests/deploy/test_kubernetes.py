@@ -73,7 +73,8 @@ def test_server_deployment_probes_health_over_grpc_and_carries_its_models(varian
     # SIGKILL only after the preStop pause and the server's own drain.
     env = {item["name"]: item.get("value") for item in container["env"]}
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
-    drain = float(env["POSENC_DRAIN_DELAY_SECONDS"]) + float(env["POSENC_GRACE_SECONDS"])
+    drain = sum(float(env[name]) for name in ("POSENC_DRAIN_DELAY_SECONDS", "POSENC_GRACE_SECONDS",
+                                              "POSENC_FINAL_SCRAPE_SECONDS"))  # fmt: skip
     assert pod["spec"]["terminationGracePeriodSeconds"] > pause + drain
     # NOT_SERVING is served at least one readiness period before the port closes.
     readiness = container["readinessProbe"]
