@@ -47,19 +47,11 @@ from locust.env import Environment
 from locust.exception import StopUser
 from locust.runners import Runner, WorkerRunner
 
+from loadtest import workloads
 from loadtest.scenario import parse_mix, prompt_length_sampler
 from loadtest.sse import SseTimer, completion_body, http_base_url
 from loadtest.streaming import StreamTiming, timed_stream
 from loadtest.token_latency import LATENCY
-from loadtest.workloads import (
-    SHARED_PREFIX_SEED,
-    document_prompt,
-    document_set,
-    held_out_slice,
-    shared_prefix_sizes,
-    shared_prefix_text,
-    short_document_bytes,
-)
 from models.corpus import load_corpus
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
@@ -82,7 +74,7 @@ def _preload(environment, **_kwargs) -> None:  # type: ignore[no-untyped-def]
 
 
 def held_out_prompt(rng: random.Random, length: int) -> str:
-    return held_out_slice(held_out_bytes(), rng, length) or "x"
+    return workloads.held_out_slice(held_out_bytes(), rng, length) or "x"
 
 
 class Scenario:
@@ -232,16 +224,20 @@ class SharedPrefixUser(GenerationUser):
 
     def _draw(self) -> tuple[str, str, int]:
         model = self._rng.choices(*self.mix)[0]
-        prefix_bytes, tail_bytes = shared_prefix_sizes(self.limits[model], self.max_new_tokens)
-        prompt = shared_prefix_text(held_out_bytes(), prefix_bytes) + held_out_slice(held_out_bytes(), self._rng,
-                                                                                     tail_bytes)  # fmt: skip
+        prefix_bytes, tail_bytes = workloads.shared_prefix_sizes(self.limits[model], self.max_new_tokens)
+        data = held_out_bytes()
+        prompt = workloads.shared_prefix_text(data, prefix_bytes) + workloads.held_out_slice(
+            data, self._rng, tail_bytes
+        )
         return model, prompt, self._rng.randrange(1 << 31)
 
 
 @cache
 def documents(train_context: int) -> list[str]:
     """The documents every DocumentsUser draws from: the same in every user, sized to the training context."""
-    return document_set(held_out_bytes(), random.Random(SHARED_PREFIX_SEED), short_document_bytes(train_context))
+    return workloads.document_set(
+        held_out_bytes(), random.Random(workloads.SHARED_PREFIX_SEED), workloads.short_document_bytes(train_context)
+    )
 
 
 class DocumentsUser(GenerationUser):
@@ -254,7 +250,7 @@ class DocumentsUser(GenerationUser):
 
     def _request(self) -> tuple[str, pb.GenerateRequest]:
         model = self._rng.choices(*self.mix)[0]
-        prompt = document_prompt(documents(self.train_contexts[model]), self._rng)
+        prompt = workloads.document_prompt(documents(self.train_contexts[model]), self._rng)
         segments = [pb.PromptSegment(text=text, reusable=reusable) for text, reusable in prompt.segments()]
         request = self._sampled(model, self._rng.randrange(1 << 31), segments=segments)
         if self.limits[model]:  # a bounded model: keep prompt + output inside its positions

@@ -118,8 +118,7 @@ standard error over windows). Chance for a digit is 0.1, for a span character {c
 ## Cache budgets: what each scheme keeps when its cache is bounded
 
 {cache_budget_section(results)}
-{reuse_section(results)}
-## Config
+{reuse_section(results)}## Config
 
 ```json
 {json.dumps(results.config, indent=2)}

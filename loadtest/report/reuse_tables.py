@@ -138,7 +138,7 @@ def documents_table(results: Results, form: str) -> str:
 
 
 def reuse_section(results: Results) -> str:
-    """The whole section (empty when the run has no reuse figures)."""
+    """The whole section, ending in a blank line (empty when the run has no reuse figures)."""
     if not results.reuse:
         return ""
     some = next(iter(results.reuse.values()))
@@ -177,4 +177,4 @@ def reuse_section(results: Results) -> str:
             found = " | ".join(finding(reuse, form) for form in forms)
             lines.append(f"| {scheme} | `{reuse['segment_reuse']}` | {found} |")
     parts.append("\n".join(lines) + "\n")
-    return "\n".join(parts)
+    return "\n".join(parts) + "\n"
