@@ -9,7 +9,8 @@ memory), quality through `Score` (bits per byte at 0.5x-8x the training context,
 linear/ntk/yarn scaling), graded retrieval probes with 95% intervals (copy over distance and
 depth, passkey, bits per byte on bytes that complete a repeated n-gram; loadtest/probes.py) and
 the cache-budget comparison (window, attention sinks and int8 caches: quality against KV bytes;
-loadtest/study/cache_budget.py).
+loadtest/study/cache_budget.py), and KV reuse (a shared prefix with and without the prefix cache;
+documents in varying order as reusable segments, as is, re-rotated and repaired; loadtest/study/reuse.py).
 Writes reports/<run-id>/.
 """
 
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from contract.cli import HelpFormatter
 from contract.paths import REPOSITORY_ROOT
-from loadtest.study import scored, timed
+from loadtest.study import reuse, scored, timed
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Environment, Results, RunConfig, RunRecord, TrainingCurve
@@ -39,8 +40,8 @@ from models import emergence
 from models.checkpoints import WEIGHTS_DIR
 from models.positional import SCHEMES
 
-SECTIONS = ("quality", "latency", "load", "retrieval", "cache")
-assert set(SECTIONS) == set(timed.SECTIONS) | set(scored.SECTIONS)
+SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse")
+assert set(SECTIONS) == set(timed.SECTIONS) | set(scored.SECTIONS) | set(reuse.SECTIONS)
 
 
 def environment() -> Environment:
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> Path:
         + 2 * len(budget.concurrency) * len(schemes) * ("load" in sections)
         + len(schemes) * len(untimed)
         + len(rope_variants) * ("quality" in sections)
+        + 3 * len(schemes) * ("reuse" in sections)
     )
     with tqdm(total=steps, desc="compare", unit="task") as progress:
         if sections & set(timed.SECTIONS):
@@ -117,6 +119,8 @@ def run(args: argparse.Namespace) -> Path:
             scored.measure_scored_sections(
                 repository, threads, schemes, sections, rope_variants, held_out, budget, results, progress
             )
+        if "reuse" in sections:
+            reuse.measure_reuse(repository, threads, schemes, held_out, budget, results, progress)
     results.write(out / "results.json")
     from loadtest.report.document import write_report  # matplotlib, only once there is something to draw
 

@@ -8,6 +8,9 @@ API (`HttpGenerationUser`), with the same scenario (prompts, model mix, sampling
 `--api grpc` (the default) runs the gRPC user, `--api http` the HTTP user, `--api both` half the
 users each (the HTTP user then calls --http-host, by default port 8000 on --host's machine).
 Naming user classes on the command line (`locust -f ... HttpGenerationUser`) overrides --api.
+The KV-reuse workloads (loadtest/workloads.py) are gRPC users run only by name: `SharedPrefixUser`
+(one long shared prefix, a unique tail) and `DocumentsUser` (documents in varying order as
+reusable segments), their calls named `SharedPrefix <model>` and `Documents <model>`.
 
 Every call fires Locust's request event once (name, response time, length, exception), so the
 web UI, CSV output and distributed mode work unchanged and the Aggregated line counts calls, the
@@ -44,6 +47,7 @@ from locust.env import Environment
 from locust.exception import StopUser
 from locust.runners import Runner, WorkerRunner
 
+from loadtest import workloads
 from loadtest.scenario import parse_mix, prompt_length_sampler
 from loadtest.sse import SseTimer, completion_body, http_base_url
 from loadtest.streaming import StreamTiming, timed_stream
@@ -70,9 +74,7 @@ def _preload(environment, **_kwargs) -> None:  # type: ignore[no-untyped-def]
 
 
 def held_out_prompt(rng: random.Random, length: int) -> str:
-    data = held_out_bytes()
-    start = rng.randrange(0, len(data) - length - 1)
-    return data[start : start + length].decode("utf-8", errors="ignore") or "x"
+    return workloads.held_out_slice(held_out_bytes(), rng, length) or "x"
 
 
 class Scenario:
@@ -134,6 +136,7 @@ class GenerationUser(Scenario, User):
     """One client streaming generations; `host` is `HOST:PORT` of the gRPC service."""
 
     api = "grpc"
+    label = "GenerateStream"  # the calls' name in Locust's statistics: "<label> <model>"
 
     def on_start(self) -> None:
         options = self.environment.parsed_options
@@ -142,7 +145,9 @@ class GenerationUser(Scenario, User):
         # call refused with UNAVAILABLE before it started is sent again, elsewhere behind a proxy.
         self.channel = open_channel(self.host)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self._configure({m.name: m.max_positions for m in self._list_models()})
+        models = self._list_models()
+        self.train_contexts = {m.name: m.train_context for m in models}
+        self._configure({m.name: m.max_positions for m in models})
         self.timeout = options.request_timeout if options else 120.0
 
     def on_stop(self) -> None:
@@ -159,13 +164,21 @@ class GenerationUser(Scenario, User):
         self._fire("grpc", "ListModels", time.perf_counter() - started, response.ByteSize(), None)
         return list(response.models)
 
+    def _request(self) -> tuple[str, pb.GenerateRequest]:
+        """The next request and its model."""
+        model, prompt, seed = self._draw()
+        return model, self._sampled(model, seed, prompt=prompt)
+
+    def _sampled(self, model: str, seed: int, **prompt: Any) -> pb.GenerateRequest:
+        """A request with the scenario's sampling; `prompt`: its prompt= or segments=."""
+        return pb.GenerateRequest(
+            model=model, max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+            seed=seed, ignore_eos=self.ignore_eos, **prompt,
+        )  # fmt: skip
+
     @task
     def generate_stream(self) -> None:
-        model, prompt, seed = self._draw()
-        request = pb.GenerateRequest(
-            model=model, prompt=prompt, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            top_p=self.top_p, seed=seed, ignore_eos=self.ignore_eos,
-        )  # fmt: skip
+        model, request = self._request()
         started = time.perf_counter()
         try:
             if self._rng.random() < self.cancel_fraction:
@@ -177,7 +190,7 @@ class GenerationUser(Scenario, User):
             # all the same, and on_stop's channel close cancels it on the server, which counts it.
             self._fire("cancel", f"Stopped {model}", time.perf_counter() - started, 0, None)
             raise
-        self._fire("grpc", f"GenerateStream {model}", timing.seconds, timing.received_bytes, timing.error)
+        self._fire("grpc", f"{self.label} {model}", timing.seconds, timing.received_bytes, timing.error)
         if timing.error is not None and timing.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             hint = dict(timing.error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)  # type: ignore[attr-defined]
             if hint:
@@ -199,6 +212,52 @@ class GenerationUser(Scenario, User):
             error = rpc_error
         stream.cancel()
         self._fire("cancel", f"Cancelled {model}", time.perf_counter() - started, 0, error)
+
+
+class SharedPrefixUser(GenerationUser):
+    """The shared-prefix workload (loadtest/workloads.py): every request the same long prefix of
+    held-out text and a unique tail, scaled down for a model with fewer positions; the prefix cache's
+    case. Run by name: `locust -f loadtest/locustfile.py SharedPrefixUser --max-new-tokens 32 ...`."""
+
+    api = "workload"  # never picked by --api: named on the command line
+    label = "SharedPrefix"
+
+    def _draw(self) -> tuple[str, str, int]:
+        model = self._rng.choices(*self.mix)[0]
+        prefix_bytes, tail_bytes = workloads.shared_prefix_sizes(self.limits[model], self.max_new_tokens)
+        data = held_out_bytes()
+        prompt = workloads.shared_prefix_text(data, prefix_bytes) + workloads.held_out_slice(
+            data, self._rng, tail_bytes
+        )
+        return model, prompt, self._rng.randrange(1 << 31)
+
+
+@cache
+def documents(train_context: int) -> list[str]:
+    """The documents every DocumentsUser draws from: the same in every user, sized to the training context."""
+    return workloads.document_set(
+        held_out_bytes(), random.Random(workloads.SHARED_PREFIX_SEED), workloads.short_document_bytes(train_context)
+    )
+
+
+class DocumentsUser(GenerationUser):
+    """Documents in varying order (loadtest/workloads.py): 4 of 8 held-out documents in a random
+    order as reusable segments, a fresh passkey planted in one and asked for at the end, each prompt
+    within the model's training context. Run by name: `locust -f loadtest/locustfile.py DocumentsUser ...`."""
+
+    api = "workload"
+    label = "Documents"
+
+    def _request(self) -> tuple[str, pb.GenerateRequest]:
+        model = self._rng.choices(*self.mix)[0]
+        prompt = workloads.document_prompt(documents(self.train_contexts[model]), self._rng)
+        segments = [pb.PromptSegment(text=text, reusable=reusable) for text, reusable in prompt.segments()]
+        request = self._sampled(model, self._rng.randrange(1 << 31), segments=segments)
+        if self.limits[model]:  # a bounded model: keep prompt + output inside its positions
+            request.max_new_tokens = max(
+                1, min(self.max_new_tokens, self.limits[model] - len(prompt.text.encode()) - 1)
+            )
+        return model, request
 
 
 class HttpGenerationUser(Scenario, FastHttpUser):

@@ -36,6 +36,10 @@ Z95 = 1.959963984540054
 SPAN, CUE = 16, 8  # the planted span; its first CUE characters identify it, the rest are scored
 NGRAM = 8
 DISTANCE_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # upper edges, bytes
+# The passkey's line and the question after it, asked with the line's own words, as Mohtashami & Jaggi
+# ask "The pass key is".
+PASSKEY_DIGITS = 5
+PASSKEY_QUESTION = '\n# what was it? pass_key = "'
 Filler = Callable[[int], str]  # about n bytes of held-out text (valid UTF-8, at least n - 3 bytes)
 
 
@@ -109,11 +113,19 @@ def depth_text(filler: Filler, rng: random.Random, context: int, depth: float) -
     return copy_text(filler, rng, before, room - before)
 
 
+def passkey(rng: random.Random) -> str:
+    return "".join(rng.choice(string.digits) for _ in range(PASSKEY_DIGITS))
+
+
+def passkey_line(key: str) -> str:
+    """The line that plants `key`."""
+    return f'\npass_key = "{key}"  # remember it\n'
+
+
 def passkey_text(filler: Filler, rng: random.Random, context: int) -> ProbeText:
     """A 5-digit key as a line of code at a random depth of `context` bytes, asked for at the end."""
-    key = "".join(rng.choice(string.digits) for _ in range(5))
-    # Asked with the line's own words, as Mohtashami & Jaggi ask "The pass key is".
-    line, question = f'\npass_key = "{key}"  # remember it\n', '\n# what was it? pass_key = "'
+    key = passkey(rng)
+    line, question = passkey_line(key), PASSKEY_QUESTION
     room = max(0, context - len(line) - len(question) - len(key))
     before = int(room * rng.uniform(0.1, 0.9))
     body = filler(before) + line + filler(room - before) + question + key

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 
 from loadtest.palette import HEATMAP, REFERENCE, TEXT_ON_DARK, TEXT_ON_LIGHT, style
 from loadtest.report.cache_figures import figure_cache_budget, figure_kv_bytes
+from loadtest.report.reuse_figures import figure_reuse
 from loadtest.report.titles import PLOTS
 from loadtest.study.results import ByLength, Cells, LoadFigures, Probe, Results, TrainingCurve
 from models import emergence
@@ -204,9 +205,10 @@ def figures(results: Results) -> dict[str, Figure]:
             results.schemes, results.ttft, "ttft_vs_prompt.png", "prompt length (bytes)"
         ),
         "throughput_vs_concurrency.png": lambda: figure_throughput(results),
-        "retrieval.png": lambda: figure_retrieval(results),
-        "retrieval_depth.png": lambda: figure_retrieval_depth(results),
     }
+    if results.retrieval:
+        builders["retrieval.png"] = lambda: figure_retrieval(results)
+        builders["retrieval_depth.png"] = lambda: figure_retrieval_depth(results)
     if results.load_admission:
         builders["goodput_vs_users.png"] = lambda: figure_goodput(results)
     if results.training:
@@ -214,6 +216,8 @@ def figures(results: Results) -> dict[str, Figure]:
     if results.cache_budget:
         builders["kv_bytes.png"] = lambda: figure_kv_bytes(results)
         builders["cache_budget.png"] = lambda: figure_cache_budget(results)
+    if results.reuse:
+        builders["reuse.png"] = lambda: figure_reuse(results)
     return {name: build() for name, build in builders.items()}
 
 

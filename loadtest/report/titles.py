@@ -13,4 +13,5 @@ PLOTS = {
     "retrieval_depth.png": "Copy accuracy by context length and depth of the first copy",
     "cache_budget.png": "Quality against KV bytes per sequence, per cache policy",
     "copy_emergence.png": "Copy accuracy and validation bits per byte against training tokens",
+    "reuse.png": "KV reuse: a shared prefix with and without the prefix cache, documents reused per scheme",
 }

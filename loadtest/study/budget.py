@@ -35,6 +35,13 @@ class Budget:
     cache_copy_distances: tuple[int, ...] = (32, 128, 512)
     cache_passkey_context: float = 2.0
     int8_multiples: tuple[float, ...] = (1.0, 4.0)
+    # KV reuse (loadtest/study/reuse.py): shared-prefix users and seconds per level, document prompts per
+    # form (short: the training context; long: 256-byte documents), the repairs' k.
+    reuse_users: tuple[int, ...] = (1, 8, 32)
+    reuse_seconds: float = 8.0
+    reuse_trials: int = 48
+    reuse_forms: tuple[str, ...] = ("short", "long")
+    reuse_repairs: tuple[int, ...] = (4, 16)
 
     def cache_plan(self) -> CacheBudgetPlan:
         return CacheBudgetPlan(
@@ -48,13 +55,14 @@ class Budget:
         long texts is what costs, and retrieval scores the most of them: it keeps copy and passkey out
         to 8x the training context (the headline's columns) on fewer trials, and its depth grid stops
         at 4x; the cache budgets score the headline's budget (256 tokens: window and sinks) on fewer
-        trials; the load levels are shorter; quality scores fewer texts per length."""
+        trials; the load levels are shorter; quality scores fewer texts per length; reuse runs 1 s at 1
+        and 32 users (the acceptance's levels) and 4 document prompts per form."""
         return cls(
             prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 8, 32),
             load_seconds=2.0, load_new_tokens=16, score_windows=2, retrieval_trials=4,
             copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 4.0), passkey_contexts=(1.0, 8.0), repeats=1,
             cache_budgets=(256,), cache_multiples=(2.0, 8.0), cache_windows=1, cache_trials=4,
-            cache_copy_distances=(32, 512),
+            cache_copy_distances=(32, 512), reuse_users=(1, 32), reuse_seconds=1.0, reuse_trials=4,
         )  # fmt: skip
 
     @classmethod
@@ -66,5 +74,6 @@ class Budget:
             retrieval_trials=2, copy_distances=(0.125, 2.0), depth_contexts=(1.0,), retrieval_depths=(0.5,),
             passkey_contexts=(1.0, 2.0), natural_context=2.0, repeats=1, cache_budgets=(64,),
             cache_multiples=(2.0,), cache_windows=1, cache_trials=2, cache_copy_distances=(32,),
-            cache_passkey_context=1.0, int8_multiples=(1.0,),
+            cache_passkey_context=1.0, int8_multiples=(1.0,), reuse_users=(1, 2), reuse_seconds=0.5, reuse_trials=2,
+            reuse_repairs=(4,),
         )  # fmt: skip

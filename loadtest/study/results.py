@@ -57,6 +57,46 @@ class CacheBudget(TypedDict):
     cost: dict[str, dict[str, float] | None]  # policy -> kv_physical_bytes, itl_s (None: not servable)
 
 
+class ReuseMode(TypedDict):
+    """One way of computing the documents workload's prompts (loadtest/study/reuse.py)."""
+
+    accuracy: Cell | None  # share of the key's digits the server's greedy generation gets (None: not served)
+    bpb: Cell | None  # bits per byte of the true key after the prompt, computed in-process
+    teacher_forced: Cell | None  # share of the key's digits the in-process greedy prediction gets
+    ttft_s: float | None  # the server's time to first token, median (None: not served)
+    cached_share: float | None  # prompt tokens the prefix cache held, mean share
+    reused_share: float | None  # prompt tokens of reused segments, mean share
+
+
+class DocumentsForm(TypedDict):
+    """The documents workload at one document size."""
+
+    document_bytes: int
+    prompt_bytes: float  # mean
+    trials: int
+    # Mode ("full", "prefix", "as_is", "rotate", "repair:K") -> figures; absent: not applicable to
+    # the scheme; None: the prompts do not fit the model.
+    modes: dict[str, ReuseMode | None]
+
+
+class SharedPrefix(TypedDict):
+    """The shared-prefix workload's closed loop, without and with the prefix cache."""
+
+    prefix_bytes: int
+    tail_bytes: int
+    new_tokens: int
+    no_cache: dict[str, LoadFigures]  # users -> figures
+    cache: dict[str, LoadFigures]
+
+
+class Reuse(TypedDict):
+    """One scheme's KV reuse: its declared segment reuse (ListModels), both workloads."""
+
+    segment_reuse: str  # as_is, rotate or recompute
+    shared_prefix: SharedPrefix
+    documents: dict[str, DocumentsForm]  # "short", "long"
+
+
 class TrainingCurve(TypedDict):
     """One scheme's copy-emergence curve from its training log (models/emergence.py)."""
 
@@ -116,6 +156,7 @@ class Results:
     quality: dict[str, ByLength] = field(default_factory=dict)  # model -> multiple -> bpb
     retrieval: dict[str, Retrieval] = field(default_factory=dict)
     cache_budget: dict[str, CacheBudget] = field(default_factory=dict)
+    reuse: dict[str, Reuse] = field(default_factory=dict)  # KV reuse (loadtest/study/reuse.py)
     # The served weights' copy-emergence curves, from their training logs (models/emergence.py).
     training: dict[str, TrainingCurve] = field(default_factory=dict)
     # The characters the retrieval section's copy spans were drawn from (models.spans.SPAN_ALPHABET).

@@ -13,6 +13,7 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -83,13 +84,16 @@ def load_prompt_bytes(limit: int) -> int:
     return 200 if limit else 512
 
 
-def measure_load(server: ServerProcess, model: str, prompts: list[str], users: int, budget: Budget) -> LoadFigures:
-    """Closed loop: `users` clients stream generations of `prompts` for `load_seconds`; /metrics
-    sampled for peaks."""
+def measure_load(
+    server: ServerProcess, model: str, prompt: Callable[[random.Random], str], users: int, seconds: float,
+    new_tokens: int,
+) -> LoadFigures:  # fmt: skip
+    """Closed loop: `users` clients stream generations of `new_tokens` for `seconds`, each request's
+    prompt drawn by `prompt` from the client's own generator; /metrics sampled for peaks."""
     records: list[tuple[float, float, float, int]] = []  # latency, ttft, mean itl, tokens
     errors = refused = 0
     lock = threading.Lock()
-    stop_at = time.monotonic() + budget.load_seconds
+    stop_at = time.monotonic() + seconds
     peak = {"kv": 0.0}
     sampling = threading.Event()
 
@@ -107,8 +111,8 @@ def measure_load(server: ServerProcess, model: str, prompts: list[str], users: i
         while time.monotonic() < stop_at:
             request = pb.GenerateRequest(
                 model=model,
-                prompt=rng.choice(prompts),
-                max_new_tokens=budget.load_new_tokens,
+                prompt=prompt(rng),
+                max_new_tokens=new_tokens,
                 temperature=0.8,
                 seed=index,
             )
@@ -137,6 +141,7 @@ def measure_load(server: ServerProcess, model: str, prompts: list[str], users: i
     sampling.set()
     sampler.join()
     latencies = np.array([r[0] for r in records]) if records else np.zeros(1)
+    ttfts = np.array([r[1] for r in records]) if records else np.zeros(1)
     good = sum(1 for r in records if r[1] <= TTFT_TARGET_S and r[2] <= ITL_TARGET_S)
     capacity = server.metric("posenc_kv_cache_capacity_bytes", model=model)
     return {
@@ -147,7 +152,8 @@ def measure_load(server: ServerProcess, model: str, prompts: list[str], users: i
         "p50_s": float(np.percentile(latencies, 50)),
         "p95_s": float(np.percentile(latencies, 95)),
         "p99_s": float(np.percentile(latencies, 99)),
-        "ttft_p50_s": float(np.median([r[1] for r in records])) if records else 0.0,
+        "ttft_p50_s": float(np.percentile(ttfts, 50)),
+        "ttft_p99_s": float(np.percentile(ttfts, 99)),
         "itl_p50_s": float(np.median([r[2] for r in records])) if records else 0.0,
         "requests_per_s": len(records) / wall,
         "tokens_per_s": sum(r[3] for r in records) / wall,
@@ -176,7 +182,14 @@ def measure_load_series(
             for turn, users in enumerate(budget.concurrency):
                 for scheme in rotated(schemes, turn):
                     chosen = prompts[load_prompt_bytes(limits[scheme])]
-                    loads[scheme][str(users)] = measure_load(servers[scheme], scheme, chosen, users, budget)
+                    loads[scheme][str(users)] = measure_load(
+                        servers[scheme],
+                        scheme,
+                        lambda rng, c=chosen: rng.choice(c),
+                        users,
+                        budget.load_seconds,
+                        budget.load_new_tokens,
+                    )
                     progress.update()
             if not flags:
                 for scheme, server in servers.items():

@@ -142,7 +142,7 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     assert compare_main(["--tiny", "--model-repository", str(own), "--out", str(out), "--threads", "1"]) == 0
     for name in ("report.md", "results.json", "bpb_vs_context.png", "itl_vs_context.png", "ttft_vs_prompt.png",
                  "throughput_vs_concurrency.png", "goodput_vs_users.png", "kv_bytes.png", "retrieval.png",
-                 "retrieval_depth.png", "cache_budget.png"):  # fmt: skip
+                 "retrieval_depth.png", "cache_budget.png", "reuse.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())
     assert results["schemes"] == list(SCHEMES)
@@ -181,6 +181,7 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     report = (out / "report.md").read_text()
     assert "not servable" in report and all(scheme in report for scheme in SCHEMES)
     assert "## Cache budgets" in report and "window:64" in report
+    assert set(results["reuse"]) == set(SCHEMES) and "## KV reuse" in report  # every section in a full run
 
     # A rerun of the timed sections for some schemes updates those figures in place and records itself.
     before = results

@@ -1,0 +1,72 @@
+"""The `reuse` section's figure: the shared prefix's TTFT and goodput with and without the prefix
+cache, and the documents' answer bits per byte under each reuse mode against the full recompute."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from loadtest.palette import REFERENCE, style
+from loadtest.report.reuse_tables import REUSE_WITHIN, bpb_change, mode_name
+from loadtest.report.titles import PLOTS
+from loadtest.study.results import Results
+
+REUSE_MODES = ("as_is", "rotate")  # then the repairs, in order of k
+
+
+def figure_reuse(results: Results) -> Figure:
+    """Top: TTFT p50 and goodput against users (solid: the prefix cache; dashed: without). Bottom, per
+    form: the answer's bpb change from the full recompute, one bar per scheme and mode."""
+    forms = sorted({f for r in results.reuse.values() for f in r["documents"]}, key=["short", "long"].index)
+    fig, axes = plt.subplots(2, max(2, len(forms)), figsize=(13, 8.5), squeeze=False)
+    for scheme, reuse in results.reuse.items():
+        shared = reuse["shared_prefix"]
+        for data, line, label in ((shared["cache"], "-", scheme), (shared["no_cache"], "--", f"{scheme}, no cache")):
+            users = sorted(data, key=int)
+            xs = [int(u) for u in users]
+            axes[0][0].plot(xs, [data[u]["ttft_p50_s"] * 1000 for u in users], line, label=label,
+                            **style(scheme).kwargs())  # fmt: skip
+            axes[0][1].plot(xs, [data[u]["goodput_per_s"] for u in users], line, label=label,
+                            **style(scheme).kwargs())  # fmt: skip
+    axes[0][0].set(xlabel="concurrent users", ylabel="TTFT p50 (ms)", yscale="log", title="Shared prefix: TTFT")
+    axes[0][1].set(xlabel="concurrent users", ylabel="goodput (requests/s within targets)",
+                   title="Shared prefix: goodput, admission control on")  # fmt: skip
+    axes[0][1].legend(fontsize=6, ncol=2)
+    ticks = sorted({int(u) for r in results.reuse.values() for u in r["shared_prefix"]["cache"]})
+    for ax in axes[0][:2]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+    for ax in axes[0][2:]:
+        ax.axis("off")
+    for ax, form in zip(axes[1], forms, strict=False):
+        schemes = [s for s in results.schemes if s in results.reuse]
+        repairs = sorted({m for r in results.reuse.values() for m in r["documents"].get(form, {"modes": {}})["modes"]
+                          if m.startswith("repair:")}, key=lambda m: int(m.split(":")[1]))  # fmt: skip
+        modes = [*REUSE_MODES, *repairs]
+        width = 0.8 / len(modes)
+        for index, scheme in enumerate(schemes):
+            figures = results.reuse[scheme]["documents"].get(form)
+            if results.reuse[scheme]["segment_reuse"] == "recompute":
+                ax.annotate("recompute:\nnothing reused", (index, 0), ha="center", va="bottom", fontsize=7)
+            if figures is None:
+                continue
+            for offset, mode in enumerate(modes):
+                change = bpb_change(figures["modes"].get(mode), figures["modes"].get("full"))
+                if change is None:
+                    continue
+                naive = mode == "as_is" and results.reuse[scheme]["segment_reuse"] == "rotate"  # in-process only
+                ax.bar(index + (offset - (len(modes) - 1) / 2) * width, change * 100, width, color=style(scheme).color,
+                       alpha=1.0 - 0.6 * offset / len(modes), hatch="//" if naive else "")  # fmt: skip
+        ax.axhline(REUSE_WITHIN * 100, color=REFERENCE, linestyle=":", label="+1%")
+        ax.axhline(0, color=REFERENCE, linewidth=0.6)
+        ax.set_xticks(range(len(schemes)), schemes, fontsize=8)
+        ax.set_xlim(-0.6, len(schemes) - 0.4)
+        ax.set(ylabel="answer bpb vs full recompute (%)",
+               title=f"{form} form, bars left to right: " + ", ".join(mode_name(m) for m in modes))  # fmt: skip
+        ax.title.set_fontsize(8)
+    fig.suptitle(PLOTS["reuse.png"])
+    return fig

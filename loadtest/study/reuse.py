@@ -1,0 +1,236 @@
+"""The `reuse` section: what keeping K/V between requests buys each scheme, measured on real servers.
+
+Two server sets are started, both with the load section's admission control (--ttft-slo-seconds):
+one with --no-prefix-cache, one with the prefix cache (the default). Each runs
+
+- **shared prefix** (loadtest/workloads.py): a closed loop at each of `budget.reuse_users` users,
+  every prompt the same long prefix and a unique tail (scaled down for a model with fewer
+  positions), in rounds over the schemes as the load section runs them;
+- **documents in varying order**: the same document prompts, one request at a time, greedy, the
+  answer's digits compared with the planted key. Without the cache: `full` (every prompt computed
+  in full). With it: `prefix` (the same plain prompts; the prefix cache holds whatever leading text
+  an earlier prompt shared), then the prompts as reusable segments, placed as the scheme's
+  ListModels `segment_reuse` says (`as_is` or `rotate`), and with the repair at each k. A scheme
+  whose declaration is `recompute` reuses nothing: its reuse modes are not requested (the report
+  gives the declaration). The documents are sent once as segments before the timed requests, so
+  the timings are those of documents already cached; the planted key makes the carrier document
+  new each time, computed on its own and placed.
+
+Then, with the servers stopped, the answer's bits per byte under each mode are computed in-process
+(loadtest/study/reuse_scoring.py).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from contract.manifest import REUSE_RECOMPUTE
+from loadtest.probes import wilson
+from loadtest.study.budget import Budget
+from loadtest.study.held_out import HeldOut
+from loadtest.study.results import DocumentsForm, LoadFigures, Results, ReuseMode
+from loadtest.study.reuse_scoring import AnswerScorer, scored_modes
+from loadtest.study.serving import model_info, serving
+from loadtest.study.timed import ADMISSION_TTFT_SLO_S, measure_load, rotated
+from loadtest.workloads import (
+    LONG_DOCUMENT_BYTES,
+    SHARED_NEW_TOKENS,
+    DocumentPrompt,
+    document_prompt,
+    document_set,
+    held_out_slice,
+    shared_prefix_sizes,
+    shared_prefix_text,
+    short_document_bytes,
+)
+from service.api import generation_pb2 as pb
+from service.api.retry import RETRY_AFTER_KEY
+from service.process import ServerProcess
+
+SECTIONS = ("reuse",)
+NO_CACHE = "--no-prefix-cache"
+
+
+@dataclass
+class Workloads:
+    """What every scheme is sent: the held-out bytes of the shared prefix and tails, each form's document prompts."""
+
+    data: bytes
+    forms: dict[str, list[DocumentPrompt]]
+    document_bytes: dict[str, int]
+
+    @classmethod
+    def build(cls, held_out: HeldOut, budget: Budget, train_context: int) -> Workloads:
+        rng = random.Random(32)
+        sizes = {"short": short_document_bytes(train_context), "long": LONG_DOCUMENT_BYTES}
+        forms = {}
+        for form in budget.reuse_forms:
+            documents = document_set(held_out.data, rng, sizes[form])
+            forms[form] = [document_prompt(documents, rng) for _ in range(budget.reuse_trials)]
+        return cls(held_out.data, forms, {form: sizes[form] for form in budget.reuse_forms})
+
+    def shared_prompt(self, limit: int) -> tuple[int, int, Callable[[random.Random], str]]:
+        """Prefix and tail bytes for a model's limit, and the prompt drawer for `measure_load`."""
+        prefix_bytes, tail_bytes = shared_prefix_sizes(limit)
+        prefix = shared_prefix_text(self.data, prefix_bytes)
+        return prefix_bytes, tail_bytes, lambda rng: prefix + held_out_slice(self.data, rng, tail_bytes)
+
+
+def generate(server: ServerProcess, request: pb.GenerateRequest) -> pb.GenerateResponse:
+    """One unary call; a refusal for load is retried after the server's hint (admission is on)."""
+    for _ in range(20):
+        try:
+            return server.stub.Generate(request, timeout=300)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            hint = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)  # type: ignore[attr-defined]
+            time.sleep(int(hint) / 1000 if hint else 0.1)
+    raise RuntimeError(f"{request.model}: refused 20 times")
+
+
+def request(model: str, prompt: DocumentPrompt, segments: bool, repair: int = 0) -> pb.GenerateRequest:
+    """A greedy request for the answer, as one prompt or as segments (documents reusable)."""
+    new_tokens = len(prompt.answer.encode())
+    if not segments:
+        return pb.GenerateRequest(model=model, prompt=prompt.text, max_new_tokens=new_tokens)
+    parts = [pb.PromptSegment(text=text, reusable=reusable) for text, reusable in prompt.segments()]
+    return pb.GenerateRequest(model=model, segments=parts, max_new_tokens=new_tokens, segment_repair_tokens=repair)
+
+
+def served_mode(server: ServerProcess, model: str, prompts: list[DocumentPrompt], segments: bool, repair: int = 0
+                ) -> ReuseMode:  # fmt: skip
+    """Accuracy and time to first token of the prompts sent one after another."""
+    hits, ttfts, cached, reused = [], [], [], []
+    for prompt in prompts:
+        response = generate(server, request(model, prompt, segments, repair))
+        answer = prompt.answer
+        hits.append(sum(a == b for a, b in zip(response.text, answer, strict=False)) / len(answer))
+        ttfts.append(response.timings.time_to_first_token_seconds)
+        cached.append(response.usage.cached_prompt_tokens / response.usage.prompt_tokens)
+        reused.append(response.usage.reused_prompt_tokens / response.usage.prompt_tokens)
+    return {
+        "accuracy": wilson(sum(hits) / len(hits), len(hits)).as_dict(), "bpb": None, "teacher_forced": None,
+        "ttft_s": statistics.median(ttfts), "cached_share": statistics.mean(cached),
+        "reused_share": statistics.mean(reused),
+    }  # fmt: skip
+
+
+def fits(limit: int, prompts: list[DocumentPrompt]) -> bool:
+    return not limit or all(len(p.text.encode()) + 1 + len(p.answer.encode()) <= limit for p in prompts)
+
+
+def measure_documents(
+    server: ServerProcess, model: str, declared: str, prompts: list[DocumentPrompt], cache: bool,
+    repairs: tuple[int, ...],
+) -> dict[str, ReuseMode]:  # fmt: skip
+    """The modes one server measures: `full` without the cache; `prefix`, reuse and repairs with it."""
+    if not cache:
+        return {"full": served_mode(server, model, prompts, False)}
+    modes = {"prefix": served_mode(server, model, prompts, False)}
+    if declared == REUSE_RECOMPUTE:
+        return modes
+    for document in {d for p in prompts for i, d in enumerate(p.documents) if i != p.carrier}:
+        generate(server, pb.GenerateRequest(model=model, segments=[pb.PromptSegment(text=document, reusable=True),
+                 pb.PromptSegment(text="\n")], max_new_tokens=1))  # fmt: skip
+    modes[declared] = served_mode(server, model, prompts, True)
+    for k in repairs:
+        modes[f"repair:{k}"] = served_mode(server, model, prompts, True, k)
+    return modes
+
+
+def unserved() -> ReuseMode:
+    """A mode's figures before anything is measured (an in-process mode the server does not offer)."""
+    return {"accuracy": None, "bpb": None, "teacher_forced": None, "ttft_s": None, "cached_share": None,
+            "reused_share": None}  # fmt: skip
+
+
+def scored_form(
+    scorer: AnswerScorer, declared: str, prompts: list[DocumentPrompt], document_bytes: int,
+    served: dict[str, ReuseMode], repairs: tuple[int, ...],
+) -> DocumentsForm:  # fmt: skip
+    """One form's modes: what the servers measured, with the answers' bits per byte in-process
+    (every mode None where the prompts do not fit the model: nothing was served)."""
+    modes: dict[str, ReuseMode | None] = {}
+    for name, placement, k in scored_modes(declared, repairs):
+        mode = served.get(name, unserved()) if served else None
+        if mode is not None:
+            mode["bpb"], mode["teacher_forced"] = scorer.cells(prompts, placement, k)
+        modes[name] = mode
+    full = modes["full"]
+    prefix = served.get("prefix")
+    if prefix is not None and full is not None:  # the prefix cache's K/V is a fresh prefill's: full's answers
+        prefix["bpb"], prefix["teacher_forced"] = full["bpb"], full["teacher_forced"]
+    modes["prefix"] = prefix
+    mean_bytes = statistics.mean(len(p.text.encode()) for p in prompts)
+    return {"document_bytes": document_bytes, "prompt_bytes": mean_bytes, "trials": len(prompts), "modes": modes}
+
+
+def measure_reuse(
+    repository: Path, threads: int, schemes: list[str], held_out: HeldOut, budget: Budget, results: Results,
+    progress: tqdm,
+) -> None:  # fmt: skip
+    """Both workloads on both server sets, then the answers' bits per byte in-process."""
+    workloads: Workloads | None = None
+    loads: dict[bool, dict[str, dict[str, LoadFigures]]] = {False: {}, True: {}}
+    served: dict[str, dict[str, dict[str, ReuseMode]]] = {s: {f: {} for f in budget.reuse_forms} for s in schemes}
+    declared: dict[str, str] = {}
+    sizes: dict[str, tuple[int, int]] = {}
+    admission = ("--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S))
+    for cache in (False, True):
+        progress.set_postfix(part=f"reuse, prefix cache {'on' if cache else 'off'}")
+        with serving(repository, threads, schemes, *admission, *(() if cache else (NO_CACHE,))) as servers:
+            infos = {scheme: model_info(server, scheme, results) for scheme, server in servers.items()}
+            workloads = workloads or Workloads.build(held_out, budget, next(iter(infos.values())).train_context)
+            prompts = {scheme: workloads.shared_prompt(infos[scheme].max_positions) for scheme in schemes}
+            for scheme, (prefix_bytes, tail_bytes, prompt) in prompts.items():
+                sizes[scheme] = (prefix_bytes, tail_bytes)
+                # The prefix once before the levels: with the cache, every level then measures it held.
+                generate(
+                    servers[scheme], pb.GenerateRequest(model=scheme, prompt=prompt(random.Random()), max_new_tokens=1)
+                )
+            for turn, users in enumerate(budget.reuse_users):
+                for scheme in rotated(schemes, turn):
+                    prompt = prompts[scheme][2]
+                    figures = measure_load(servers[scheme], scheme, prompt, users, budget.reuse_seconds,
+                                           SHARED_NEW_TOKENS)  # fmt: skip
+                    loads[cache].setdefault(scheme, {})[str(users)] = figures
+            for scheme in rotated(schemes, int(cache)):
+                declared[scheme] = infos[scheme].segment_reuse
+                for form, prompts in workloads.forms.items():
+                    if fits(infos[scheme].max_positions, prompts):
+                        served[scheme][form] |= measure_documents(
+                            servers[scheme], scheme, declared[scheme], prompts, cache, budget.reuse_repairs
+                        )
+                progress.update()
+    assert workloads is not None
+    for scheme in schemes:
+        progress.set_postfix(part="reuse, answers' bits per byte", scheme=scheme)
+        scorer = AnswerScorer(repository, scheme, threads)
+        documents = {
+            form: scored_form(
+                scorer,
+                declared[scheme],
+                prompts,
+                workloads.document_bytes[form],
+                served[scheme][form],
+                budget.reuse_repairs,
+            )
+            for form, prompts in workloads.forms.items()
+        }
+        prefix_bytes, tail_bytes = sizes[scheme]
+        results.reuse[scheme] = {
+            "segment_reuse": declared[scheme],
+            "shared_prefix": {"prefix_bytes": prefix_bytes, "tail_bytes": tail_bytes, "new_tokens": SHARED_NEW_TOKENS,
+                              "no_cache": loads[False][scheme], "cache": loads[True][scheme]},
+            "documents": documents,
+        }  # fmt: skip
+        progress.update()
