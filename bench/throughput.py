@@ -171,13 +171,14 @@ def single_stream_figures(
     the server without its prefix cache; unique prompts on both, alternated, price a miss."""
     folder = repository / args.model
     salts = itertools.count()
-    misses, uncached_rates = [], []
-    for _ in range(5):
-        misses.append(unique_prompt_tokens_per_second(server, args.model, args.new_tokens // 4, next(salts)))
-        uncached_rates.append(unique_prompt_tokens_per_second(uncached, args.model, args.new_tokens // 4, next(salts)))
+    rates: dict[str, list[float]] = {MISSES: [], UNCACHED: []}
+    for pair in range(12):  # alternated, each server first in every other pair
+        order = [(MISSES, server), (UNCACHED, uncached)]
+        for name, target in order if pair % 2 == 0 else order[::-1]:
+            rates[name].append(unique_prompt_tokens_per_second(target, args.model, args.new_tokens // 4, next(salts)))
     figures = {
-        MISSES: statistics.median(misses),
-        UNCACHED: statistics.median(uncached_rates),
+        MISSES: statistics.median(rates[MISSES]),
+        UNCACHED: statistics.median(rates[UNCACHED]),
         "gRPC": median_of(lambda: decode_tokens_per_second_grpc(server, args.model, args.new_tokens)),
         "HTTP": median_of(lambda: decode_tokens_per_second_http(server, args.model, args.new_tokens)),
         "engine core": decode_tokens_per_second_core(repository, args.model, args.new_tokens, server_threads),
