@@ -34,6 +34,7 @@ from service.process import ServerProcess
 REQUESTS_PER_STREAM = 4  # aggregate throughput: unary requests each stream sends back to back
 MISSES = "gRPC, unique 512-byte prompts"  # prefix-cache misses (prefill included)
 UNCACHED = "the same, prefix cache off"
+_SALTS = itertools.count()  # unique prompts across rounds too (a repeat would be a prefix-cache hit)
 
 
 def print_throughput(
@@ -170,12 +171,11 @@ def single_stream_figures(
     the median of three runs: the machine is noisy and one run can land on a busy moment. `uncached`:
     the server without its prefix cache; unique prompts on both, alternated, price a miss."""
     folder = repository / args.model
-    salts = itertools.count()
     rates: dict[str, list[float]] = {MISSES: [], UNCACHED: []}
     for pair in range(12):  # alternated, each server first in every other pair
         order = [(MISSES, server), (UNCACHED, uncached)]
         for name, target in order if pair % 2 == 0 else order[::-1]:
-            rates[name].append(unique_prompt_tokens_per_second(target, args.model, args.new_tokens // 4, next(salts)))
+            rates[name].append(unique_prompt_tokens_per_second(target, args.model, args.new_tokens // 4, next(_SALTS)))
     figures = {
         MISSES: statistics.median(rates[MISSES]),
         UNCACHED: statistics.median(rates[UNCACHED]),
