@@ -71,6 +71,9 @@ mean inter-token latency <= {targets["itl_s"] * 1000:.0f} ms.
 {grid_table("Bits per byte versus context multiple (rope-* rows: inference-time scaling)", results.quality, 1.0, 3)}
 ## Latency
 
+The latency and load servers run without the prefix cache, so every prompt is computed (these
+sections send the same prompts again); what reuse buys is the KV reuse section's.
+
 ![inter-token latency](itl_vs_context.png) ![time to first token](ttft_vs_prompt.png)
 
 {grid_table("Time to first token (ms, median) versus prompt bytes", results.ttft, 1000.0, 1)}

@@ -5,6 +5,11 @@ Both are measured in rounds that visit every scheme, in an order rotated each ro
 servers started together, rather than one scheme after another: a shared machine's speed drifts
 over minutes, and measured in sequence that drift lands between schemes, where it reads as what a
 positional scheme costs.
+
+Their servers run without the prefix cache (`COMPUTED`): these sections price computing prompts,
+and they send the same prompts again (latency's rounds, the load's pool of 64 per length), which
+with the cache on would be hits, measuring the cache instead of the scheme. What reuse buys is the
+`reuse` section's (loadtest/study/reuse.py).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ ADMISSION_TTFT_SLO_S = 0.4
 MAX_RETRY_AFTER_S = MAX_RETRY_AFTER_SECONDS
 ITL_NEW_TOKENS = 16
 SECTIONS = ("latency", "load")
+# Every prompt computed in full: the servers of these sections keep no prefix cache.
+COMPUTED = ("--no-prefix-cache",)
 
 
 def rotated(schemes: list[str], turn: int) -> list[str]:
@@ -68,6 +75,8 @@ def measure_latency(
             for length, prompt in ttft_prompts.items():
                 if servable(limit, prompt, 1):
                     response = generate(server, scheme, prompt, 1)
+                    if response.usage.cached_prompt_tokens:
+                        raise RuntimeError(f"{scheme}: a latency prompt was served from the prefix cache")
                     ttft[scheme][length].append(response.timings.time_to_first_token_seconds)
             for context, prompt in itl_prompts.items():
                 if servable(limit, prompt, ITL_NEW_TOKENS):
@@ -175,7 +184,7 @@ def measure_load_series(
     for series, flags in (("load", ()), ("load, admission control", admission)):
         progress.set_postfix(part=series)
         loads: dict[str, dict[str, LoadFigures]] = {s: {} for s in schemes}
-        with serving(repository, threads, schemes, *flags) as servers:
+        with serving(repository, threads, schemes, *COMPUTED, *flags) as servers:
             limits = served_limits(servers, results)
             for n in {load_prompt_bytes(limit) for limit in limits.values()} - set(prompts):
                 prompts[n] = [held_out.text(n) for _ in range(64)]
@@ -208,7 +217,7 @@ def measure_timed_sections(
     """Latency and load, each in rounds over every scheme (see the module's docstring)."""
     if "latency" in sections:
         progress.set_postfix(part="latency")
-        with serving(repository, threads, schemes) as servers:
+        with serving(repository, threads, schemes, *COMPUTED) as servers:
             measure_latency(servers, served_limits(servers, results), held_out, budget, results)
         progress.update(len(schemes))
     if "load" in sections:
