@@ -54,10 +54,11 @@ class Budget:
         """A first look at every section within the README's first-run budget on 2 CPU cores. Scoring
         long texts is what costs, and retrieval scores the most of them: it keeps copy and passkey out
         to 8x the training context (the headline's columns) on fewer trials, and its depth grid stops
-        at 4x; the cache budgets score the headline's budget (256 tokens: window and sinks) at the headline's
-        8x on two trials and one copy distance; the load levels are shorter and only 1 and 32 users; quality scores fewer
-        texts per length; reuse runs 1 s at 1 and 32 users and 4 short-form document prompts with one
-        repair (so that README command 1, with the reuse section, keeps its ten minutes)."""
+        at 4x; the cache budgets score the headline's budget (256 tokens: window and sinks) at the
+        headline's 8x on two trials and one copy distance; the load levels are shorter and only 1 and 32
+        users; quality scores fewer texts per length; reuse runs 1 s at 1 and 32 users and 4 short-form
+        document prompts with one repair (so that README command 1, with the reuse section, keeps its
+        ten minutes)."""
         return cls(
             prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 32),
             load_seconds=2.0, load_new_tokens=16, score_windows=2, retrieval_trials=4,
