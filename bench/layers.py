@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from bench.prefill import prompt_text
 from bench.streams import decode_rate, median_of, output_texts, stream_texts, token_arrivals
 from contract.manifest import Manifest
 from export.runtime import OnnxCausalLM
@@ -39,8 +40,7 @@ def unique_prompt_tokens_per_second(server: ServerProcess, model: str, new_token
     """Tokens/s of one greedy request, prefill included, whose 512-byte prompt no other request
     shares (`new_tokens` exactly: ignore_eos): with the prefix cache on, a miss whose blocks are
     hashed, looked up and kept; with it off, the same work without the cache."""
-    prompt = f"# request {salt}\n" + "x = [i * 2 for i in range(10)]  # a line of code\n" * 11
-    request = pb.GenerateRequest(model=model, prompt=prompt[:512], max_new_tokens=new_tokens, ignore_eos=True)
+    request = pb.GenerateRequest(model=model, prompt=prompt_text(512, salt), max_new_tokens=new_tokens, ignore_eos=True)
     started = time.perf_counter()
     server.stub.Generate(request, timeout=600)
     return new_tokens / (time.perf_counter() - started)

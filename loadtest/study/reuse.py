@@ -39,7 +39,7 @@ from loadtest.study.held_out import HeldOut
 from loadtest.study.results import DocumentsForm, LoadFigures, Results, ReuseMode
 from loadtest.study.reuse_scoring import AnswerScorer, scored_modes
 from loadtest.study.serving import model_info, serving
-from loadtest.study.timed import ADMISSION_TTFT_SLO_S, measure_load, rotated
+from loadtest.study.timed import ADMISSION_TTFT_SLO_S, COMPUTED, measure_load, rotated
 from loadtest.workloads import (
     LONG_DOCUMENT_BYTES,
     SHARED_NEW_TOKENS,
@@ -56,7 +56,6 @@ from service.api.retry import RETRY_AFTER_KEY
 from service.process import ServerProcess
 
 SECTIONS = ("reuse",)
-NO_CACHE = "--no-prefix-cache"
 
 
 @dataclass
@@ -187,7 +186,7 @@ def measure_reuse(
     admission = ("--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S))
     for cache in (False, True):
         progress.set_postfix(part=f"reuse, prefix cache {'on' if cache else 'off'}")
-        with serving(repository, threads, schemes, *admission, *(() if cache else (NO_CACHE,))) as servers:
+        with serving(repository, threads, schemes, *admission, *(() if cache else COMPUTED)) as servers:
             infos = {scheme: model_info(server, scheme, results) for scheme, server in servers.items()}
             workloads = workloads or Workloads.build(held_out, budget, next(iter(infos.values())).train_context)
             prompts = {scheme: workloads.shared_prompt(infos[scheme].max_positions) for scheme in schemes}
