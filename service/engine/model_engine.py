@@ -69,7 +69,7 @@ class ModelEngine:
             attention=config.attention,
         )
         self.store = self.runner.store
-        self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)
+        self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)  # prefix_blocks: below
         trace = open_trace(Path(config.admission_trace), manifest.folder.name) if config.admission_trace else None
         self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size, trace)
         self._admission_trace = trace
@@ -84,6 +84,7 @@ class ModelEngine:
         self.metrics = ModelMetrics(metrics, manifest.name, manifest.scheme, self.policy_forms)
         prefix_metrics = PrefixMetrics.of(metrics, self.labels)
         self.prefix = PrefixReuse(self.store, manifest.name, config.prefix_cache, prefix_metrics)
+        self.scheduler.prefix_blocks = self.prefix.blocks_of
         assembly = SegmentAssembly(self.runner, manifest.segment_reuse, config.prefill_tokens)
         self.segments = SegmentReuser(self.store, manifest.name, assembly)
         self.outputs = OutputProcessor(self.inputs.eos_token_id, self.metrics.tokens, on_stop=self.wake)

@@ -153,7 +153,8 @@ class PrefillWorker:
 
     def _run_hits(self, jobs: list[PrefillJob], results: list[PrefillResult]) -> None:
         """Prompts that start with cached blocks: each its own call with its past (its rest chunked
-        among the long prompts when longer than `chunk_tokens`)."""
+        among the long prompts when longer than `chunk_tokens`). Each computed one is delivered at
+        once: a burst of hits would otherwise wait for the last of them to get a first token."""
         for job in jobs:
             chunks = self.runner.prefill_chunks(job.request.request_id, job.token_ids, self.chunk_tokens, job.past)
             if job.compute is None and job.computed_tokens > self.chunk_tokens:
@@ -168,7 +169,7 @@ class PrefillWorker:
                     results.append(PrefillResult(job, error=error))
                     continue
                 self._observe(time.monotonic() - started, 1, job.computed_tokens)
-                results.append(PrefillResult(job, prompt))
+                self._deliver([PrefillResult(job, prompt)])
 
     def _run_short(self, jobs: list[PrefillJob], results: list[PrefillResult]) -> None:
         """Prompts of up to `chunk_tokens` in left-padded batches of up to `chunk_tokens` tokens."""

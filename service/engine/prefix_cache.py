@@ -61,6 +61,12 @@ class PrefixReuse:
         request.cached_prompt_tokens = min(found, len(request.prompt_ids) - 1)
         return request.cached_prompt_tokens
 
+    def blocks_of(self, request: Request) -> frozenset[int]:
+        """The keys of the prefix cache's blocks of the request's prompt (cached or not: the
+        scheduler keeps the cached ones from being evicted before `take`)."""
+        key = self._key(request, request.prefill_ids)
+        return frozenset(key[1]) if key is not None else frozenset()
+
     def take(self, request: Request, exact: int | None = None) -> Array | None:
         """The cached K/V of the request's leading prefill tokens (None: a miss), at most its first
         `exact` (those a fresh prefill would compute alike). At least the last token is always

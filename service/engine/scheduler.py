@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,7 +27,9 @@ class QueueFullError(RuntimeError):
 class KVAllocator(Protocol):
     """What the scheduler needs of the KV store: allocation that is the memory, and release."""
 
-    def reserve(self, sequence_id: str, tokens: int, int8: bool = False) -> bool: ...
+    def reserve(self, sequence_id: str, tokens: int, int8: bool = False, keep: frozenset[int] = frozenset()) -> bool:
+        """Room for `tokens` tokens; cached prefix blocks in `keep` are not evicted for it."""
+        ...
 
     def free(self, sequence_id: str) -> None: ...
 
@@ -62,8 +65,12 @@ class Scheduler:
         max_batch_size: int = 32,
         max_queue: int = 128,
         preemption: PreemptionPolicy | None = None,
+        prefix_blocks: Callable[[Request], frozenset[int]] = lambda request: frozenset(),
     ) -> None:
         self.kv = kv
+        # The prefix cache's keys of a request's prompt blocks: the rows of later admissions must
+        # not evict the blocks an earlier one of the same step is about to take.
+        self.prefix_blocks = prefix_blocks
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.preemption: PreemptionPolicy = preemption or NewestFirst()
@@ -98,11 +105,18 @@ class Scheduler:
             else:
                 out.decode.append(request)
         # 2. New requests (and preempted ones) in arrival order: a row for the prompt and its first token.
+        # A row never evicts the cached prefix blocks of a prompt admitted before it in this step,
+        # nor its own while others run (it waits for one of them to end rather than recompute
+        # them); with nothing running it may evict its own, or it would wait forever.
+        taken: frozenset[int] = frozenset()
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
             policy = request.cache_policy
-            if not self.kv.reserve(request.request_id, policy.cached(request.prefill_length + 1), policy.int8):
+            own = self.prefix_blocks(request)
+            keep = taken | own if self.running else taken
+            if not self.kv.reserve(request.request_id, policy.cached(request.prefill_length + 1), policy.int8, keep):
                 break
+            taken |= own
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -105,3 +105,58 @@ def test_the_torch_store_path_caches_and_hits_alike() -> None:
     hit, past = store.cached_prefix(tokens, block_hashes(tokens, BLOCK, EXTRA), EXTRA, 20)
     assert hit == 20 and past.is_contiguous() and tuple(past.shape) == (2, 1, 1, 20, 2)
     assert torch.equal(past[:, 0], kv[:, :, :20])
+
+
+def test_a_row_that_could_not_fit_even_after_evicting_leaves_the_cache_alone() -> None:
+    """A class that cannot grow beside its old array within the budget: evicting every cached block
+    would not make room, so none is evicted (the cache once lost its shared prefix to each such try,
+    and every later request recomputed it)."""
+    budget = 6 * 64 * LAYOUT.token_bytes  # six rows of 64 tokens
+    store = KVStore(LAYOUT, budget, BLOCK, 64)
+    shared = list(range(48))
+    assert cache(store, shared, prompt_kv(48)) == 3
+    cached = store.prefix.nbytes
+    admitted = 0
+    while store.reserve(f"r{admitted}", 64):
+        admitted += 1
+    klass = store.classes[64]
+    held = klass.rows - klass.free_rows
+    # The refusal was not for want of the cache's bytes: old array + grown one exceed the budget alone.
+    assert store.physical_bytes - cached + (held + 1) * 64 * LAYOUT.token_bytes > store.capacity_bytes
+    assert admitted >= 2 and store.prefix.nbytes == cached and store.prefix.evictions == 0
+    assert store.cached_prefix(shared, block_hashes(shared, BLOCK, EXTRA), EXTRA, 47)[0] == 47
+
+
+def test_a_reservation_evicts_no_block_it_is_told_to_keep() -> None:
+    store = KVStore(LAYOUT, KVStore.minimum_budget(LAYOUT, 256, BLOCK), BLOCK, 256)
+    tokens = list(range(256))
+    added = cache(store, tokens, prompt_kv(256))
+    keys = frozenset(block_hashes(tokens, BLOCK, EXTRA))
+    assert not store.reserve("a", 256, keep=keys)  # only the kept blocks could make room
+    assert store.prefix.nbytes == added * BLOCK * LAYOUT.token_bytes and store.holders() == []
+    assert store.reserve("a", 256)  # without `keep` they go, as before
+    assert store.prefix.nbytes < added * BLOCK * LAYOUT.token_bytes
+
+
+def test_a_later_admission_of_the_same_step_never_evicts_the_blocks_an_earlier_one_takes() -> None:
+    """The scheduler admits `a` (its prompt's 48 leading tokens cached) and then `b`, whose row
+    only fits by evicting cached blocks: `b` waits for a row rather than take the blocks `a` is
+    about to read (the engine takes them after the step's admissions); once nothing runs, `b` may
+    evict to be admitted."""
+    from service.engine.request import Request, SamplingParams
+    from service.engine.scheduler import Scheduler
+
+    store = KVStore(LAYOUT, (64 + 48 + 16) * LAYOUT.token_bytes, BLOCK, 64)
+    assert cache(store, [1] * 48, prompt_kv(48)) == 3
+    scheduler = Scheduler(store, max_batch_size=4)
+    scheduler.prefix_blocks = lambda request: frozenset(block_hashes(request.prompt_ids, BLOCK, EXTRA))
+    a = Request("a", "m", [1] * 60, SamplingParams(max_new_tokens=2), eos_token_id=257)  # a row of 64
+    b = Request("b", "m", [1] * 20, SamplingParams(max_new_tokens=2), eos_token_id=257)  # a row of 32
+    scheduler.add(a)
+    scheduler.add(b)
+    assert scheduler.schedule().admitted == [a]
+    assert list(scheduler.waiting) == [b] and store.prefix.evictions == 0
+    assert store.cached_prefix(a.prompt_ids, block_hashes(a.prompt_ids, BLOCK, EXTRA), EXTRA, 59)[0] == 48
+    scheduler.remove(a)
+    assert scheduler.schedule().admitted == [b]  # nothing runs: it may evict (its own leading block stays)
+    assert store.physical_bytes <= store.capacity_bytes

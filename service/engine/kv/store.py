@@ -119,10 +119,12 @@ class KVStore:
         """Tokens the sequence's row holds (0: none reserved)."""
         return self.capacity_of.get(sequence_id, 0)
 
-    def reserve(self, sequence_id: str, tokens: int, int8: bool = False) -> bool:
+    def reserve(self, sequence_id: str, tokens: int, int8: bool = False, keep: frozenset[int] = frozenset()) -> bool:
         """Make room for `tokens` tokens of the sequence: a row for a new one (written later by
         `write`; `int8`: in an int8 class), a move to a wider class of its kind when its row is
-        full. False, with nothing changed, when that would take the allocated memory above the budget."""
+        full. False, with nothing changed, when that would take the allocated memory above the budget.
+        Cached prefix blocks make room first, except those in `keep` (the ones a prompt admitted in
+        the same step is about to take)."""
         if tokens > self.max_tokens:
             return False
         current = self.capacity_of.get(sequence_id)
@@ -145,7 +147,7 @@ class KVStore:
             destination = self._room(target, rows_needed, kind)
         if destination is None:
             self.trim(all_spare=True)
-            destination = self._room(target, rows_needed, kind) or self._room_evicting(target, rows_needed, kind)
+            destination = self._room(target, rows_needed, kind) or self._room_evicting(target, rows_needed, kind, keep)
             if destination is None:
                 return False
         if destination.free_rows < len(movers):
@@ -194,19 +196,28 @@ class KVStore:
             return existing
         return self._reallocate(capacity, held + 1, kind) if rows_needed > 1 else None
 
-    def _room_evicting(self, capacity: int, rows_needed: int, kind: str) -> CapacityClass | None:
-        """`_room`, making room by evicting cached prefix blocks (least recently used first) a
-        class row's worth at a time: a cached block goes before any sequence is refused or preempted."""
-        step = rows_needed * capacity * self.layout.kind_token_bytes(kind)
-        while self.prefix.blocks:
+    def _room_evicting(
+        self, capacity: int, rows_needed: int, kind: str, keep: frozenset[int] = frozenset()
+    ) -> CapacityClass | None:
+        """`_room`, making room by evicting cached prefix blocks not in `keep` (least recently used
+        first) a class row's worth at a time: a cached block goes before any sequence is refused or
+        preempted. Nothing is evicted when evicting all it may would still leave no room (a class
+        that cannot grow beside its old array): the cache would be lost for nothing."""
+        row_bytes = capacity * self.layout.kind_token_bytes(kind)
+        existing = self.kinds[kind].get(capacity)
+        held = 0 if existing is None else existing.rows - existing.free_rows
+        evictable = sum(block.nbytes for key, block in self.prefix.blocks.items() if key not in keep)
+        if self.physical_bytes - evictable + (held + 1) * row_bytes > self.capacity_bytes:
+            return None
+        step = rows_needed * row_bytes
+        while True:
             freed = 0
-            while freed < step and (nbytes := self.prefix.evict_oldest()):
+            while freed < step and (nbytes := self.prefix.evict_oldest(keep)):
                 freed += nbytes
             self.physical_bytes -= freed
             destination = self._room(capacity, rows_needed, kind)
-            if destination is not None:
+            if destination is not None or not freed:
                 return destination
-        return None
 
     def _reallocate(self, capacity: int, rows: int, kind: str) -> CapacityClass | None:
         """A new array for the class with `rows` rows, members copied over; None if the old and the
