@@ -184,6 +184,19 @@ class GraphBinder:
         outputs = {LOGITS: logits, **dict(zip(self.present_names, cache, strict=True))}
         return session.bind(inputs, outputs), logits, cache
 
+    def bind_prompt_in_place(
+        self, session: ModelSession, ids: Array, mask: Array, positions: Array, cache: Array
+    ) -> tuple[ort.IOBinding, Array]:
+        """A fused prompt call whose past and present are one array: `cache` (2L, B, heads, P + S, hd)
+        with the past in its first P columns, bound as both, so the kernel reads the past where it
+        lies and writes the S new tokens' K/V after it (no second cache array, no copy of the
+        past); new logits (B, S, vocab) out."""
+        logits = self.backend.zeros((ids.shape[0], ids.shape[1], self.vocab_size), "float32")
+        inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
+        inputs.update(zip(self.fused_cache_names, cache, strict=True))
+        outputs = {LOGITS: logits, **dict(zip(self.present_names, cache, strict=True))}
+        return session.bind(inputs, outputs), logits
+
     def set_ids(self, target: Array, values: np.ndarray | list[int]) -> None:
         """Token ids into a bound input array, on its device."""
         if isinstance(target, np.ndarray):

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from service.engine.kv import Array
+from service.engine.kv.prefix import CachedPast
 from service.engine.request import Request
 from service.engine.runner import ModelRunner, PrefilledPrompt
 
@@ -33,13 +33,13 @@ class PrefillJob:
     request: Request
     attempt: int  # the request's preemption count when submitted: a later result is stale
     token_ids: list[int]
-    past: Array | None = None  # K/V of the leading tokens, from the prefix cache (2 x layers, 1, heads, P, hd)
+    past: CachedPast | None = None  # the prefix cache's K/V of the leading tokens
     compute: Callable[[], PrefilledPrompt] | None = None  # its own prefill (reused segments), instead
 
     @property
     def computed_tokens(self) -> int:
         """Tokens this job's prefill computes (those after its past)."""
-        return len(self.token_ids) - (0 if self.past is None else int(self.past.shape[3]))
+        return len(self.token_ids) - (0 if self.past is None else self.past.tokens)
 
     @property
     def aborted(self) -> bool:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine.kv import Array, KVStore
-from service.engine.kv.prefix import block_hashes
+from service.engine.kv import KVStore
+from service.engine.kv.prefix import CachedPast, block_hashes
 from service.engine.request import Request
 from service.engine.runner import PrefilledPrompt
 from service.metrics import ServiceMetrics
@@ -67,7 +67,7 @@ class PrefixReuse:
         key = self._key(request, request.prefill_ids)
         return frozenset(key[1]) if key is not None else frozenset()
 
-    def take(self, request: Request, exact: int | None = None) -> Array | None:
+    def take(self, request: Request, exact: int | None = None) -> CachedPast | None:
         """The cached K/V of the request's leading prefill tokens (None: a miss), at most its first
         `exact` (those a fresh prefill would compute alike). At least the last token is always
         computed: its logits are the first token's."""
@@ -77,7 +77,8 @@ class PrefixReuse:
             return None
         extra, hashes = key
         limit = len(token_ids) - 1 if exact is None else min(len(token_ids) - 1, exact)
-        tokens, past = self.store.cached_prefix(token_ids, hashes, extra, limit)
+        past = self.store.cached_past(token_ids, hashes, extra, limit)
+        tokens = 0 if past is None else past.tokens
         if request.attempt == 0:  # a preempted request's usage keeps its first attempt's figure
             self.metrics.queried.inc(len(token_ids))
             self.metrics.hit.inc(tokens)

@@ -40,6 +40,7 @@ from contract.graph import left_pad_batch, right_pad_batch
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
 from service.engine.kv import INT8, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
+from service.engine.kv.prefix import CachedPast
 from service.engine.messages import Scored
 from service.engine.model_session import (
     GraphBinder,
@@ -94,6 +95,12 @@ class StreamedPrompt(PrefilledPrompt):
 
 # A prompt streaming through a bounded policy lets other prompts run after this many tokens.
 STREAM_TOKENS_PER_YIELD = 64
+# Prompt calls with past in place whose score matrix (new tokens x total) is at most this many
+# entries (a prefix-cache hit's short rest behind its long past) run on a session with a memory
+# arena: without one, each call maps its intermediates fresh and page-faults them in, about a
+# fifth of such a call here. Bounded so, the arena holds about 20 MB more (docs/measurements.md);
+# larger prompt calls keep the arena-less session.
+ARENA_PROMPT_SCORES = 1 << 19
 
 
 @dataclass
@@ -159,6 +166,7 @@ class ModelRunner:
         self.prompt_variant = prompt_graph(manifest, self.dtype, attention)
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
+        self.small_prompt_session: ModelSession | None = None  # with an arena (ARENA_PROMPT_SCORES)
         self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
         if open_prefill_session:
             self.open_prefill_session()
@@ -180,6 +188,8 @@ class ModelRunner:
             if self.prompt_variant
             else self.prefill_sessions[self.dtype]
         )
+        if self.prompt_variant:
+            self.small_prompt_session = self._session(self.prefill_threads, True, self.prompt_variant)
 
     def _session(self, threads: int, arena: bool, variant: str) -> ModelSession:
         path = str(self.manifest.onnx_path(variant))
@@ -249,22 +259,42 @@ class ModelRunner:
         ]
 
     def prefill_chunks(
-        self, request_id: str, token_ids: list[int], chunk_tokens: int, past: Array | None = None
+        self, request_id: str, token_ids: list[int], chunk_tokens: int, past: Array | CachedPast | None = None
     ) -> Iterator[PrefilledPrompt | None]:
         """A long prompt in chunks of `chunk_tokens` (bounding the score tensors), each chunk
         attending to the cache of the ones before. Yields None after every chunk but the last,
         so the caller can interleave other work or give up between chunks. `past`: the K/V of the
         prompt's first tokens, (2 x layers, 1, heads, P, head_dim), already known (a prefix-cache
-        hit): only the rest is computed, at positions P on."""
+        hit, its blocks assembled here): only the rest is computed, at positions P on."""
         self._check_fault([token_ids])
-        for start in range(0 if past is None else past.shape[3], len(token_ids), chunk_tokens):
+        done = 0 if past is None else past.tokens if isinstance(past, CachedPast) else int(past.shape[3])
+        for start in range(done, len(token_ids), chunk_tokens):
             chunk = token_ids[start : start + chunk_tokens]
             end = start + len(chunk)
             ids = np.asarray([chunk], dtype=np.int64)
             mask = np.ones((1, end), dtype=np.int64)
             positions = np.arange(start, end, dtype=np.int64)[None]
-            logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
+            if isinstance(past, CachedPast) and self.prompt_variant is not None:
+                logits, past = self._prompt_in_place(ids, mask, positions, past.assemble(room=len(chunk)))
+            else:
+                past = past.assemble() if isinstance(past, CachedPast) else past
+                logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
             yield PrefilledPrompt(request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
+
+    def _prompt_in_place(
+        self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: Array
+    ) -> tuple[np.ndarray, Array]:
+        """One row's chunk through the fused prompt graph with its past in place: `cache`
+        (2L, 1, heads, P + S, hd), the past in its first P columns, gets the chunk's K/V after them.
+        Host logits of the chunk's last token (1, 1, vocab) and the whole cache."""
+        small = ids.shape[1] * mask.shape[1] <= ARENA_PROMPT_SCORES
+        session = self.small_prompt_session if small else self.prefill_session
+        assert session is not None, "open_prefill_session() first"
+        backend = self.backend
+        inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
+        binding, logits = self.binder.bind_prompt_in_place(session, *inputs, cache)
+        session.run(binding)
+        return backend.download(logits[:, -1:]).astype(np.float32), cache
 
     def prefill_chunked(
         self, request_id: str, token_ids: list[int], chunk_tokens: int, aborted: Callable[[], bool] = lambda: False

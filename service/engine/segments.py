@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from contract.manifest import REUSE_RECOMPUTE, REUSE_ROTATE, SegmentReuse
 from service.engine.kv import Array, KVStore
 from service.engine.kv.classes import rotate_keys
+from service.engine.kv.prefix import CachedPast
 from service.engine.messages import PromptSegment
 from service.engine.request import Request
 from service.engine.runner import ModelRunner, PrefilledPrompt
@@ -130,7 +131,7 @@ class SegmentReuser:
     def _key(self, request: Request, tokens: tuple[int, ...]) -> int:
         return hash(("segment", self.model, request.cache_policy.form, tokens))
 
-    def compute(self, request: Request, past: Array | None) -> Callable[[], PrefilledPrompt] | None:
+    def compute(self, request: Request, past: CachedPast | None) -> Callable[[], PrefilledPrompt] | None:
         """The prefill of a request with reused segments, for the prefill worker (None: a plain prefill)."""
         if not self.applies(request):
             return None
@@ -138,7 +139,9 @@ class SegmentReuser:
         segments = [tuple(token_ids[start:end]) for start, end in spans]
         cached = [self.store.cached_segment(self._key(request, tokens), tokens) for tokens in segments]
         repair = request.segment_repair_tokens
-        return lambda: self.assembly.run(request.request_id, token_ids, spans, cached, repair, past)
+        return lambda: self.assembly.run(
+            request.request_id, token_ids, spans, cached, repair, None if past is None else past.assemble()
+        )
 
     def keep(self, request: Request, prompt: PrefilledPrompt) -> None:
         """Segments computed for this prompt are kept; the usage learns how many tokens were reused."""

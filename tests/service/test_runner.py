@@ -222,3 +222,30 @@ def test_the_fused_prompt_graph_equals_the_explicit_one(repository: Path, model:
         assert fused.length == explicit.length and fused.request_id == explicit.request_id
         np.testing.assert_allclose(fused.logits, explicit.logits, atol=1e-4)
         np.testing.assert_allclose(np.asarray(fused.cache), np.asarray(explicit.cache), atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("model", ["alibi", "relative", "rope", "none"])
+def test_a_prefix_cache_hit_computed_in_place_equals_the_whole_prompt(
+    repository: Path, model: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit's rest through the fused prompt graph with the cached blocks assembled in place
+    (past and present one array: the kernel reads the past where it lies) gives the whole prompt's
+    last logits and cache, on the arena session (a short rest) and on the other (bound lowered)."""
+    from service.engine import runner as runner_module
+    from service.engine.kv.prefix import CachedPast
+
+    runner = runner_for(repository, model, backend)
+    if runner.prompt_variant is None:
+        pytest.skip("an export without the fused prompt graph")
+    prompt = PROMPTS["b"] * 3
+    whole = runner.prefill_chunked("w", prompt, chunk_tokens=512)
+    cache = np.asarray(whole.cache)  # (2L, heads, T, hd)
+    for bound in (runner_module.ARENA_PROMPT_SCORES, 0):
+        monkeypatch.setattr(runner_module, "ARENA_PROMPT_SCORES", bound)
+        for cached in (16, 64):
+            blocks = [runner.backend.upload(cache[:, :, start : start + 16]) for start in range(0, cached, 16)]
+            *_, hit = runner.prefill_chunks("h", prompt, 512, CachedPast(blocks, runner.backend, "float32"))
+            assert hit is not None and hit.length == len(prompt)
+            np.testing.assert_allclose(hit.logits, whole.logits, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(hit.cache), cache, atol=1e-4)

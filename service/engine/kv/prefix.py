@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from service.engine.kv.arrays import Array
+from service.engine.kv.arrays import Array, Backend
 
 
 def block_hashes(token_ids: list[int], block_size: int, extra: Hashable) -> list[int]:
@@ -30,6 +30,28 @@ def block_hashes(token_ids: list[int], block_size: int, extra: Hashable) -> list
         parent = hash((parent, tuple(token_ids[start : start + block_size])))
         hashes.append(parent)
     return hashes
+
+
+class CachedPast:
+    """The prefix cache's K/V of a prompt's leading tokens as its blocks hold them, not yet copied:
+    the prefill thread assembles them into its own call's cache array (the engine thread only
+    looks the blocks up; a block evicted meanwhile stays alive while referenced here)."""
+
+    def __init__(self, parts: list[Array], backend: Backend, dtype: str) -> None:
+        self.parts = parts  # each (2 x layers, heads, n, head_dim), in order
+        self.tokens = sum(int(part.shape[2]) for part in parts)
+        self.backend, self.dtype = backend, dtype
+
+    def assemble(self, room: int = 0) -> Array:
+        """(2 x layers, 1, heads, tokens + room, head_dim): the blocks, then `room` zeroed columns
+        (where a prompt call writes its new tokens' K/V in place)."""
+        tensors, heads, _, head_dim = self.parts[0].shape
+        out = self.backend.zeros((tensors, 1, heads, self.tokens + room, head_dim), self.dtype)
+        start = 0
+        for part in self.parts:
+            out[:, 0, :, start : start + part.shape[2]] = part
+            start += part.shape[2]
+        return out
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 from service.engine.kv.arrays import Array, Backend, NumpyArrays
 from service.engine.kv.classes import GROWTH, CapacityClass, RowPolicy, capacity_ladder
 from service.engine.kv.layout import INT8, KVLayout
-from service.engine.kv.prefix import CachedBlock, PrefixCache
+from service.engine.kv.prefix import CachedBlock, CachedPast, PrefixCache
 
 # A class moves up the ladder as a whole when each of its rows would be at least this full there.
 PROMOTED_FILL = 1 / GROWTH**2
@@ -285,13 +285,18 @@ class KVStore:
     def cached_prefix(self, token_ids: list[int], hashes: list[int], extra: object, limit: int) -> tuple[int, Array]:
         """The longest cached run of the prompt's leading blocks, at most `limit` tokens: how many
         tokens and their K/V (2 x layers, 1, heads, tokens, head_dim), a copy (0 and None: a miss)."""
+        past = self.cached_past(token_ids, hashes, extra, limit)
+        return (0, None) if past is None else (past.tokens, past.assemble())
+
+    def cached_past(self, token_ids: list[int], hashes: list[int], extra: object, limit: int) -> CachedPast | None:
+        """`cached_prefix`'s blocks, not yet copied (None: a miss)."""
         blocks = self.prefix.lookup(token_ids, hashes, extra)
         tokens = min(len(blocks) * self.block_size, limit)
         if tokens <= 0:
-            return 0, None
+            return None
         whole, rest = divmod(tokens, self.block_size)
         parts = [block.kv for block in blocks[:whole]] + ([blocks[whole].kv[:, :, :rest]] if rest else [])
-        return tokens, self.backend.concatenate(parts, axis=2)[:, None]
+        return CachedPast(parts, self.backend, self.layout.dtype)
 
     def cache_prompt(self, token_ids: list[int], hashes: list[int], extra: object, kv: Array, form: str) -> int:
         """Keep the full blocks of a computed prompt, K/V (2 x layers, heads, length, head_dim), that
