@@ -249,3 +249,36 @@ def test_a_prefix_cache_hit_computed_in_place_equals_the_whole_prompt(
             assert hit is not None and hit.length == len(prompt)
             np.testing.assert_allclose(hit.logits, whole.logits, atol=1e-4)
             np.testing.assert_allclose(np.asarray(hit.cache), cache, atol=1e-4)
+
+
+def test_a_thread_that_runs_a_graph_flushes_denormals(repository: Path) -> None:
+    """ALiBi's far scores underflow into denormal floats, whose slow path took most of its attention
+    kernel: every thread that runs a graph sets flush-to-zero and denormals-are-zero (MXCSR) for
+    itself, as ONNX Runtime does for its own pool threads."""
+    import ctypes
+    import threading
+
+    from service.engine import denormals
+    from service.engine.denormals import DENORMALS_ARE_ZERO, FLUSH_TO_ZERO, MXCSR_OFFSET, mxcsr
+
+    both = FLUSH_TO_ZERO | DENORMALS_ARE_ZERO
+    runner = runner_for(repository, "alibi")
+    seen: dict[str, int | None] = {}
+
+    def work() -> None:
+        if denormals._LIBM is not None:  # a thread inherits its creator's flags: start this one without
+            env = (ctypes.c_ubyte * 64)()
+            denormals._LIBM.fegetenv(env)
+            ctypes.c_uint32.from_buffer(env, MXCSR_OFFSET).value &= ~both
+            denormals._LIBM.fesetenv(env)
+        seen["before"] = mxcsr()
+        runner.prefill_batch({"a": PROMPTS["a"]})
+        seen["after"] = mxcsr()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    if seen["after"] is None:
+        pytest.skip("MXCSR is read through glibc on x86-64 Linux only")
+    assert seen["before"] is not None and seen["before"] & both == 0
+    assert seen["after"] & both == both
