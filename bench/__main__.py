@@ -22,6 +22,7 @@ from bench.throughput import print_throughput
 from contract.cli import HelpFormatter
 from contract.manifest import Manifest
 from contract.paths import REPOSITORY_ROOT
+from service.engine import denormals
 from service.engine.runner import default_threads
 
 SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill")
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"which parts to run, from {' '.join(SECTIONS)}",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    denormals.enable()  # as the engine core does: the in-process figures run the served settings
     repository: Path = args.model_repository
     server_threads = args.threads  # 0: the server's own default (decode half the cores, prefill all)
     args.threads = args.threads or default_threads()  # decode threads, for the in-process figures

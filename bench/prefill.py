@@ -22,6 +22,7 @@ from contract.graph import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, past_names
 from contract.manifest import Manifest
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
+from service.engine import denormals
 from service.engine.denormals import flush_denormals_on_this_thread
 from service.engine.messages import EngineConfig
 from service.engine.runner import ModelRunner, StoreConfig
@@ -118,8 +119,9 @@ def profile_prompt_graph(runner: ModelRunner, tokens: int, threads: int) -> list
         options.enable_profiling = True
         options.profile_file_prefix = os.path.join(scratch, "prefill")
         options.log_severity_level = 3
-        options.add_session_config_entry("session.set_denormal_as_zero", "1")  # as the served sessions
-        flush_denormals_on_this_thread()
+        if denormals.enabled():  # as the served sessions
+            options.add_session_config_entry("session.set_denormal_as_zero", "1")
+            flush_denormals_on_this_thread()
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         layout = runner.layout
         empty = np.zeros((1, layout.n_heads, 0, layout.head_dim), dtype=np.float32)

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from contract.cache_policy import CachePolicyError
 from contract.manifest import ManifestError
+from service.engine import denormals
 from service.engine.engine import Engine
 from service.engine.kv import KVBudgetError
 from service.engine.messages import (
@@ -285,6 +286,7 @@ def run_core(config: CoreConfig) -> None:
     """The core process's main: load the models, say READY, serve commands until STOP."""
     _die_with_parent()
     return_freed_memory_to_the_os()  # the KV arrays live here
+    denormals.enable()  # before the first session (service/engine/denormals.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.update(config.environment)

@@ -8,6 +8,11 @@ threads when a session asks (`session.set_denormal_as_zero`), and on the thread 
 process's first session only; the calling thread computes a share of every parallel kernel too,
 so each thread that runs a graph sets its own flags (x86-64 MXCSR through glibc's fenv; a no-op
 elsewhere). A denormal is below 1.2e-38: flushing it changes no result beyond the parity limits.
+
+The flags are state of the process's threads (new threads inherit them, and other code notices:
+Hypothesis refuses to run where subnormal floats cannot be represented), so a process opts in with
+`enable()` before its first session: the engine core and `python -m bench` do; a library user or a
+test process that only builds runners keeps IEEE behaviour.
 """
 
 from __future__ import annotations
@@ -21,6 +26,17 @@ MXCSR_OFFSET = 28  # glibc's x86-64 fenv_t: the x87 environment (28 bytes), then
 FLUSH_TO_ZERO, DENORMALS_ARE_ZERO = 1 << 15, 1 << 6
 
 _done = threading.local()
+_enabled = False
+
+
+def enable() -> None:
+    """Flush denormals in this process's graph calls from now on (before its first session)."""
+    global _enabled
+    _enabled = True
+
+
+def enabled() -> bool:
+    return _enabled
 
 
 def _libm() -> ctypes.CDLL | None:
@@ -46,8 +62,8 @@ def mxcsr() -> int | None:
 
 
 def flush_denormals_on_this_thread() -> None:
-    """Set flush-to-zero and denormals-are-zero for the calling thread, once per thread."""
-    if getattr(_done, "set", False):
+    """Set flush-to-zero and denormals-are-zero for the calling thread, once per thread (when enabled)."""
+    if not _enabled or getattr(_done, "set", False):
         return
     _done.set = True
     if _LIBM is None:

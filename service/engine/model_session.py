@@ -36,6 +36,7 @@ from contract.manifest import (
     Manifest,
     serving_variant,
 )
+from service.engine import denormals
 from service.engine.denormals import flush_denormals_on_this_thread
 from service.engine.kv import INT8, Array, Backend, KVLayout
 
@@ -77,8 +78,8 @@ class ModelSession:
         # Spinning intra-op threads would take the cores the other session, the engine and the
         # gRPC threads need between calls, which costs single-stream tokens/s.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # Denormals flushed on the pool threads; the calling threads set their own (service.engine.denormals).
-        options.add_session_config_entry("session.set_denormal_as_zero", "1")
+        if denormals.enabled():  # on the pool threads; the calling threads set their own (service.engine.denormals)
+            options.add_session_config_entry("session.set_denormal_as_zero", "1")
         self.session = ort.InferenceSession(path, options, providers=providers)
         self.backend = backend
         # onnxruntime's Python IOBinding resolves the device by name on every bind (a decode call
