@@ -63,13 +63,19 @@ def choose_providers(device: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+# Run options that shrink the CPU arena at the end of the call (its regions no tensor uses are freed).
+_RELEASE_ARENA = ort.RunOptions()
+_RELEASE_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+
 class ModelSession:
     """One ONNX Runtime session whose calls are bound to backend arrays by pointer."""
 
     def __init__(self, path: str, providers: list[str], threads: int, arena: bool, backend: Backend) -> None:
         options = ort.SessionOptions()
-        # arena=False for prompts: their intermediates grow with batch x length^2 and an arena would
-        # hold their all-time peak resident, so a long-running server's memory would keep growing.
+        # arena=False for the serving graph's prompt calls: their intermediates grow with batch x
+        # length^2 and an arena would hold their all-time peak resident. The fused prompt session
+        # keeps one and is released when idle (ModelRunner.release_prompt_memory).
         options.enable_cpu_mem_arena = arena
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads
@@ -98,10 +104,11 @@ class ModelSession:
                 bind_fn(name, device, ort_element_type(array.dtype), list(array.shape), pointer(array))
         return binding
 
-    def run(self, binding: ort.IOBinding) -> None:
+    def run(self, binding: ort.IOBinding, release_arena: bool = False) -> None:
+        """One call; `release_arena`: free the arena's unused regions after it."""
         flush_denormals_on_this_thread()
         self.backend.synchronize()
-        self._run(binding._iobinding, None)
+        self._run(binding._iobinding, _RELEASE_ARENA if release_arena else None)
 
 
 @dataclass(frozen=True)

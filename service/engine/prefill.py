@@ -27,6 +27,10 @@ from service.engine.runner import ModelRunner, PrefilledPrompt
 
 logger = logging.getLogger(__name__)
 
+# The worker gives its prompt session's arena back after this long without work: under load the
+# arena saves each call its page faults; at rest the server holds no prompt's intermediates.
+RELEASE_AFTER_IDLE_SECONDS = 1.0
+
 
 @dataclass
 class PrefillJob:
@@ -119,12 +123,21 @@ class PrefillWorker:
             return
         finally:
             self._ready.set()
+        idle_wait: float | None = RELEASE_AFTER_IDLE_SECONDS
         while True:
             with self._wake:
-                while not self._jobs and not self._long and not self._stopped:
-                    self._wake.wait()
+                if not self._jobs and not self._long and not self._stopped:
+                    self._wake.wait(timeout=idle_wait)
                 if self._stopped:
                     return
+                if not self._jobs and not self._long:
+                    if idle_wait is not None:  # idle a while: hand the prompt arena back (outside the lock)
+                        idle_wait = None
+                        release = True
+                    else:
+                        continue
+                else:
+                    idle_wait, release = RELEASE_AFTER_IDLE_SECONDS, False
                 short, hits = [], []
                 while self._jobs:
                     job = self._jobs.popleft()
@@ -141,6 +154,12 @@ class PrefillWorker:
                     else:
                         chunks = self.runner.prefill_chunks(job.request.request_id, job.token_ids, self.chunk_tokens)
                         self._long.append((job, chunks))
+            if release:
+                try:
+                    self.runner.release_prompt_memory()
+                except Exception:
+                    logger.exception("prefill worker: releasing the prompt arena failed")
+                continue
             results: list[PrefillResult] = []
             try:
                 self._run_hits(hits, results)

@@ -95,12 +95,10 @@ class StreamedPrompt(PrefilledPrompt):
 
 # A prompt streaming through a bounded policy lets other prompts run after this many tokens.
 STREAM_TOKENS_PER_YIELD = 64
-# Prompt calls with past in place whose score matrix (new tokens x total) is at most this many
-# entries (a prefix-cache hit's short rest behind its long past) run on a session with a memory
-# arena: without one, each call maps its intermediates fresh and page-faults them in, about a
-# fifth of such a call here. Bounded so, the arena holds about 20 MB more (docs/measurements.md);
-# larger prompt calls keep the arena-less session.
-ARENA_PROMPT_SCORES = 1 << 19
+# The fused prompt session keeps a memory arena (with glibc's mmap threshold pinned, service/malloc.py,
+# an arena-less call maps every intermediate fresh and page-faults it in: 21,000 faults and about a
+# quarter of a 2,048-token prompt's time here, docs/measurements.md); `release_prompt_memory` gives
+# the arena back to the system, which the prefill worker does once it has been idle a while.
 
 
 @dataclass
@@ -166,7 +164,7 @@ class ModelRunner:
         self.prompt_variant = prompt_graph(manifest, self.dtype, attention)
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
-        self.small_prompt_session: ModelSession | None = None  # with an arena (ARENA_PROMPT_SCORES)
+        self._prompt_memory_held = False  # the prompt session's arena holds intermediates of past calls
         self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
         if open_prefill_session:
             self.open_prefill_session()
@@ -184,12 +182,21 @@ class ModelRunner:
             kind: self._session(self.prefill_threads, False, graph.variant) for kind, graph in self.graphs.items()
         }
         self.prefill_session = (
-            self._session(self.prefill_threads, False, self.prompt_variant)
+            self._session(self.prefill_threads, True, self.prompt_variant)
             if self.prompt_variant
             else self.prefill_sessions[self.dtype]
         )
-        if self.prompt_variant:
-            self.small_prompt_session = self._session(self.prefill_threads, True, self.prompt_variant)
+
+    def release_prompt_memory(self) -> None:
+        """Give the fused prompt session's arena back to the system: a one-token call whose run
+        options shrink the arena after it (ONNX Runtime frees every arena region no live tensor
+        uses). The arena keeps a busy worker's calls from page-faulting their intermediates in;
+        released, an idle server's resident memory returns to what its caches hold."""
+        if not self._prompt_memory_held or self.prompt_variant is None or self.prefill_session is None:
+            return
+        self._prompt_memory_held = False
+        ids = np.full((1, 1), self.pad_token_id, dtype=np.int64)
+        self._prompt_forward(ids, np.ones_like(ids), np.zeros_like(ids), None, last_only=True, release=True)
 
     def _session(self, threads: int, arena: bool, variant: str) -> ModelSession:
         path = str(self.manifest.onnx_path(variant))
@@ -205,7 +212,13 @@ class ModelRunner:
         return logits, cache[:, :, :, cache.shape[3] - ids.shape[1] :]
 
     def _prompt_forward(
-        self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Array | None, last_only: bool
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        positions: np.ndarray,
+        past: Array | None,
+        last_only: bool,
+        release: bool = False,
     ) -> tuple[np.ndarray, Array]:
         """One prompt call: host logits (B, T or 1, vocab; with `last_only` each row's last token's) and
         the whole cache, past and new, (2L, B, heads, P + T, hd). Batches come padded as
@@ -224,7 +237,8 @@ class ModelRunner:
             host_logits = backend.download(logits[:, -1:] if last_only else logits)
             return host_logits.astype(np.float32), cache
         binding, logits, cache = self.binder.bind_prompt(session, *inputs, past)
-        session.run(binding)
+        session.run(binding, release_arena=release)
+        self._prompt_memory_held = not release
         if not last_only:
             return backend.download(logits).astype(np.float32), cache
         last = mask.sum(axis=1) - past.shape[3] - 1  # each row's last token among the new columns
@@ -268,32 +282,59 @@ class ModelRunner:
         hit, its blocks assembled here): only the rest is computed, at positions P on."""
         self._check_fault([token_ids])
         done = 0 if past is None else past.tokens if isinstance(past, CachedPast) else int(past.shape[3])
+        if self.prompt_variant is not None:  # one cache array for the whole prompt, every chunk in place
+            yield from self._chunks_in_place(request_id, token_ids, chunk_tokens, done, past)
+            return
         for start in range(done, len(token_ids), chunk_tokens):
             chunk = token_ids[start : start + chunk_tokens]
             end = start + len(chunk)
             ids = np.asarray([chunk], dtype=np.int64)
             mask = np.ones((1, end), dtype=np.int64)
             positions = np.arange(start, end, dtype=np.int64)[None]
-            if isinstance(past, CachedPast) and self.prompt_variant is not None:
-                logits, past = self._prompt_in_place(ids, mask, positions, past.assemble(room=len(chunk)))
-            else:
-                past = past.assemble() if isinstance(past, CachedPast) else past
-                logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
+            past = past.assemble() if isinstance(past, CachedPast) else past
+            logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
             yield PrefilledPrompt(request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
+
+    def _chunks_in_place(
+        self, request_id: str, token_ids: list[int], chunk_tokens: int, done: int, past: Array | CachedPast | None
+    ) -> Iterator[PrefilledPrompt | None]:
+        """`prefill_chunks` through the fused prompt graph: the cache array is made once, with room
+        for the whole prompt (the past, if any, in its first columns), and each chunk's call reads
+        the columns before it and writes its own after them, in place (the kernel's shared-buffer
+        mode takes a buffer longer than the call's tokens; the mask says how many count). No chunk
+        copies the past into a new array, and no call allocates a cache."""
+        room = len(token_ids) - done
+        if isinstance(past, CachedPast):
+            cache = past.assemble(room=room)
+        else:
+            layout = self.layout
+            shape = (layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim)
+            cache = self.backend.zeros(shape, self.dtype)
+            if past is not None:
+                cache[:, :, :, :done] = past
+        for start in range(done, len(token_ids), chunk_tokens):
+            chunk = token_ids[start : start + chunk_tokens]
+            end = start + len(chunk)
+            ids = np.asarray([chunk], dtype=np.int64)
+            mask = np.ones((1, end), dtype=np.int64)
+            positions = np.arange(start, end, dtype=np.int64)[None]
+            logits, cache = self._prompt_in_place(ids, mask, positions, cache)
+            yield PrefilledPrompt(request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
 
     def _prompt_in_place(
         self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: Array
     ) -> tuple[np.ndarray, Array]:
         """One row's chunk through the fused prompt graph with its past in place: `cache`
-        (2L, 1, heads, P + S, hd), the past in its first P columns, gets the chunk's K/V after them.
-        Host logits of the chunk's last token (1, 1, vocab) and the whole cache."""
-        small = ids.shape[1] * mask.shape[1] <= ARENA_PROMPT_SCORES
-        session = self.small_prompt_session if small else self.prefill_session
+        (2L, 1, heads, N, hd), N >= P + S, the past in its first P columns (P + S: the mask's
+        width), gets the chunk's K/V in the S columns after them. Host logits of the chunk's last
+        token (1, 1, vocab) and the cache."""
+        session = self.prefill_session
         assert session is not None, "open_prefill_session() first"
         backend = self.backend
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
         binding, logits = self.binder.bind_prompt_in_place(session, *inputs, cache)
         session.run(binding)
+        self._prompt_memory_held = True
         return backend.download(logits[:, -1:]).astype(np.float32), cache
 
     def prefill_chunked(

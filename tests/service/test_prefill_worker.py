@@ -95,3 +95,44 @@ def test_a_failing_prompt_fails_alone(runner: ModelRunner) -> None:
     errors = {r.job.request.request_id: r.error for r in collector.results}
     assert errors["good"] is None and errors["fine"] is None
     assert "injected fault" in str(errors["bad"])
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_the_prompt_arena_is_kept_while_busy_and_handed_back_once_the_worker_idles(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused prompt session keeps an arena (calls would otherwise page-fault their
+    intermediates in, each time); after RELEASE_AFTER_IDLE_SECONDS without work the worker frees
+    it: this process's resident memory falls by about what the arena held."""
+    from service.engine import prefill as prefill_module
+
+    if runner.prompt_variant is None:
+        pytest.skip("an export without the fused prompt graph")
+    monkeypatch.setattr(prefill_module, "RELEASE_AFTER_IDLE_SECONDS", 0.5)
+    released = threading.Event()
+    release = runner.release_prompt_memory
+
+    def observed_release() -> None:
+        release()
+        released.set()
+
+    monkeypatch.setattr(runner, "release_prompt_memory", observed_release)
+    collector = Collector()
+    worker = start(runner, collector, chunk_tokens=256)
+    try:
+        worker.submit([job("long", "x = [i * 2 for i in range(10)]\n" * 32)])  # 993 tokens: 4 chunks
+        collector.wait_for(1)
+        held = resident_bytes()
+        assert runner._prompt_memory_held
+        assert released.wait(timeout=10)
+        assert not runner._prompt_memory_held
+        assert held - resident_bytes() > 2 << 20, "the release freed no arena memory"
+        worker.submit([job("again", "def f(x):\n    return x\n" * 30)])  # a call after a release works
+        assert collector.wait_for(2) == ["long", "again"]
+        assert all(r.prompt is not None for r in collector.results)
+    finally:
+        worker.stop()

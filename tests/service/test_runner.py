@@ -227,12 +227,12 @@ def test_the_fused_prompt_graph_equals_the_explicit_one(repository: Path, model:
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("model", ["alibi", "relative", "rope", "none"])
 def test_a_prefix_cache_hit_computed_in_place_equals_the_whole_prompt(
-    repository: Path, model: str, backend: str, monkeypatch: pytest.MonkeyPatch
+    repository: Path, model: str, backend: str
 ) -> None:
     """A hit's rest through the fused prompt graph with the cached blocks assembled in place
     (past and present one array: the kernel reads the past where it lies) gives the whole prompt's
-    last logits and cache, on the arena session (a short rest) and on the other (bound lowered)."""
-    from service.engine import runner as runner_module
+    last logits and cache, with the session's arena holding earlier calls' regions and after it
+    was released."""
     from service.engine.kv.prefix import CachedPast
 
     runner = runner_for(repository, model, backend)
@@ -241,8 +241,9 @@ def test_a_prefix_cache_hit_computed_in_place_equals_the_whole_prompt(
     prompt = PROMPTS["b"] * 3
     whole = runner.prefill_chunked("w", prompt, chunk_tokens=512)
     cache = np.asarray(whole.cache)  # (2L, heads, T, hd)
-    for bound in (runner_module.ARENA_PROMPT_SCORES, 0):
-        monkeypatch.setattr(runner_module, "ARENA_PROMPT_SCORES", bound)
+    for release in (False, True):  # with the arena holding the last call's regions, and released
+        if release:
+            runner.release_prompt_memory()
         for cached in (16, 64):
             blocks = [runner.backend.upload(cache[:, :, start : start + 16]) for start in range(0, cached, 16)]
             *_, hit = runner.prefill_chunks("h", prompt, 512, CachedPast(blocks, runner.backend, "float32"))
