@@ -90,6 +90,7 @@ class StepInputs:
 
     position_ids: str  # (B, S) int64: the positions of each row's new tokens
     total: str  # () int64: T = the longest row + 1, the kernel's total_sequence_length
+    prompt: bool = False  # the prompt graph: each row's S positions are consecutive
 
     def key_positions(self, g: GraphBuilder) -> str:
         """(T,) int64: absolute key positions 0 .. T-1 (a row's token i sits at column i)."""
@@ -99,6 +100,37 @@ class StepInputs:
         """(B, S, T) int64: query position - key position, for each query row and key column."""
         queries = g.one("Unsqueeze", self.position_ids, g.const("axis_last_q", np.array([-1])))  # (B, S, 1)
         return g.one("Sub", queries, self.key_positions(g))
+
+    def diagonal_distances(self, g: GraphBuilder) -> tuple[str, str]:
+        """For the prompt graph, whose rows' positions are consecutive (q0, q0 + 1, ...): a bias that
+        depends only on query - key is constant along each diagonal of the (S, T) matrix, so it is
+        determined by S + T values. Returns (B, L) int64 distances d, L = S + T, and the name of L:
+        column k < T holds q0 - k (key k seen from the first query), column k >= T holds q0 + L - k
+        (the first query seen from the keys before it, i.e. later queries). `toeplitz` lays the
+        values out as the (B, heads, S, T) matrix."""
+        queries = g.one("Squeeze", g.one("Shape", self.position_ids, start=1, end=2), ZERO_1D)  # S
+        length = g.one("Add", self.total, queries)  # L = S + T
+        columns = g.one("Range", ZERO, length, ONE)  # (L,)
+        wrapped = g.one("Cast", g.one("GreaterOrEqual", columns, self.total), to=TensorProto.INT64)
+        offset = g.one("Sub", g.one("Mul", wrapped, length), columns)  # L * (k >= T) - k
+        first = g.one("Slice", self.position_ids, ZERO_1D, ONE_1D, ONE_1D)  # (B, 1): q0
+        return g.one("Add", first, offset), length
+
+    def toeplitz(self, g: GraphBuilder, values: str, length: str) -> str:
+        """(B, heads, S, T) from (B, heads, L) values over `diagonal_distances`: row i, column j is
+        values[(j - i) mod L]. Tiled S times and read with a row stride of L - 1, each row starts one
+        value earlier than the row above: three copies of about S x L values, where gathering a value
+        per entry (and transposing it) took 3x as long (docs/measurements.md)."""
+        queries = g.one("Squeeze", g.one("Shape", self.position_ids, start=1, end=2), ZERO_1D)  # S
+        repeats = g.one("Concat", ONE_1D, ONE_1D, g.one("Unsqueeze", queries, ZERO_1D), axis=0)
+        tiled = g.one("Tile", values, repeats)  # (B, H, S * L)
+        stride = g.one("Sub", length, ONE)
+        used = g.one("Unsqueeze", g.one("Mul", queries, stride), ZERO_1D)
+        flat = g.one("Slice", tiled, ZERO_1D, used, g.const("axis_last_1d", np.array([-1])))  # (B, H, S * (L - 1))
+        shape = g.one("Concat", ZERO_1D, ZERO_1D, g.const("minus_one_1d", np.array([-1])),
+                      g.one("Unsqueeze", stride, ZERO_1D), axis=0)  # fmt: skip
+        rows = g.one("Reshape", flat, shape)  # (B, H, S, L - 1): row i starts at values[-i mod L]
+        return g.one("Slice", rows, ZERO_1D, g.one("Unsqueeze", self.total, ZERO_1D), "axis_last_1d")
 
 
 class FusedPositions:
@@ -159,8 +191,13 @@ class RelativeBias(FusedPositions):
         )  # fmt: skip
         table = self.model.positional.bias.weight[buckets].T  # type: ignore[union-attr]  # (H, max_distance+1)
         top = g.const("max_distance", np.array(config.relative_max_distance))
+        by_distance = g.const("relative_bias_by_distance", table)
+        if step.prompt:  # S + T values laid out along the diagonals, not S x T gathered
+            distances, length = step.diagonal_distances(g)
+            values = g.one("Gather", by_distance, g.one("Clip", distances, ZERO, top), axis=1)  # (H, B, L)
+            return step.toeplitz(g, g.one("Transpose", values, perm=[1, 0, 2]), length)
         distance = g.one("Clip", step.distances(g), ZERO, top)  # (B, S, T)
-        bias = g.one("Gather", g.const("relative_bias_by_distance", table), distance, axis=1)  # (H, B, S, T)
+        bias = g.one("Gather", by_distance, distance, axis=1)  # (H, B, S, T)
         return g.one("Transpose", bias, perm=[1, 0, 2, 3])
 
 
@@ -250,11 +287,11 @@ def fused_graph(model: Transformer, prompt: bool = False) -> onnx.ModelProto:
     lengths = g.one("Sub", g.one("ReduceSum", ATTENTION_MASK, g.const("axis_1", np.array([1])), keepdims=0), ONE)
     if prompt:  # T = the mask's width: P past columns then S new ones; rows are right-padded
         total = g.one("Squeeze", g.one("Slice", g.one("Shape", ATTENTION_MASK), ONE_1D, TWO_1D), ZERO_1D)
-        rotary = positional.prompt_rotary(g, StepInputs(POSITION_IDS, total))
+        rotary = positional.prompt_rotary(g, StepInputs(POSITION_IDS, total, prompt))
     else:
         total = g.one("Add", g.one("ReduceMax", lengths, keepdims=0), ONE)  # scalar: longest row + 1
         rotary = positional.rotary(g, StepInputs(POSITION_IDS, total))
-    step = StepInputs(POSITION_IDS, total)
+    step = StepInputs(POSITION_IDS, total, prompt)
     seqlens_k = g.one("Cast", lengths, to=TensorProto.INT32)  # (B,)
     _layers(g, model, positional, step, seqlens_k, g.one("Cast", total, to=TensorProto.INT32), rotary)
     return _model(g, config, prompt)

@@ -60,6 +60,17 @@ def default_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
+def _chunk_inputs(
+    token_ids: list[int], done: int, chunk_tokens: int
+) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """(end, input_ids, attention_mask, position_ids) of each chunk of one row's prompt after its
+    first `done` tokens: the chunk attends to every token before it."""
+    for start in range(done, len(token_ids), chunk_tokens):
+        end = min(start + chunk_tokens, len(token_ids))
+        ids = np.asarray([token_ids[start:end]], dtype=np.int64)
+        yield end, ids, np.ones((1, end), dtype=np.int64), np.arange(start, end, dtype=np.int64)[None]
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     budget_bytes: int
@@ -285,12 +296,7 @@ class ModelRunner:
         if self.prompt_variant is not None:  # one cache array for the whole prompt, every chunk in place
             yield from self._chunks_in_place(request_id, token_ids, chunk_tokens, done, past)
             return
-        for start in range(done, len(token_ids), chunk_tokens):
-            chunk = token_ids[start : start + chunk_tokens]
-            end = start + len(chunk)
-            ids = np.asarray([chunk], dtype=np.int64)
-            mask = np.ones((1, end), dtype=np.int64)
-            positions = np.arange(start, end, dtype=np.int64)[None]
+        for end, ids, mask, positions in _chunk_inputs(token_ids, done, chunk_tokens):
             past = past.assemble() if isinstance(past, CachedPast) else past
             logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
             yield PrefilledPrompt(request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
@@ -312,12 +318,7 @@ class ModelRunner:
             cache = self.backend.zeros(shape, self.dtype)
             if past is not None:
                 cache[:, :, :, :done] = past
-        for start in range(done, len(token_ids), chunk_tokens):
-            chunk = token_ids[start : start + chunk_tokens]
-            end = start + len(chunk)
-            ids = np.asarray([chunk], dtype=np.int64)
-            mask = np.ones((1, end), dtype=np.int64)
-            positions = np.arange(start, end, dtype=np.int64)[None]
+        for end, ids, mask, positions in _chunk_inputs(token_ids, done, chunk_tokens):
             logits, cache = self._prompt_in_place(ids, mask, positions, cache)
             yield PrefilledPrompt(request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
 

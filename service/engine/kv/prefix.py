@@ -75,6 +75,7 @@ class PrefixCache:
         self.block_size = block_size
         self.blocks: OrderedDict[int, CachedBlock] = OrderedDict()
         self.nbytes = 0
+        self._bytes_by_form: dict[str, int] = {}  # kept as blocks come and go (metrics read it every step)
         self.tokens = 0  # tokens of every entry (blocks, and whole reusable segments)
         self.evictions = 0  # entries evicted, ever
 
@@ -106,6 +107,7 @@ class PrefixCache:
     def add(self, key: int, block: CachedBlock) -> None:
         self.blocks[key] = block
         self.nbytes += block.nbytes
+        self._bytes_by_form[block.form] = self._bytes_by_form.get(block.form, 0) + block.nbytes
         self.tokens += len(block.tokens)
 
     def touch(self, keys: list[int]) -> None:
@@ -120,13 +122,12 @@ class PrefixCache:
             if key not in keep:
                 block = self.blocks.pop(key)
                 self.nbytes -= block.nbytes
+                self._bytes_by_form[block.form] -= block.nbytes
                 self.tokens -= len(block.tokens)
                 self.evictions += 1
                 return block.nbytes
         return 0
 
     def bytes_by_form(self) -> dict[str, int]:
-        held: dict[str, int] = {}
-        for block in self.blocks.values():
-            held[block.form] = held.get(block.form, 0) + block.nbytes
-        return held
+        """Cached bytes by cache-policy form (forms once cached stay, at 0 when none is left)."""
+        return dict(self._bytes_by_form)
