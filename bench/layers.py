@@ -23,6 +23,7 @@ from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
+from service.engine import denormals
 from service.engine.engine import Engine
 from service.engine.messages import EngineConfig, GenerateInput
 from service.engine.runner import ModelRunner, StoreConfig
@@ -174,6 +175,7 @@ def decode_tokens_per_second_genai(folder: Path, new_tokens: int, threads: int) 
     config = og.Config(str(folder))
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
     model = og.Model(config)
+    denormals.flags_cleared_on_this_thread()  # its runtime cleared flush-to-zero here
     prompt = TOKENIZER.encode("def main():\n")
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)

@@ -99,6 +99,7 @@ def genai_prompt_seconds(folder: Path, text: str, threads: int) -> float | None:
     overlay = {"model": {"context_length": len(ids) + 8, "decoder": {"session_options": options}}}
     config.overlay(json.dumps(overlay))
     model = og.Model(config)
+    denormals.flags_cleared_on_this_thread()  # its runtime cleared flush-to-zero here
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + 1, do_sample=False)
     warm = og.Generator(model, params)
