@@ -318,13 +318,15 @@ class RunningServer:
         if self.stopped.is_set():
             return DrainReport()
         grace = self.config.grace_seconds if grace is None else grace
+        delay = max(0.0, self.config.drain_delay_seconds) if grace > 0 else 0.0  # stop(0): at once
+        if delay == 0:  # refused from the moment health says so (one HTTP call once slipped in between, in CI)
+            self.servicer.draining = True
         self._draining = True  # health stays NOT_SERVING whatever the engine core does
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if grace > 0:  # stop(0): at once (the engine core could not be kept running)
-            time.sleep(max(0.0, self.config.drain_delay_seconds))
+        time.sleep(delay)
         started = time.monotonic()
-        closed = self.server.stop(grace)  # running calls go on; new ones are not accepted
         self.servicer.draining = True  # a handler that starts now (HTTP keeps its port) is refused with the reason
+        closed = self.server.stop(grace)  # running calls go on; new ones are not accepted
         report = self.engine.stop(grace) if self.engine is not None else DrainReport()
         # Finished requests' handlers still send their last message: give them what is left of the grace.
         left = max(0.5, grace - (time.monotonic() - started))
