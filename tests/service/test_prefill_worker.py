@@ -97,17 +97,12 @@ def test_a_failing_prompt_fails_alone(runner: ModelRunner) -> None:
     assert "injected fault" in str(errors["bad"])
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
-
-
-def test_the_prompt_arena_is_kept_while_busy_and_handed_back_once_the_worker_idles(
+def test_the_prompt_arena_is_handed_back_once_the_worker_idles(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fused prompt session keeps an arena (calls would otherwise page-fault their
-    intermediates in, each time); after RELEASE_AFTER_IDLE_SECONDS without work the worker frees
-    it: this process's resident memory falls by about what the arena held."""
+    intermediates in, each time); after RELEASE_AFTER_IDLE_SECONDS without work the worker releases
+    it, and a prompt after the release is computed as before."""
     from service.engine import prefill as prefill_module
 
     if runner.prompt_variant is None:
@@ -126,13 +121,47 @@ def test_the_prompt_arena_is_kept_while_busy_and_handed_back_once_the_worker_idl
     try:
         worker.submit([job("long", "x = [i * 2 for i in range(10)]\n" * 32)])  # 993 tokens: 4 chunks
         collector.wait_for(1)
-        held = resident_bytes()
         assert runner._prompt_memory_held
         assert released.wait(timeout=10)
         assert not runner._prompt_memory_held
-        assert held - resident_bytes() > 2 << 20, "the release freed no arena memory"
-        worker.submit([job("again", "def f(x):\n    return x\n" * 30)])  # a call after a release works
+        worker.submit([job("again", "def f(x):\n    return x\n" * 30)])
         assert collector.wait_for(2) == ["long", "again"]
         assert all(r.prompt is not None for r in collector.results)
     finally:
         worker.stop()
+
+
+def test_releasing_the_prompt_arena_returns_its_memory_to_the_system(repository: Path) -> None:
+    """The physical truth, in a process set up as the engine core is (glibc's mmap threshold pinned,
+    service/malloc.py; this test process is not, and a heap that grew here keeps what is freed):
+    resident memory falls by more than 2 MB when the arena a long prompt left is released."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from contract.manifest import Manifest
+        from service.engine.runner import ModelRunner, StoreConfig
+        from service.malloc import return_freed_memory_to_the_os
+        return_freed_memory_to_the_os()
+        def resident():
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[1]) * 4096
+        manifest = Manifest.load(Path({str(repository / "alibi")!r}))
+        runner = ModelRunner(manifest, StoreConfig(64 << 20, 16, 1024), "cpu", 1)
+        if runner.prompt_variant is None:
+            print("skip")
+            raise SystemExit
+        runner.prefill_chunked("long", [100 + i % 50 for i in range(1000)], 256)
+        held = resident()
+        runner.release_prompt_memory()
+        print(held, resident())
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    if done.stdout.split()[-1] == "skip":
+        pytest.skip("an export without the fused prompt graph")
+    held, released = (int(v) for v in done.stdout.split()[-2:])
+    assert held - released > 2 << 20, f"the release freed {(held - released) >> 10} KiB"
