@@ -323,9 +323,10 @@ class RunningServer:
             self.servicer.draining = True
         self._draining = True  # health stays NOT_SERVING whatever the engine core does
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        time.sleep(delay)
+        if delay > 0:
+            time.sleep(delay)
+            self.servicer.draining = True  # a handler that starts now (HTTP keeps its port) is refused with the reason
         started = time.monotonic()
-        self.servicer.draining = True  # a handler that starts now (HTTP keeps its port) is refused with the reason
         closed = self.server.stop(grace)  # running calls go on; new ones are not accepted
         report = self.engine.stop(grace) if self.engine is not None else DrainReport()
         # Finished requests' handlers still send their last message: give them what is left of the grace.

@@ -28,7 +28,8 @@ from loadtest.study.results import Cell
 from loadtest.workloads import DocumentPrompt
 from models.tokenizer import TOKENIZER
 from service.engine.messages import PromptSegment
-from service.engine.runner import ModelRunner, PrefilledPrompt, StoreConfig
+from service.engine.prompts import PrefilledPrompt
+from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.segments import SegmentAssembly, segment_spans
 
 CHUNK_TOKENS = 512

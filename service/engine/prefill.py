@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from service.engine.kv.prefix import CachedPast
+from service.engine.prompts import PrefilledPrompt
 from service.engine.request import Request
-from service.engine.runner import ModelRunner, PrefilledPrompt
+from service.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +131,10 @@ class PrefillWorker:
                     self._wake.wait(timeout=idle_wait)
                 if self._stopped:
                     return
-                if not self._jobs and not self._long:
-                    if idle_wait is not None:  # idle a while: hand the prompt arena back (outside the lock)
-                        idle_wait = None
-                        release = True
-                    else:
-                        continue
-                else:
-                    idle_wait, release = RELEASE_AFTER_IDLE_SECONDS, False
+                release = not self._jobs and not self._long  # idle a while: hand the prompt arena back
+                if release and idle_wait is None:  # already handed back: wait for work
+                    continue
+                idle_wait = None if release else RELEASE_AFTER_IDLE_SECONDS
                 short, hits = [], []
                 while self._jobs:
                     job = self._jobs.popleft()

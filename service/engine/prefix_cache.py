@@ -15,8 +15,8 @@ from typing import Any
 
 from service.engine.kv import KVStore
 from service.engine.kv.prefix import CachedPast, block_hashes
+from service.engine.prompts import PrefilledPrompt
 from service.engine.request import Request
-from service.engine.runner import PrefilledPrompt
 from service.metrics import ServiceMetrics
 
 

@@ -50,6 +50,7 @@ from service.engine.model_session import (
     fused_graph,
     prompt_graph,
 )
+from service.engine.prompts import PrefilledPrompt, StreamedPrompt, chunk_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +59,6 @@ def default_threads() -> int:
     """Intra-op threads of the decode session: half the cores (the prefill session gets them all,
     at a lower priority, see PrefillWorker)."""
     return max(1, (os.cpu_count() or 2) // 2)
-
-
-def _chunk_inputs(
-    token_ids: list[int], done: int, chunk_tokens: int
-) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """(end, input_ids, attention_mask, position_ids) of each chunk of one row's prompt after its
-    first `done` tokens: the chunk attends to every token before it."""
-    for start in range(done, len(token_ids), chunk_tokens):
-        end = min(start + chunk_tokens, len(token_ids))
-        ids = np.asarray([token_ids[start:end]], dtype=np.int64)
-        yield end, ids, np.ones((1, end), dtype=np.int64), np.arange(start, end, dtype=np.int64)[None]
 
 
 @dataclass(frozen=True)
@@ -84,24 +74,6 @@ class RunnerTimings:
 
     graph: float = 0.0
     cache: float = 0.0
-
-
-@dataclass
-class PrefilledPrompt:
-    """A computed prompt, ready to be written into its reserved row."""
-
-    request_id: str
-    logits: np.ndarray  # (vocab,) at the last position, float32, host
-    cache: Array  # (2 x layers, heads, length, head_dim) on the store's device
-    length: int
-    policy: RowPolicy | None = None  # the row's policy and eviction state (None: full, or set at join)
-
-
-@dataclass
-class StreamedPrompt(PrefilledPrompt):
-    """A prompt computed through a bounded policy; with every position's logits when asked (scoring)."""
-
-    all_logits: np.ndarray | None = None  # (T, vocab)
 
 
 # A prompt streaming through a bounded policy lets other prompts run after this many tokens.
@@ -203,7 +175,7 @@ class ModelRunner:
         options shrink the arena after it (ONNX Runtime frees every arena region no live tensor
         uses). The arena keeps a busy worker's calls from page-faulting their intermediates in;
         released, an idle server's resident memory returns to what its caches hold."""
-        if not self._prompt_memory_held or self.prompt_variant is None or self.prefill_session is None:
+        if not self._prompt_memory_held:  # set by fused prompt calls only
             return
         self._prompt_memory_held = False
         ids = np.full((1, 1), self.pad_token_id, dtype=np.int64)
@@ -296,7 +268,7 @@ class ModelRunner:
         if self.prompt_variant is not None:  # one cache array for the whole prompt, every chunk in place
             yield from self._chunks_in_place(request_id, token_ids, chunk_tokens, done, past)
             return
-        for end, ids, mask, positions in _chunk_inputs(token_ids, done, chunk_tokens):
+        for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
             past = past.assemble() if isinstance(past, CachedPast) else past
             logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
             yield PrefilledPrompt(request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
@@ -318,7 +290,7 @@ class ModelRunner:
             cache = self.backend.zeros(shape, self.dtype)
             if past is not None:
                 cache[:, :, :, :done] = past
-        for end, ids, mask, positions in _chunk_inputs(token_ids, done, chunk_tokens):
+        for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
             logits, cache = self._prompt_in_place(ids, mask, positions, cache)
             yield PrefilledPrompt(request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
 

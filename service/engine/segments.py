@@ -22,8 +22,9 @@ from service.engine.kv import Array, KVStore
 from service.engine.kv.classes import rotate_keys
 from service.engine.kv.prefix import CachedPast
 from service.engine.messages import PromptSegment
+from service.engine.prompts import PrefilledPrompt
 from service.engine.request import Request
-from service.engine.runner import ModelRunner, PrefilledPrompt
+from service.engine.runner import ModelRunner
 
 
 def segment_spans(segments: tuple[PromptSegment, ...], add_bos: bool) -> tuple[tuple[int, int], ...]:

@@ -11,7 +11,8 @@ from contract.cache_policy import parse_cache_policy
 from contract.manifest import PREFILL_FUSED, Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
-from service.engine.runner import ModelRunner, PrefilledPrompt, StoreConfig
+from service.engine.prompts import PrefilledPrompt
+from service.engine.runner import ModelRunner, StoreConfig
 
 PROMPTS = {
     "a": TOKENIZER.encode("def f(x):\n"),
