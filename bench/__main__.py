@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.fused import print_fused_steps
 from bench.mixed import print_mixed_lengths
-from bench.policies import print_policy_steps
+from bench.policies import print_int8_ratio, print_policy_steps
 from bench.prefill import print_prefill
 from bench.share import print_cache_share
 from bench.steps import print_step_table
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print_cache_share(repository / args.model, args, steps)
     if "policies" in args.sections:
         print_policy_steps(folders, args, steps)
+        print_int8_ratio(folders, args, steps)
     if "fused" in args.sections:
         print_fused_steps(folders, args, steps)
     if "prefill" in args.sections:

@@ -10,7 +10,16 @@ Chosen by measurement (`python -m export.int8_study`, numbers in its docstring):
 per channel (KIVI: Liu et al. 2024, https://arxiv.org/abs/2402.02750) need scales fixed over a
 group of tokens and the unfinished group kept in float32, and changed bits per byte at 1x no more
 than per-token keys on these models (both within 0.05% on every scheme); per token, written one
-token at a time, is the layout served.
+token at a time, is the layout served to bounded (`window+int8`, `sinks+int8`) rows.
+
+The unbounded `int8` cache has a second format, the one ONNX Runtime's GroupQueryAttention reads
+inside its kernel (`k_quant_type` / `v_quant_type` PER_CHANNEL, `kv_cache_bit_width` 8): fixed
+scales per layer, K or V, head and channel, `scale = max|x| / 127` over a calibration text
+(export/int8_channels.py), `q = clamp(round(x / scale), -128, 127)`. No per-token scales travel
+with the cache (1,024 bytes a token against 1,152), the kernel quantizes each new token itself and
+dequantizes inside attention, so no float copy of the cache is made; a value beyond its channel's
+calibrated range is clipped (to [-128, 127], as the kernel clips). The new token attends to its own
+K/V as stored (quantized), where the per-token format's new token attends to its float32 K/V.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from typing import Any
 import numpy as np
 
 QMAX = 127
+CHANNEL_QMIN = -128  # the channel format's lower bound: the kernel clips to int8's full range
 SCALE_DTYPE = "float32"
 
 
@@ -42,3 +52,15 @@ def dequantize(q: Any, scale: Any) -> Any:
 def fake_quantize(x: np.ndarray) -> np.ndarray:
     """x as the int8 cache returns it (quantized, then dequantized), float32."""
     return dequantize(*quantize_numpy(x))
+
+
+def quantize_channels(x: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """x (..., head_dim) float -> int8 in the channel format, `scales` broadcasting against x
+    (the kernel's rounding: half to even, clipped to [CHANNEL_QMIN, QMAX])."""
+    x = np.asarray(x, dtype=np.float32)
+    return np.clip(np.rint(x / scales), CHANNEL_QMIN, QMAX).astype(np.int8)
+
+
+def fake_quantize_channels(x: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """x as the channel-format cache returns it, float32."""
+    return quantize_channels(x, scales).astype(np.float32) * scales

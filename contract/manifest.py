@@ -31,6 +31,10 @@ SERVING_FUSED = "serving-fused"
 # The fused prompt graph (export/fused.py, `fused_graph(prompt=True)`): one GroupQueryAttention per layer
 # over S new tokens per row, float32; how it is fed: contract.graph (PREFILL_FUSED's paragraph).
 PREFILL_FUSED = "prefill-fused"
+# The fused decode graph of the int8 cache (export/fused.py, `fused_graph(int8_scales=...)`): the
+# kernel reads int8 K/V with fixed per-channel scales (contract.kv_int8's channel format, the scales in
+# the manifest's `int8_channel_scales`) and writes each new token's K/V quantized into the buffer.
+SERVING_FUSED_INT8 = "serving-fused-int8"
 _SERVING_PREFIX = "serving-"
 # A manifest without any of these is refused (manifest.json may carry more).
 REQUIRED_KEYS = (
@@ -48,7 +52,7 @@ def serving_variant(dtype: str) -> str:
 
 def variant_dtype(variant: str) -> str:
     """The storage dtype of a variant's cache and activations ("serving-float16" -> "float16")."""
-    if variant in (SERVING_FUSED, PREFILL_FUSED):
+    if variant in (SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8):
         return "float32"
     dtype = variant.removeprefix(_SERVING_PREFIX)
     if dtype not in DTYPE_BYTES:
@@ -224,6 +228,16 @@ class Manifest:
     def has_int8_cache(self) -> bool:
         """The export has the int8 serving graph (the +int8 cache policies)."""
         return SERVING_INT8 in self.data["variants"]  # type: ignore[operator]
+
+    @property
+    def int8_channel_scales(self) -> np.ndarray | None:
+        """The fixed per-channel scales of the fused int8 graph's cache, (2 x layers, heads, 1,
+        head_dim) float32 (K then V of each layer), or None where the export has no such graph."""
+        raw = self.data.get("int8_channel_scales")
+        if raw is None or SERVING_FUSED_INT8 not in self.data["variants"]:  # type: ignore[operator]
+            return None
+        shape = (2 * self.n_layers, self.n_heads, 1, self.head_dim)
+        return np.asarray(raw, dtype=np.float32).reshape(shape)
 
     def kv_bytes_per_token(self, dtype: str = "float32") -> int:
         """Cache bytes one token occupies: K and V, every layer and head (SERVING_INT8: int8 values

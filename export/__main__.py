@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from contract.cli import HelpFormatter
-from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FP16, SERVING_FUSED, SERVING_INT8
+from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FP16, SERVING_FUSED, SERVING_FUSED_INT8, SERVING_INT8
 from export.repository import GRAPH_FILES, ExportOptions, ExportResult, run
 from models.positional import SCHEMES
 
@@ -29,6 +29,7 @@ SHORT_NAMES = {
     SERVING_INT8: "int8",
     SERVING_FUSED: "fused",
     PREFILL_FUSED: "prefill",
+    SERVING_FUSED_INT8: "fused-int8",
 }
 
 

@@ -23,8 +23,13 @@ sin computed in the graph for each row's position, so no length limit is baked i
 What it cannot express, so those rows keep the explicit serving graph: bounded cache policies
 (window / sinks shift a row by one token in place and re-index positions, moving rope's sinks;
 the kernel's `sliding_window_cache` evicts in blocks, keeps no sinks and indexes the bias by
-absolute position) and the int8 cache (per-token scales; the kernel quantizes per tensor or per
-channel).
+absolute position) and the bounded policies' int8 cache (per-token scales; the kernel quantizes
+per tensor or per channel).
+
+With `int8_scales`, the graph is serving-fused-int8: the unbounded int8 cache in contract/kv_int8.py's
+channel format. The past and present K/V are int8, each layer's fixed scales are initializers fed to
+the kernel's k_scale / v_scale (`k_quant_type` / `v_quant_type` PER_CHANNEL, 8 bits), and the kernel
+quantizes the new token's K/V into the buffer and dequantizes inside attention.
 """
 
 from __future__ import annotations
@@ -274,9 +279,11 @@ FUSED_POSITIONS: dict[str, type[FusedPositions]] = {
 }
 
 
-def fused_graph(model: Transformer, prompt: bool = False) -> onnx.ModelProto:
-    """The serving-fused graph of a float32 model (see the module docstring for its contract), or with
-    `prompt` the prefill-fused graph (export/prefill.py's contract): S new tokens per row."""
+def fused_graph(model: Transformer, prompt: bool = False, int8_scales: np.ndarray | None = None) -> onnx.ModelProto:
+    """The serving-fused graph of a float32 model (see the module docstring for its contract), with
+    `prompt` the prefill-fused graph (export/prefill.py's contract): S new tokens per row, or with
+    `int8_scales` ((2 x layers, heads, 1, head_dim), export/int8_channels.py) serving-fused-int8."""
+    assert int8_scales is None or not prompt, "prompts are computed in float32"
     model = model.float().eval()
     config = model.config
     positional = FUSED_POSITIONS[config.scheme](model)
@@ -293,8 +300,8 @@ def fused_graph(model: Transformer, prompt: bool = False) -> onnx.ModelProto:
         rotary = positional.rotary(g, StepInputs(POSITION_IDS, total))
     step = StepInputs(POSITION_IDS, total, prompt)
     seqlens_k = g.one("Cast", lengths, to=TensorProto.INT32)  # (B,)
-    _layers(g, model, positional, step, seqlens_k, g.one("Cast", total, to=TensorProto.INT32), rotary)
-    return _model(g, config, prompt)
+    _layers(g, model, positional, step, seqlens_k, g.one("Cast", total, to=TensorProto.INT32), rotary, int8_scales)
+    return _model(g, config, prompt, int8_scales is not None)
 
 
 ZERO_1D, ONE_1D, TWO_1D = "zero_1d", "one_1d", "two_1d"
@@ -308,8 +315,10 @@ def _layers(
     seqlens_k: str,
     total_i32: str,
     rotary: tuple[str, str, str] | None,
+    int8_scales: np.ndarray | None = None,
 ) -> None:
-    """Embedding, the blocks (one GroupQueryAttention each) and the LM head, writing LOGITS and present.*."""
+    """Embedding, the blocks (one GroupQueryAttention each) and the LM head, writing LOGITS and present.*
+    (with `int8_scales`, the kernel reads and writes an int8 cache with those per-channel scales)."""
     config = model.config
     sd = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     for name, value in ((ZERO_1D, 0), (ONE_1D, 1), (TWO_1D, 2)):
@@ -342,15 +351,23 @@ def _layers(
     cos, sin, rotary_positions = rotary if rotary is not None else ("", "", "")
     past, present = past_names(config.n_layers), present_names(config.n_layers)
     normed = g.one("LayerNormalization", x, *norm_weights("blocks.0.attn_norm"), axis=-1, epsilon=config.layer_norm_eps)
+    quantized: dict[str, object] = {}
+    if int8_scales is not None:
+        quantized = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
     for i in range(config.n_layers):
         block = f"blocks.{i}"
         qkv = linear(normed, f"{block}.attn.qkv")  # packed (B, S, 3d)
+        scales = []
+        if int8_scales is not None:  # (heads, 1, head_dim) each: K's, then V's
+            k_scale, v_scale = int8_scales[2 * i], int8_scales[2 * i + 1]
+            scales = ["", g.const(f"{block}.k_scale", k_scale), g.const(f"{block}.v_scale", v_scale)]
         attended, _, _ = g.op(
             "GroupQueryAttention",
             qkv, "", "", past[2 * i], past[2 * i + 1], seqlens_k, total_i32, cos, sin,
-            rotary_positions, bias or "",
+            rotary_positions, bias or "", *scales,
             outputs=3, domain="com.microsoft", num_heads=config.n_heads, kv_num_heads=config.n_heads,
             do_rotary=int(rotary is not None), rotary_interleaved=0, scale=1.0 / math.sqrt(config.head_dim),
+            **quantized,
         )  # fmt: skip
         g.nodes[-1].output[1:] = [present[2 * i], present[2 * i + 1]]
         out = f"{block}.attn.out_proj"
@@ -362,29 +379,33 @@ def _layers(
     g.nodes.append(helper.make_node("MatMul", [normed, lm_head], [LOGITS], name="lm_head"))
 
 
-def _model(g: GraphBuilder, config: ModelConfig, prompt: bool = False) -> onnx.ModelProto:
-    float_type, cache_dims = TensorProto.FLOAT, ["batch", config.n_heads, "past_sequence", config.head_dim]
+def _model(g: GraphBuilder, config: ModelConfig, prompt: bool = False, int8: bool = False) -> onnx.ModelProto:
+    float_type, cache_type = TensorProto.FLOAT, TensorProto.INT8 if int8 else TensorProto.FLOAT
+    cache_dims = ["batch", config.n_heads, "past_sequence", config.head_dim]
     present_dims = ["batch", config.n_heads, "total_sequence", config.head_dim] if prompt else cache_dims
     width = "sequence" if prompt else 1
     inputs = [
         helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch", width]),
         helper.make_tensor_value_info(ATTENTION_MASK, TensorProto.INT64, ["batch", "total_sequence"]),
         helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, ["batch", width]),
-        *(helper.make_tensor_value_info(name, float_type, cache_dims) for name in past_names(config.n_layers)),
+        *(helper.make_tensor_value_info(name, cache_type, cache_dims) for name in past_names(config.n_layers)),
     ]
     outputs = [
         helper.make_tensor_value_info(LOGITS, float_type, ["batch", width, config.vocab_size]),
-        *(helper.make_tensor_value_info(name, float_type, present_dims) for name in present_names(config.n_layers)),
+        *(helper.make_tensor_value_info(name, cache_type, present_dims) for name in present_names(config.n_layers)),
     ]
-    name = "prefill_fused" if prompt else "serving_fused"
+    name = "prefill_fused" if prompt else "serving_fused_int8" if int8 else "serving_fused"
     graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", CONTRIB_OPSET)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="posenc-serve")
 
 
-def export_fused(model: Transformer, path: Path, prompt: bool = False) -> onnx.ModelProto:
-    """Write the serving-fused (or, with `prompt`, prefill-fused) graph of `model` (float32, one file)."""
-    proto = fused_graph(model, prompt)
+def export_fused(
+    model: Transformer, path: Path, prompt: bool = False, int8_scales: np.ndarray | None = None
+) -> onnx.ModelProto:
+    """Write the serving-fused (with `prompt`, prefill-fused; with `int8_scales`, serving-fused-int8)
+    graph of `model` (float32 activations, one file)."""
+    proto = fused_graph(model, prompt, int8_scales)
     onnx.checker.check_model(proto, full_check=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(proto, str(path))

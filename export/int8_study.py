@@ -7,9 +7,12 @@ al. 2024, https://arxiv.org/abs/2402.02750) quantizes keys per channel with scal
 G tokens, so a key is quantized only once its group is complete (before that it stays float32);
 values per token either way.
 
-Per token is served (contract/kv_int8.py): both layouts cost far less than 1% of bits per byte on
-the shipped weights, and per-channel keys would add group-fixed scales and up to a group of float32
-keys per row for no measurable gain.
+Per token is served to bounded rows (contract/kv_int8.py): both layouts cost far less than 1% of bits
+per byte on the shipped weights, and per-channel keys would add group-fixed scales and up to a group of
+float32 keys per row for no measurable gain. The unbounded `int8` cache is served in the `channel`
+layout, the one ONNX Runtime's attention kernel reads: fixed per-channel scales for K and V from a
+calibration on the train split (export/int8_channels.py), every token attending to its own K/V
+quantized too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from export.int8_channels import kv_channel_scales
 from models.checkpoints import WEIGHTS_DIR
 from models.corpus import load_corpus
 from models.evaluation import bits_per_byte, evaluation_sequences
@@ -57,6 +61,19 @@ def quantized_attention(layout: str, group: int):
     return attend
 
 
+def channel_attention(key_scales: Tensor, value_scales: Tensor):
+    """One layer's attention over K/V in the channel format ((heads, 1, head_dim) scales each)."""
+
+    def stored(x: Tensor, scales: Tensor) -> Tensor:
+        return torch.clamp(torch.round(x / scales), -128, 127) * scales
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, past: object, bias: Tensor, scale: float) -> tuple[Tensor, object]:
+        weights = torch.softmax((q @ stored(k, key_scales).transpose(-2, -1)) * scale + bias, dim=-1)
+        return weights @ stored(v, value_scales), (k, v)
+
+    return attend
+
+
 @torch.no_grad()
 def target_logprobs(model: Transformer, ids: list[int]) -> Tensor:
     """Teacher-forced log-probabilities of ids[1:] (T - 1, 1), in float64."""
@@ -75,10 +92,15 @@ def main() -> None:
     for scheme in SCHEMES:
         model = Transformer.load(WEIGHTS_DIR / scheme)
         results = {}
-        for layout in ("float32", "per-token", f"kivi-g{args.group}"):
-            attend = attend_concatenated if layout == "float32" else quantized_attention(layout, args.group)
-            for block in model.blocks:
-                block.attn.attend = attend
+        scales = torch.from_numpy(kv_channel_scales(model))
+        for layout in ("float32", "per-token", f"kivi-g{args.group}", "channel"):
+            for i, block in enumerate(model.blocks):
+                if layout == "channel":
+                    block.attn.attend = channel_attention(scales[2 * i], scales[2 * i + 1])
+                elif layout == "float32":
+                    block.attn.attend = attend_concatenated
+                else:
+                    block.attn.attend = quantized_attention(layout, args.group)
             results[layout] = bits_per_byte(partial(target_logprobs, model), sequences)
         base = results["float32"]
         print(scheme.ljust(11), "  ".join(f"{k} {v:.4f} ({100 * (v / base - 1):+.2f}%)" for k, v in results.items()))

@@ -35,12 +35,14 @@ from contract.manifest import (
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
+    SERVING_FUSED_INT8,
     SERVING_INT8,
     variant_dtype,
 )
 from contract.paths import REPOSITORY_ROOT
 from export.evaluate import onnx_bits_per_byte
 from export.fused import export_fused
+from export.int8_channels import kv_channel_scales
 from export.manifest import build_manifest, genai_config, write_json, write_tokenizer_json
 from export.onnx import OPSET, export_onnx
 from export.rope_variants import derive_rope_variant
@@ -74,6 +76,7 @@ GRAPH_FILES = {
     SERVING_INT8: "model.serving.int8.onnx",
     SERVING_FUSED: "model.serving.fused.onnx",
     PREFILL_FUSED: "model.prefill.fused.onnx",
+    SERVING_FUSED_INT8: "model.serving.fused.int8.onnx",
 }
 FP16_GRAPHS = ("float16", SERVING_FP16)
 # The graphs whose parity against PyTorch export checks (serving graphs are held to these in tests).
@@ -179,6 +182,7 @@ def export_model(
     folder.mkdir(parents=True, exist_ok=True)
     started = time.time()
     variants: dict[str, Path] = {}
+    extra: dict[str, object] = {}
     for variant in graphs or options.graph_variants():
         variants[variant] = folder / GRAPH_FILES[variant]
         # A copy each time: export casts the model and the serving layout rewires its layers.
@@ -186,12 +190,16 @@ def export_model(
             export_onnx(copy.deepcopy(model), variants[variant], int8=True)
         elif variant in (SERVING_FUSED, PREFILL_FUSED):
             export_fused(copy.deepcopy(model), variants[variant], prompt=variant == PREFILL_FUSED)
+        elif variant == SERVING_FUSED_INT8:
+            scales = kv_channel_scales(copy.deepcopy(model))
+            export_fused(copy.deepcopy(model), variants[variant], int8_scales=scales)
+            extra["int8_channel_scales"] = scales.reshape(-1).tolist()
         else:
             dtype = TORCH_DTYPES[variant_dtype(variant)]
             export_onnx(copy.deepcopy(model), variants[variant], dtype, new_only=variant != variant_dtype(variant))
     seconds = time.time() - started
     versions = {"torch": torch.__version__, "onnx": onnx.__version__, "python": sys.version.split()[0]}
-    extra = {
+    extra |= {
         "parameters": model.num_parameters(),
         "training": {k: training.get(k) for k in ("val_bpb", "command", "tokens_seen")},
     }

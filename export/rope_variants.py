@@ -24,7 +24,7 @@ from models.config import ModelConfig, RopeScaling
 from models.positional import rope_inverse_frequencies
 
 # What copies over from the base manifest unchanged (besides what build_manifest recomputes).
-_BASE_EXTRAS = ("parameters", "training")
+_BASE_EXTRAS = ("parameters", "training", "int8_channel_scales")  # the scales: the base model's calibration
 _ROTATIONS = ("Cos", "Sin")
 
 

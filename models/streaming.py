@@ -19,9 +19,15 @@ Per step, with n tokens cached before it and t its index in the sequence:
   float32 K/V. Moved rope sinks are quantized again after the move, from the stored anchor.
   `prompt_tokens` computes the first tokens in one float32 pass, as the service prefills a
   generation's prompt, and stores their cache quantized after it.
+- the unbounded `int8` policy, given the model's channel scales (`int8_channel_scales`, the
+  manifest's), stores K/V in contract/kv_int8.py's channel format instead, and each decoded token
+  attends to its own K/V quantized, as the fused int8 kernel does.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -61,21 +67,61 @@ def fake_quantize(x: Tensor) -> Tensor:
     return torch.from_numpy(kv_int8.fake_quantize(x.detach().cpu().numpy())).to(x)
 
 
-def _stored(cache: list[KeyValue], policy: CachePolicy, first: int) -> list[KeyValue]:
-    """The cache as the policy's storage holds it: columns from `first` on quantized under +int8."""
+def channel_quantizer(scales: np.ndarray) -> Callable[[Tensor, int], Tensor]:
+    """x, tensor index (2 x layer, + 1 for V) -> x as the channel-format cache stores it."""
+
+    def quantize(x: Tensor, tensor: int) -> Tensor:
+        stored = kv_int8.fake_quantize_channels(x.detach().cpu().numpy(), scales[tensor])
+        return torch.from_numpy(stored).to(x)
+
+    return quantize
+
+
+@contextmanager
+def _attending_to_stored(model: Transformer, quantize: Callable[[Tensor, int], Tensor]) -> Iterator[None]:
+    """While inside: each layer's new K/V are quantized before its tokens attend to them."""
+    originals = [block.attn.attend for block in model.blocks]
+
+    def layer(i: int, attend):  # type: ignore[no-untyped-def]
+        return lambda q, k, v, past, bias, scale: attend(
+            q, quantize(k, 2 * i), quantize(v, 2 * i + 1), past, bias, scale
+        )
+
+    try:
+        for i, block in enumerate(model.blocks):
+            block.attn.attend = layer(i, originals[i])
+        yield
+    finally:
+        for block, attend in zip(model.blocks, originals, strict=True):
+            block.attn.attend = attend
+
+
+def _stored(
+    cache: list[KeyValue], policy: CachePolicy, first: int, channels: Callable[[Tensor, int], Tensor] | None = None
+) -> list[KeyValue]:
+    """The cache as the policy's storage holds it: columns from `first` on quantized under +int8
+    (per token, or with `channels` in the channel format)."""
     if not policy.int8:
         return cache
 
-    def store(x: Tensor) -> Tensor:
-        return torch.cat((x[:, :, :first], fake_quantize(x[:, :, first:])), dim=2)
+    def store(x: Tensor, tensor: int) -> Tensor:
+        tail = x[:, :, first:]
+        return torch.cat((x[:, :, :first], fake_quantize(tail) if channels is None else channels(tail, tensor)), dim=2)
 
-    return [(store(k), store(v)) for k, v in cache]
+    return [(store(k, 2 * i), store(v, 2 * i + 1)) for i, (k, v) in enumerate(cache)]
 
 
 @torch.no_grad()
-def stream_logits(model: Transformer, ids: list[int], policy: CachePolicy, prompt_tokens: int = 1) -> Tensor:
+def stream_logits(
+    model: Transformer,
+    ids: list[int],
+    policy: CachePolicy,
+    prompt_tokens: int = 1,
+    int8_channel_scales: np.ndarray | None = None,
+) -> Tensor:
     """Logits (len(ids), vocab), float32, of `ids` decoded one token at a time under `policy`
-    (the first `prompt_tokens`, at most the budget, in one pass: a prompt as the service prefills it)."""
+    (the first `prompt_tokens`, at most the budget, in one pass: a prompt as the service prefills it;
+    an unbounded int8 policy with `int8_channel_scales` in the channel format)."""
     device = model.token_embedding.weight.device
     scheme = model.positional
     budget, sinks = policy.budget, policy.sinks
@@ -84,19 +130,26 @@ def stream_logits(model: Transformer, ids: list[int], policy: CachePolicy, promp
     evicted = 0
     rows: list[Tensor] = []
     head = max(1, min(prompt_tokens, len(ids), budget or len(ids)))
+    channels = None
+    if policy.int8 and not policy.bounded and int8_channel_scales is not None:
+        channels = channel_quantizer(int8_channel_scales)
     if ids:
         logits, cache = model(torch.tensor([ids[:head]], dtype=torch.long, device=device))
         rows.extend(logits[0].to(torch.float32))
-        cache = _stored(cache, policy, 0)
+        cache = _stored(cache, policy, 0, channels)
     for t, token in enumerate(ids[head:], start=head):
         assert cache is not None
         n = cache[0][0].shape[2]
         input_ids = torch.tensor([[token]], dtype=torch.long, device=device)
         mask = torch.ones((1, n + 1), dtype=torch.long, device=device)
         position_ids = torch.tensor([[_query_position(model, t, n)]], dtype=torch.long, device=device)
-        logits, presents = model(input_ids, mask, position_ids, past_key_values=cache)
+        if channels is None:
+            logits, presents = model(input_ids, mask, position_ids, past_key_values=cache)
+        else:
+            with _attending_to_stored(model, channels):
+                logits, presents = model(input_ids, mask, position_ids, past_key_values=cache)
         rows.append(logits[0, -1].to(torch.float32))
-        cache = _stored(_with_new(cache, presents, n), policy, n)
+        cache = _stored(_with_new(cache, presents, n), policy, n, channels)
         if budget is None or n < budget:
             continue
         if scheme.rotates_keys and sinks and anchor is None:
@@ -111,9 +164,15 @@ def stream_logits(model: Transformer, ids: list[int], policy: CachePolicy, promp
     return torch.stack(rows) if rows else torch.empty((0, model.config.vocab_size))
 
 
-def stream_logprobs(model: Transformer, ids: list[int], policy: CachePolicy, prompt_tokens: int = 1) -> np.ndarray:
+def stream_logprobs(
+    model: Transformer,
+    ids: list[int],
+    policy: CachePolicy,
+    prompt_tokens: int = 1,
+    int8_channel_scales: np.ndarray | None = None,
+) -> np.ndarray:
     """log p(ids[i + 1] | what the cache kept) for i < len(ids) - 1, float32 (len(ids) - 1,)."""
-    logits = stream_logits(model, ids, policy, prompt_tokens)
+    logits = stream_logits(model, ids, policy, prompt_tokens, int8_channel_scales)
     if len(ids) < 2:
         return np.zeros(0, dtype=np.float32)
     logprobs = torch.log_softmax(logits[:-1].to(torch.float32), dim=-1)

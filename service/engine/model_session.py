@@ -31,6 +31,7 @@ from contract.graph import (
 from contract.manifest import (
     NP_DTYPES,
     PREFILL_FUSED,
+    SERVING_FUSED_INT8,
     SERVING_INT8,
     FusedAttention,
     Manifest,
@@ -38,7 +39,7 @@ from contract.manifest import (
 )
 from service.engine import denormals
 from service.engine.denormals import flush_denormals_on_this_thread
-from service.engine.kv import INT8, Array, Backend, KVLayout
+from service.engine.kv import INT8, INT8_CHANNEL, Array, Backend, KVLayout
 
 ORT_DTYPES = {**NP_DTYPES, "int64": np.int64, "int8": np.int8}
 # How decode attends: the fused graph where exported and the rows allow it, only it (refusing a
@@ -120,12 +121,23 @@ class CacheGraph:
     cache_names: list[list[str]]  # input names per cache array of the class (K/V; INT8: also scales)
 
 
-def cache_graphs(manifest: Manifest, dtype: str) -> dict[str, CacheGraph]:
-    """The graph of each storage kind: the `dtype` serving graph, and serving-int8 when exported."""
+def cache_graphs(manifest: Manifest, dtype: str, int8_channel: bool = False) -> dict[str, CacheGraph]:
+    """The graph of each storage kind: the `dtype` serving graph, serving-int8 when exported, and with
+    `int8_channel` serving-fused-int8 (its rows are bound in place, past and present alike)."""
     graphs = {dtype: CacheGraph(serving_variant(dtype), dtype, cache_input_names(manifest.n_layers))}
     if manifest.has_int8_cache:
         graphs[INT8] = CacheGraph(SERVING_INT8, "float32", cache_input_names(manifest.n_layers, int8=True))
+    if int8_channel:
+        graphs[INT8_CHANNEL] = CacheGraph(SERVING_FUSED_INT8, "float32", cache_input_names(manifest.n_layers))
     return graphs
+
+
+def int8_channel_scales(manifest: Manifest, dtype: str, attention: str) -> np.ndarray | None:
+    """The model's per-channel int8 scales where its unbounded int8 rows are read inside the fused
+    kernel: exported, float32 serving, and `attention` not `explicit` (None: they are INT8 rows)."""
+    if dtype != "float32" or attention == "explicit":
+        return None
+    return manifest.int8_channel_scales
 
 
 def fused_graph(manifest: Manifest, dtype: str, attention: str) -> FusedAttention | None:

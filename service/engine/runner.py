@@ -39,7 +39,7 @@ from contract.cache_policy import CachePolicy
 from contract.graph import left_pad_batch, right_pad_batch
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
-from service.engine.kv import INT8, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
+from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
 from service.engine.kv.prefix import CachedPast
 from service.engine.messages import Scored
 from service.engine.model_session import (
@@ -48,6 +48,7 @@ from service.engine.model_session import (
     cache_graphs,
     choose_providers,
     fused_graph,
+    int8_channel_scales,
     prompt_graph,
 )
 from service.engine.prompts import PrefilledPrompt, StreamedPrompt, chunk_inputs
@@ -129,11 +130,12 @@ class ModelRunner:
         self.variant = serving_variant(self.dtype)
         manifest.verify_all()
         self.backend = make_backend(self.on_gpu, backend)
-        self.layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, self.dtype)
+        channel_scales = int8_channel_scales(manifest, self.dtype, attention)
+        self.layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, self.dtype, channel_scales)
         self.eviction = manifest.cache_eviction
         rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
         self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)
-        self.graphs = cache_graphs(manifest, self.dtype)  # by storage kind
+        self.graphs = cache_graphs(manifest, self.dtype, channel_scales is not None)  # by storage kind
         self.binder = GraphBinder(self.backend, self.layout, manifest.vocab_size, self.graphs)
         self.threads = threads or default_threads()
         self.prefill_threads = threads or os.cpu_count() or 1
@@ -362,7 +364,7 @@ class ModelRunner:
         capacity = policy.cached(len(token_ids))
         budget = capacity if head_tokens is None else min(head_tokens, capacity)
         assert len(token_ids) > budget
-        kind = INT8 if policy.int8 else self.dtype
+        kind = self.layout.int8_kind(policy.bounded) if policy.int8 else self.dtype
         session = self.prefill_sessions.get(kind)
         assert session is not None, "open_prefill_session() first"
         head = token_ids[:budget]
@@ -383,8 +385,11 @@ class ModelRunner:
         assert past is not None
         row = CapacityClass(self.backend, self.layout, capacity, 1, self.store.rotary_inv_freq, kind)
         row.write(request_id, past[:, 0], len(head), self.row_policy(policy))
-        binder = self.binder
-        binding, step_logits, new_kv = binder.bind(session, row.input_ids, row.mask, row.positions, row.arrays, kind)
+        binder, new_kv, inputs = self.binder, None, (row.input_ids, row.mask, row.positions)
+        if kind == INT8_CHANNEL:  # the fused int8 graph appends each token's K/V in the row itself
+            binding, step_logits = binder.bind_in_place(session, *inputs, row.arrays[0])
+        else:
+            binding, step_logits, new_kv = binder.bind(session, *inputs, row.arrays, kind)
         for done, token in enumerate(token_ids[budget:], start=1):
             binder.set_ids(row.input_ids[:, 0], np.asarray([token], dtype=np.int64))
             session.run(binding)
@@ -466,9 +471,10 @@ class ModelRunner:
         past = [array[:, :batch] for array in klass.arrays]
         inputs = (klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch])
         if self._decodes_fused(klass):
-            assert self.fused_session is not None
-            binding, logits = self.binder.bind_in_place(self.fused_session, *inputs, past[0])
-            call = _DecodeCall(klass.version, self.fused_session, binding, None, logits)
+            fused = self.sessions[klass.kind] if klass.kind == INT8_CHANNEL else self.fused_session
+            assert fused is not None
+            binding, logits = self.binder.bind_in_place(fused, *inputs, past[0])
+            call = _DecodeCall(klass.version, fused, binding, None, logits)
         else:
             session = self.sessions[klass.kind]
             binding, logits, new_kv = self.binder.bind(session, *inputs, past, klass.kind)
@@ -478,7 +484,10 @@ class ModelRunner:
 
     def _decodes_fused(self, klass: CapacityClass) -> bool:
         """The fused graph takes a class of full rows in its own dtype (it cannot shift a bounded
-        row by one token, nor read int8 rows' per-token scales)."""
+        row by one token, nor read int8 rows' per-token scales); the fused int8 graph takes the
+        int8-channel classes (unbounded rows only)."""
+        if klass.kind == INT8_CHANNEL:
+            return True
         return self.fused is not None and klass.kind == self.fused.dtype and not klass.bounded
 
     def forget_calls(self, everything: bool = False) -> None:

@@ -27,8 +27,16 @@ class QueueFullError(RuntimeError):
 class KVAllocator(Protocol):
     """What the scheduler needs of the KV store: allocation that is the memory, and release."""
 
-    def reserve(self, sequence_id: str, tokens: int, int8: bool = False, keep: frozenset[int] = frozenset()) -> bool:
-        """Room for `tokens` tokens; cached prefix blocks in `keep` are not evicted for it."""
+    def reserve(
+        self,
+        sequence_id: str,
+        tokens: int,
+        int8: bool = False,
+        keep: frozenset[int] = frozenset(),
+        bounded: bool = False,
+    ) -> bool:
+        """Room for `tokens` tokens (`int8`: in an int8 row, of the kind a `bounded` policy's rows take);
+        cached prefix blocks in `keep` are not evicted for it."""
         ...
 
     def free(self, sequence_id: str) -> None: ...
@@ -114,7 +122,9 @@ class Scheduler:
             policy = request.cache_policy
             own = self.prefix_blocks(request)
             keep = taken | own if self.running else taken
-            if not self.kv.reserve(request.request_id, policy.cached(request.prefill_length + 1), policy.int8, keep):
+            if not self.kv.reserve(
+                request.request_id, policy.cached(request.prefill_length + 1), policy.int8, keep, policy.bounded
+            ):
                 break
             taken |= own
             self.waiting.popleft()

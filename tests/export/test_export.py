@@ -26,6 +26,7 @@ from contract.manifest import (
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
+    SERVING_FUSED_INT8,
     SERVING_INT8,
     Manifest,
     ManifestError,
@@ -84,7 +85,7 @@ def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
         "add_bos": True,
     }
     assert list(data["variants"]) == [
-        "float32", SERVING, "float16", SERVING_FP16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED,
+        "float32", SERVING, "float16", SERVING_FP16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8,
     ]  # fmt: skip
     for variant, entry in data["variants"].items():  # type: ignore[union-attr]
         assert entry["file"] == GRAPH_FILES[variant]
@@ -257,7 +258,7 @@ def test_export_command_prints_table(
     table = capsys.readouterr().out
     assert "test bpb@64" in table and "parity fp32" in table
     variants = json.loads((tmp_path / "none" / "manifest.json").read_text())["variants"]
-    assert variants.keys() == {"float32", SERVING, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED}
+    assert variants.keys() == {"float32", SERVING, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8}
     assert "parity fused" in table and "parity prefill" in table
     assert (tmp_path / "none" / "genai_config.json").is_file()
 

@@ -15,7 +15,15 @@ import torch
 from onnx import numpy_helper
 
 from contract.graph import input_names, left_pad_batch, output_names
-from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FP16, SERVING_FUSED, SERVING_INT8, Manifest
+from contract.manifest import (
+    PREFILL_FUSED,
+    SERVING,
+    SERVING_FP16,
+    SERVING_FUSED,
+    SERVING_FUSED_INT8,
+    SERVING_INT8,
+    Manifest,
+)
 from export.onnx import export_onnx
 from export.repository import ExportOptions, cuda_onnxruntime, export_model, rope_scaled_name, run
 from export.rope_variants import RopeRewriteError, derive_graph, derive_rope_variant, rotary_constants
@@ -34,7 +42,7 @@ from models.positional import matched_config, rope_rotation_frequencies
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
-FP32_GRAPHS = ("float32", SERVING, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED)
+FP32_GRAPHS = ("float32", SERVING, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8)
 
 
 def scaled(model: Transformer, scaling: RopeScaling) -> Transformer:
@@ -159,7 +167,7 @@ def test_graphs_by_device_or_as_asked() -> None:
     default = ExportOptions().graph_variants()
     assert set(fp16) <= set(default) if cuda_onnxruntime() else default == FP32_GRAPHS
     assert ExportOptions(fp16=True).graph_variants() == (
-        "float32", SERVING, *fp16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED,
+        "float32", SERVING, *fp16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8,
     )  # fmt: skip
     assert ExportOptions(fp16=False).graph_variants() == FP32_GRAPHS
     assert ExportOptions(graphs=(SERVING_INT8,)).graph_variants() == ("float32", SERVING_INT8)

@@ -210,7 +210,8 @@ def test_runner_scores_int8_as_the_reference_does(repository: Path, scheme: str,
     ids = TOKENIZER.encode(TEXT)[:300]
     parsed = parse_cache_policy(policy)
     ours = runner.score(ids, parsed).logprobs
-    assert_matches_reference(ours, stream_logprobs(reference(scheme), ids, parsed))
+    scales = runner.layout.channel_scales  # the unbounded int8 row's channel format (test_int8_channel_cache.py)
+    assert_matches_reference(ours, stream_logprobs(reference(scheme), ids, parsed, int8_channel_scales=scales))
     full = runner.score(ids, parse_cache_policy(policy.removesuffix("+int8").replace("int8", "full"))).logprobs
     assert abs(bpb(ours) / bpb(full) - 1) < 0.02  # int8 against the same policy in float32
 
@@ -233,17 +234,20 @@ def test_list_models_shows_the_int8_forms(server: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize("policy", ["int8", "window:48+int8"])
-def test_score_with_int8_equals_the_reference_and_stays_near_float32(server: ServerProcess, policy: str) -> None:
+def test_score_with_int8_equals_the_reference_and_stays_near_float32(
+    server: ServerProcess, repository: Path, policy: str
+) -> None:
     score = server.stub.Score(pb.ScoreRequest(model="alibi", text=TEXT, cache_policy=policy), timeout=120)
     float32 = policy.removesuffix("+int8").replace("int8", "full")  # the same tokens kept, in float32
     full = server.stub.Score(pb.ScoreRequest(model="alibi", text=TEXT, cache_policy=float32), timeout=120)
     ids = TOKENIZER.encode(TEXT)
-    theirs = stream_logprobs(reference("alibi"), ids, parse_cache_policy(policy))
+    scales = Manifest.load(repository / "alibi").int8_channel_scales
+    theirs = stream_logprobs(reference("alibi"), ids, parse_cache_policy(policy), int8_channel_scales=scales)
     assert_matches_reference(np.asarray(score.token_logprobs), theirs)
     assert abs(score.bits_per_byte / full.bits_per_byte - 1) < 0.02
 
 
-def test_generate_int8_in_a_batch_with_float32_requests(server: ServerProcess) -> None:
+def test_generate_int8_in_a_batch_with_float32_requests(server: ServerProcess, repository: Path) -> None:
     """Concurrent greedy requests, int8 and float32 rows side by side (their own classes, one graph
     call each): every token is the reference's argmax given the tokens before it, the prompt
     prefilled in float32 and quantized into its row as the service does."""
@@ -259,11 +263,12 @@ def test_generate_int8_in_a_batch_with_float32_requests(server: ServerProcess) -
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         outputs = list(pool.map(generate, jobs))
-    model = reference("rope")
+    model, scales = reference("rope"), Manifest.load(repository / "rope").int8_channel_scales
     for (prompt, policy), generated in zip(jobs, outputs, strict=True):
         prompt_ids = TOKENIZER.encode(prompt)
         ids = prompt_ids + generated
-        logits = stream_logits(model, ids, parse_cache_policy(policy), prompt_tokens=len(prompt_ids))
+        parsed = parse_cache_policy(policy)
+        logits = stream_logits(model, ids, parsed, prompt_tokens=len(prompt_ids), int8_channel_scales=scales)
         chosen = logits[len(prompt_ids) - 1 : len(ids) - 1]
         top2 = torch.topk(chosen, 2, dim=-1).values
         agree = chosen.argmax(-1) == torch.tensor(generated)

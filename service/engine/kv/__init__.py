@@ -15,12 +15,13 @@ class.
 
 from service.engine.kv.arrays import Array, Backend, NumpyArrays, TorchArrays, make_backend
 from service.engine.kv.classes import CapacityClass, RowPolicy, capacity_ladder
-from service.engine.kv.layout import INT8, KVLayout
+from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
 from service.engine.kv.rows import Int8KV
 from service.engine.kv.store import KVBudgetError, KVStore, StoreStats
 
 __all__ = [
     "INT8",
+    "INT8_CHANNEL",
     "Array",
     "Backend",
     "CapacityClass",

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from contract.kv_int8 import QMAX, quantize_numpy
+from contract.kv_int8 import CHANNEL_QMIN, QMAX, quantize_channels, quantize_numpy
 from service.engine.kv.layout import INT8
 
 Array = Any  # np.ndarray or torch.Tensor, as the backend makes them
@@ -54,6 +54,10 @@ class NumpyArrays:
     def quantize(self, array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """int8 values and float32 per-token scales (contract.kv_int8)."""
         return quantize_numpy(array)
+
+    def quantize_channels(self, array: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """int8 values in the channel format (contract.kv_int8), `scales` broadcasting against `array`."""
+        return quantize_channels(array, scales)
 
 
 class TorchArrays:
@@ -106,6 +110,11 @@ class TorchArrays:
         top = array.abs().amax(dim=-1, keepdim=True)
         scale = torch.where(top > 0, top / QMAX, torch.ones_like(top))
         return torch.clamp(torch.round(array / scale), -QMAX, QMAX).to(torch.int8), scale
+
+    def quantize_channels(self, array: Array, scales: Array) -> Array:
+        """contract.kv_int8.quantize_channels in torch (the same rounding: half to even)."""
+        torch = self.torch
+        return torch.clamp(torch.round(array.to(torch.float32) / scales), CHANNEL_QMIN, QMAX).to(torch.int8)
 
 
 Backend = NumpyArrays | TorchArrays

@@ -1,4 +1,5 @@
-"""How a capacity class stores its rows: in the layout's float dtype, or as int8 with per-token scales.
+"""How a capacity class stores its rows: in the layout's float dtype, as int8 with per-token scales, or
+as int8 with the model's per-channel scales (`ChannelInt8Rows`, unbounded int8 rows).
 
 Int8 rows (the `+int8` cache policies, contract/kv_int8.py) live in classes of their own storage
 kind, so a class's arrays have one dtype: int8 K/V (2 x layers, rows, heads, C, head_dim) plus their
@@ -16,7 +17,7 @@ from typing import Any
 
 from contract.kv_int8 import SCALE_DTYPE, dequantize
 from service.engine.kv.arrays import Array, Backend
-from service.engine.kv.layout import INT8, KVLayout
+from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,40 @@ class Int8Rows:
         return Int8KV(self.cache[index], self.scales[index])
 
 
-Rows = FloatRows | Int8Rows
+class ChannelInt8Rows:
+    """A class's K/V as int8 with the model's fixed per-channel scales (contract/kv_int8.py's channel
+    format): one int8 array, which the fused int8 graph reads and appends to inside its kernel. Float
+    K/V are quantized when written (whole rows, (tensors, heads, n, head_dim)); a row moved from
+    another class of this kind is copied as it is."""
+
+    def __init__(self, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> None:
+        assert layout.channel_scales is not None, "int8-channel rows need the model's channel scales"
+        self.dtype = "float32"
+        self.cache = backend.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), INT8)
+        self.arrays = [self.cache]
+        self._backend = backend
+        self._scales = backend.upload(layout.channel_scales)  # (tensors, heads, 1, head_dim)
+
+    def encode(self, kv: Array) -> list[Array]:
+        if kv.dtype == self.cache.dtype:
+            return [kv]
+        return [self._backend.quantize_channels(kv, self._scales)]
+
+    def read(self, index: Any) -> Array:
+        raise NotImplementedError("int8-channel rows hold unbounded rows only: nothing reads them back as float")
+
+    def raw(self, index: Any) -> Array:
+        return self.cache[index]
+
+
+Rows = FloatRows | Int8Rows | ChannelInt8Rows
 
 
 def make_rows(kind: str, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> Rows:
     if kind == INT8:
         return Int8Rows(backend, layout, rows, capacity)
+    if kind == INT8_CHANNEL:
+        return ChannelInt8Rows(backend, layout, rows, capacity)
     if kind != layout.dtype:
-        raise ValueError(f"storage kind must be {layout.dtype} or {INT8}, got {kind!r}")
+        raise ValueError(f"storage kind must be {layout.dtype}, {INT8} or {INT8_CHANNEL}, got {kind!r}")
     return FloatRows(backend, layout, rows, capacity)

@@ -20,7 +20,7 @@ import numpy as np
 
 from service.engine.kv.arrays import Array, Backend, NumpyArrays
 from service.engine.kv.classes import GROWTH, CapacityClass, RowPolicy, capacity_ladder
-from service.engine.kv.layout import INT8, KVLayout
+from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
 from service.engine.kv.prefix import CachedBlock, CachedPast, PrefixCache
 
 # A class moves up the ladder as a whole when each of its rows would be at least this full there.
@@ -75,7 +75,7 @@ class KVStore:
                 f"(needs at least {minimum} bytes)"
             )
         self.classes: dict[int, CapacityClass] = {}  # float rows (the layout's dtype), by capacity
-        self.kinds: dict[str, dict[int, CapacityClass]] = {layout.dtype: self.classes, INT8: {}}
+        self.kinds: dict[str, dict[int, CapacityClass]] = {layout.dtype: self.classes, INT8: {}, INT8_CHANNEL: {}}
         self.capacity_of: dict[str, int] = {}  # sequence -> the capacity of its class
         self.kind_of: dict[str, str] = {}  # sequence -> the storage kind of its class
         self.tokens: dict[str, int] = {}  # sequence -> tokens reserved
@@ -119,16 +119,23 @@ class KVStore:
         """Tokens the sequence's row holds (0: none reserved)."""
         return self.capacity_of.get(sequence_id, 0)
 
-    def reserve(self, sequence_id: str, tokens: int, int8: bool = False, keep: frozenset[int] = frozenset()) -> bool:
+    def reserve(
+        self,
+        sequence_id: str,
+        tokens: int,
+        int8: bool = False,
+        keep: frozenset[int] = frozenset(),
+        bounded: bool = False,
+    ) -> bool:
         """Make room for `tokens` tokens of the sequence: a row for a new one (written later by
-        `write`; `int8`: in an int8 class), a move to a wider class of its kind when its row is
-        full. False, with nothing changed, when that would take the allocated memory above the budget.
-        Cached prefix blocks make room first, except those in `keep` (the ones a prompt admitted in
-        the same step is about to take)."""
+        `write`; `int8`: in an int8 class, of the layout's `int8_kind` for a `bounded` row or not), a
+        move to a wider class of its kind when its row is full. False, with nothing changed, when that
+        would take the allocated memory above the budget. Cached prefix blocks make room first, except
+        those in `keep` (the ones a prompt admitted in the same step is about to take)."""
         if tokens > self.max_tokens:
             return False
         current = self.capacity_of.get(sequence_id)
-        kind = self.kind_of.get(sequence_id) or (INT8 if int8 else self.layout.dtype)
+        kind = self.kind_of.get(sequence_id) or (self.layout.int8_kind(bounded) if int8 else self.layout.dtype)
         if current is not None and current >= tokens:
             self.tokens[sequence_id] = max(tokens, self.tokens.get(sequence_id, 0))
             return True
