@@ -38,8 +38,8 @@ from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import DocumentsForm, LoadFigures, Results, ReuseMode
 from loadtest.study.reuse_scoring import AnswerScorer, scored_modes
-from loadtest.study.serving import model_info, serving
-from loadtest.study.timed import ADMISSION_TTFT_SLO_S, COMPUTED, measure_load, rotated
+from loadtest.study.serving import COMPUTED, model_info, serving
+from loadtest.study.timed import ADMISSION_TTFT_SLO_S, measure_load, rotated
 from loadtest.workloads import (
     LONG_DOCUMENT_BYTES,
     SHARED_NEW_TOKENS,

@@ -13,7 +13,7 @@ from loadtest.study.budget import Budget
 from loadtest.study.cache_budget import measure_cache_budgets, score_bpb
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Results, Retrieval
-from loadtest.study.serving import model_info, start
+from loadtest.study.serving import COMPUTED, model_info, start
 from models.spans import SPAN_ALPHABET
 from service.process import ServerProcess
 
@@ -76,7 +76,8 @@ def measure_scored_sections(
 ) -> None:  # fmt: skip
     """The scored sections asked for, scheme after scheme, each on a server of its own."""
     for scheme in schemes:
-        server = start(repository, threads, [scheme, *(rope_variants if scheme == "rope" else [])])
+        # No prefix cache: the cache section's cost is what each policy's row holds, not cached prompts.
+        server = start(repository, threads, [scheme, *(rope_variants if scheme == "rope" else [])], *COMPUTED)
         try:
             server.wait_serving()
             info = model_info(server, scheme, results)

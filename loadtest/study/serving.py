@@ -21,6 +21,11 @@ SERVER_LIMITS = (
 )  # fmt: skip
 
 
+# Every prompt computed in full, and no cached prompt blocks in the KV bytes: the servers of the sections
+# that price computing prompts (latency, load) or what a policy's rows hold (cache) keep no prefix cache.
+COMPUTED = ("--no-prefix-cache",)
+
+
 def ensure_repository(repository: Path, schemes: list[str], scaling_multiples: tuple[float, ...]) -> list[str]:
     """Export any missing model, including rope scaling variants; return the rope variant names.
 

@@ -31,7 +31,7 @@ from loadtest.streaming import timed_stream
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import LoadFigures, Results
-from loadtest.study.serving import generate, servable, served_limits, serving
+from loadtest.study.serving import COMPUTED, generate, servable, served_limits, serving
 from models.checkpoints import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
@@ -49,8 +49,6 @@ ADMISSION_TTFT_SLO_S = 0.4
 MAX_RETRY_AFTER_S = MAX_RETRY_AFTER_SECONDS
 ITL_NEW_TOKENS = 16
 SECTIONS = ("latency", "load")
-# Every prompt computed in full: the servers of these sections keep no prefix cache.
-COMPUTED = ("--no-prefix-cache",)
 
 
 def rotated(schemes: list[str], turn: int) -> list[str]:
