@@ -4,7 +4,9 @@ functions of the results, no plotting."""
 
 from __future__ import annotations
 
-from contract.cache_policy import parse_cache_policy
+from dataclasses import dataclass
+
+from contract.cache_policy import CachePolicy, parse_cache_policy
 from loadtest.probes import wilson
 from loadtest.study.cache_budget import policy_budget
 from loadtest.study.results import ByLength, CacheBudget, Cell, Cells, LoadFigures
@@ -62,11 +64,7 @@ def verdict(quality: dict[float, float], near: Cell | None, far: Cell | None, ch
     extrapolates = base is not None and longest is not None and longest > 1 and quality[longest] <= 1.15 * base
     copies = near is not None and near["low"] > chance
     retrieves = (
-        copies
-        and far is not None
-        and near is not None
-        and far["value"] >= 0.5 * near["value"]
-        and far["low"] > chance
+        copies and far is not None and near is not None and far["value"] >= 0.5 * near["value"] and far["low"] > chance
     )
     if far is None or longest is None or longest <= 1:
         return "bounded: cannot take contexts past its positions"
@@ -112,20 +110,41 @@ def bpb_multiples(data: dict[str, CacheBudget]) -> list[str]:
     return sorted({m for f in data.values() for cells in measured_bpb(f).values() for m in cells}, key=float)
 
 
-def int8_ratio(data: dict[str, CacheBudget]) -> float | None:
-    """int8 K/V bytes over float32's per token, from the allocations measured for `int8` and `full`
-    (the same tokens in the same capacity classes; per-token scales included)."""
+@dataclass(frozen=True)
+class Int8Ratio:
+    """int8 K/V bytes over float32's per token, from the allocations measured: `int8` rows (fixed
+    per-channel scales) and bounded `+int8` rows (their int8 values plus per-token scales)."""
+
+    unbounded: float
+    bounded: float
+
+    def of(self, policy: CachePolicy) -> float:
+        return self.bounded if policy.bounded else self.unbounded
+
+
+def int8_ratio(data: dict[str, CacheBudget]) -> Int8Ratio | None:
+    """The measured int8 / float32 allocation ratios (the same tokens in the same capacity classes):
+    `int8` against `full`, and a bounded `W+int8` against `W` where both were measured (else the
+    unbounded ratio)."""
+    unbounded = bounded = None
     for figures in data.values():
-        full, quantized = figures["cost"].get("full"), figures["cost"].get("int8")
-        if full and quantized:
-            return float(quantized["kv_physical_bytes"] / full["kv_physical_bytes"])
-    return None
+        cost = figures["cost"]
+        full, quantized = cost.get("full"), cost.get("int8")
+        if unbounded is None and full and quantized:
+            unbounded = float(quantized["kv_physical_bytes"] / full["kv_physical_bytes"])
+        for policy, figure in cost.items():
+            base = cost.get(policy.removesuffix("+int8"))
+            if bounded is None and figure and base and policy.endswith("+int8") and parse_cache_policy(policy).bounded:
+                bounded = float(figure["kv_physical_bytes"] / base["kv_physical_bytes"])
+    if unbounded is None:
+        return None
+    return Int8Ratio(unbounded, unbounded if bounded is None else bounded)
 
 
-def sequence_bytes(policy: str, tokens: int, bytes_per_token: float, ratio: float | None) -> float:
+def sequence_bytes(policy: str, tokens: int, bytes_per_token: float, ratio: Int8Ratio | None) -> float:
     """KV bytes one sequence of `tokens` tokens holds under `policy` (the tokens it keeps, whole)."""
     parsed = parse_cache_policy(policy)
-    per_token = bytes_per_token * (ratio if parsed.int8 and ratio else 1.0)
+    per_token = bytes_per_token * (ratio.of(parsed) if parsed.int8 and ratio else 1.0)
     return parsed.cached(tokens) * per_token
 
 
@@ -136,7 +155,7 @@ def in_panel(policy: str, kind: str | None) -> bool:
 
 
 def cheapest_within(
-    figures: CacheBudget | None, multiple: str, train: int, ratio: float | None, kind: str | None = None
+    figures: CacheBudget | None, multiple: str, train: int, ratio: Int8Ratio | None, kind: str | None = None
 ) -> tuple[str, float, float] | None:
     """The policy keeping the fewest KV bytes whose bits per byte at `multiple` stay within WITHIN of
     the full cache's: (policy, bytes per sequence, bpb change); None where the full cache is not

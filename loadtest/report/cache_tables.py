@@ -52,7 +52,7 @@ def memory_section(results: Results) -> str:
         "(policy: bytes per sequence (bpb change against the full cache)), from the cache-budget "
         "measurements below. Bytes are the tokens a policy keeps times the model's K/V bytes per token "
         "(int8: times the measured int8/float32 allocation ratio"
-        + (f", {ratio:.3f}" if ratio else "")
+        + (f", {ratio.unbounded:.3f}; a bounded +int8 row, with per-token scales, {ratio.bounded:.3f}" if ratio else "")
         + "); the store allocates rows in capacity classes, so what it holds is up to one class more "
         f"(the dashes at {COST_HISTORY} tokens: allocations measured from /metrics).\n\n" + "\n".join(lines) + "\n"
     )
