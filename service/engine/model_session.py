@@ -132,10 +132,11 @@ def cache_graphs(manifest: Manifest, dtype: str, int8_channel: bool = False) -> 
     return graphs
 
 
-def int8_channel_scales(manifest: Manifest, dtype: str, attention: str) -> np.ndarray | None:
+def int8_channel_scales(manifest: Manifest, dtype: str, attention: str, on_gpu: bool) -> np.ndarray | None:
     """The model's per-channel int8 scales where its unbounded int8 rows are read inside the fused
-    kernel: exported, float32 serving, and `attention` not `explicit` (None: they are INT8 rows)."""
-    if dtype != "float32" or attention == "explicit":
+    kernel: exported, float32 serving on the CPU (the kernel this was measured and tested with; CUDA's
+    quantized-cache path is not yet), and `attention` not `explicit` (None: they are INT8 rows)."""
+    if dtype != "float32" or attention == "explicit" or on_gpu:
         return None
     return manifest.int8_channel_scales
 

@@ -130,7 +130,7 @@ class ModelRunner:
         self.variant = serving_variant(self.dtype)
         manifest.verify_all()
         self.backend = make_backend(self.on_gpu, backend)
-        channel_scales = int8_channel_scales(manifest, self.dtype, attention)
+        channel_scales = int8_channel_scales(manifest, self.dtype, attention, self.on_gpu)
         self.layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, self.dtype, channel_scales)
         self.eviction = manifest.cache_eviction
         rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
