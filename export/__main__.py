@@ -37,7 +37,9 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
     sizes = "/".join(SHORT_NAMES[v] for v in results[0].onnx_bytes) if results else ""
     header = ["model", "params", "val bpb@256"] + [f"test bpb@{c}" for c in contexts]
     # fp32 limit: what the float32 graphs are held to (FP32_TOLERANCE, or twice PyTorch's own rounding).
-    header += ["parity fp32", "parity fp16", "parity fused", "parity prefill", "cached=full", "fp32 limit"]
+    # parity fused-int8: against PyTorch quantizing the same way (held to INT8_CHANNEL_TOLERANCE: rounding ties).
+    header += ["parity fp32", "parity fp16", "parity fused", "parity prefill", "parity fused-int8", "cached=full"]
+    header += ["fp32 limit"]
     header += [f"onnx MB {sizes}"]
     header += ["export s"]
     rows = [header]
@@ -58,6 +60,7 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
                 f"{parity['float16'].max_abs:.1e}" if "float16" in parity else "-",
                 f"{r.fused_max_abs:.1e}" if r.fused_max_abs is not None else "-",
                 f"{r.prefill_max_abs:.1e}" if r.prefill_max_abs is not None else "-",
+                f"{r.fused_int8_max_abs:.1e}" if r.fused_int8_max_abs is not None else "-",
                 f"{cached:.1e}" if cached is not None else "-",
                 f"{r.float32_limit:.1e}" if r.parity else "-",
                 "/".join(f"{size / 1e6:.1f}" for size in r.onnx_bytes.values()),

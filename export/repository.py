@@ -49,8 +49,10 @@ from export.rope_variants import derive_rope_variant
 from export.runtime import OnnxCausalLM
 from export.verify import (
     FP32_TOLERANCE,
+    INT8_CHANNEL_TOLERANCE,
     ParityReport,
     check_fused_graph,
+    check_fused_int8_graph,
     check_int8_graph,
     check_parity,
     check_prefill_graph,
@@ -133,6 +135,7 @@ class ExportResult:
     int8_max_abs: float | None = None  # serving-int8 against PyTorch fed the same dequantized cache
     fused_max_abs: float | None = None  # serving-fused decode steps against PyTorch (nan: greedy differed)
     prefill_max_abs: float | None = None  # prefill-fused prompt logits against PyTorch
+    fused_int8_max_abs: float | None = None  # serving-fused-int8 steps against the int8 streaming reference
 
     @property
     def float32_limit(self) -> float:
@@ -150,6 +153,8 @@ class ExportResult:
             failures.append(f"{self.name} {SERVING_FUSED}")
         if self.prefill_max_abs is not None and not self.prefill_max_abs <= limit:
             failures.append(f"{self.name} {PREFILL_FUSED}")
+        if self.fused_int8_max_abs is not None and not self.fused_int8_max_abs <= INT8_CHANNEL_TOLERANCE:
+            failures.append(f"{self.name} {SERVING_FUSED_INT8}")
         return failures
 
 
@@ -162,6 +167,7 @@ class Verification:
     test_bpb: dict[int, float | None]
     fused_max_abs: float | None = None
     prefill_max_abs: float | None = None
+    fused_int8_max_abs: float | None = None
 
 
 def rope_scaled_name(scaling: RopeScaling) -> str:
@@ -273,9 +279,12 @@ def verify_model(
         report = check_fused_graph(reference, folder, prompts, threads=threads)
         fused = report.max_abs if report.greedy_equal else float("nan")
     prefill = check_prefill_graph(reference, folder, prompts) if PREFILL_FUSED in graphs else None
+    fused_int8 = None
+    if SERVING_FUSED_INT8 in graphs:
+        fused_int8 = check_fused_int8_graph(reference, folder, prompts, threads=threads)
     runtime = OnnxCausalLM(folder, threads=threads)
     test_bpb = {context: onnx_bits_per_byte(runtime, windows) for context, windows in sequences.items()}
-    return Verification(parity, int8, test_bpb, fused, prefill)
+    return Verification(parity, int8, test_bpb, fused, prefill, fused_int8)
 
 
 @dataclass
@@ -309,6 +318,7 @@ def _attach(result: ExportResult, verification: Verification) -> ExportResult:
     result.parity, result.int8_max_abs = verification.parity, verification.int8_max_abs
     result.test_bpb = verification.test_bpb
     result.fused_max_abs, result.prefill_max_abs = verification.fused_max_abs, verification.prefill_max_abs
+    result.fused_int8_max_abs = verification.fused_int8_max_abs
     return result
 
 

@@ -24,12 +24,14 @@ from contract.graph import (
     present_names,
     target_logprobs,
 )
+from contract.kv_int8 import quantize_channels
 from contract.manifest import (
     NP_DTYPES,
     PREFILL_FUSED,
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
+    SERVING_FUSED_INT8,
     Manifest,
     variant_dtype,
 )
@@ -106,17 +108,21 @@ class OnnxCausalLM:
 class FusedDecoder:
     """Decoding through the serving-fused graph as the engine does it: left-aligned rows of one
     buffer of `capacity` columns, bound by pointer to both past and present, so the kernel writes
-    each new token's K/V into the row itself (share-buffer) and nothing is appended here."""
+    each new token's K/V into the row itself (share-buffer) and nothing is appended here. With
+    `int8`, the serving-fused-int8 graph over an int8 buffer (contract/kv_int8.py's channel format)."""
 
-    def __init__(self, folder: Path, batch: int, capacity: int, threads: int = 0) -> None:
-        self.manifest = Manifest.load(folder)
-        fused = self.manifest.fused_attention
+    def __init__(self, folder: Path, batch: int, capacity: int, threads: int = 0, int8: bool = False) -> None:
+        self.manifest = m = Manifest.load(folder)
+        fused = m.fused_attention
         if fused is None:
             raise ValueError(f"{folder}: no {SERVING_FUSED} graph in the manifest")
-        path = self.manifest.verify(fused.variant)
+        self.scales = m.int8_channel_scales if int8 else None
+        if int8 and self.scales is None:
+            raise ValueError(f"{folder}: no {SERVING_FUSED_INT8} graph and scales in the manifest")
+        path = m.verify(SERVING_FUSED_INT8 if int8 else fused.variant)
         self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
-        m = self.manifest
-        self.cache = np.zeros((2 * m.n_layers, batch, m.n_heads, capacity, m.head_dim), dtype=np.float32)
+        dtype = np.int8 if int8 else np.float32
+        self.cache = np.zeros((2 * m.n_layers, batch, m.n_heads, capacity, m.head_dim), dtype=dtype)
         self.mask = np.zeros((batch, capacity + 1), dtype=np.int64)
         self.mask[:, capacity] = 1  # the fed token
         self.positions = np.zeros((batch, 1), dtype=np.int64)
@@ -129,13 +135,14 @@ class FusedDecoder:
         self.binding.bind_output(LOGITS, "cpu", 0, np.float32, list(self.logits.shape), self.logits.ctypes.data)
         names = zip(past_names(m.n_layers), present_names(m.n_layers), self.cache, strict=True)
         for past, present, array in names:  # array: (B, heads, capacity, head_dim), a contiguous view
-            self.binding.bind_input(past, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
-            self.binding.bind_output(present, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
+            self.binding.bind_input(past, "cpu", 0, dtype, list(array.shape), array.ctypes.data)
+            self.binding.bind_output(present, "cpu", 0, dtype, list(array.shape), array.ctypes.data)
 
     def write(self, row: int, kv: np.ndarray) -> None:
-        """A prompt's cache (2 x layers, heads, length, head_dim) becomes row `row`."""
+        """A prompt's cache (2 x layers, heads, length, head_dim), float32, becomes row `row`
+        (quantized with the manifest's scales for the int8 graph)."""
         length = kv.shape[2]
-        self.cache[:, row, :, :length] = kv
+        self.cache[:, row, :, :length] = kv if self.scales is None else quantize_channels(kv, self.scales)
         self.mask[row, :-1] = 0
         self.mask[row, :length] = 1
         self.lengths[row] = self.positions[row, 0] = length

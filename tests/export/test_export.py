@@ -256,7 +256,7 @@ def test_export_command_prints_table(
     # torch logs "torchvision is not installed. Skipping ..." on every export; export/onnx.py drops it
     assert not [record for record in caplog.records if "torchvision" in record.getMessage()]
     table = capsys.readouterr().out
-    assert "test bpb@64" in table and "parity fp32" in table
+    assert "test bpb@64" in table and "parity fp32" in table and "parity fused-int8" in table
     variants = json.loads((tmp_path / "none" / "manifest.json").read_text())["variants"]
     assert variants.keys() == {"float32", SERVING, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8}
     assert "parity fused" in table and "parity prefill" in table
