@@ -28,7 +28,7 @@ from models.checkpoints import WEIGHTS_DIR
 from models.corpus import load_corpus
 from models.evaluation import bits_per_byte, evaluation_sequences
 from models.positional import SCHEMES
-from models.streaming import fake_quantize
+from models.streaming import attending_to_stored, channel_quantizer, fake_quantize
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer, attend_concatenated
 
@@ -61,19 +61,6 @@ def quantized_attention(layout: str, group: int):
     return attend
 
 
-def channel_attention(key_scales: Tensor, value_scales: Tensor):
-    """One layer's attention over K/V in the channel format ((heads, 1, head_dim) scales each)."""
-
-    def stored(x: Tensor, scales: Tensor) -> Tensor:
-        return torch.clamp(torch.round(x / scales), -128, 127) * scales
-
-    def attend(q: Tensor, k: Tensor, v: Tensor, past: object, bias: Tensor, scale: float) -> tuple[Tensor, object]:
-        weights = torch.softmax((q @ stored(k, key_scales).transpose(-2, -1)) * scale + bias, dim=-1)
-        return weights @ stored(v, value_scales), (k, v)
-
-    return attend
-
-
 @torch.no_grad()
 def target_logprobs(model: Transformer, ids: list[int]) -> Tensor:
     """Teacher-forced log-probabilities of ids[1:] (T - 1, 1), in float64."""
@@ -92,16 +79,15 @@ def main() -> None:
     for scheme in SCHEMES:
         model = Transformer.load(WEIGHTS_DIR / scheme)
         results = {}
-        scales = torch.from_numpy(kv_channel_scales(model))
-        for layout in ("float32", "per-token", f"kivi-g{args.group}", "channel"):
-            for i, block in enumerate(model.blocks):
-                if layout == "channel":
-                    block.attn.attend = channel_attention(scales[2 * i], scales[2 * i + 1])
-                elif layout == "float32":
-                    block.attn.attend = attend_concatenated
-                else:
-                    block.attn.attend = quantized_attention(layout, args.group)
+        for layout in ("float32", "per-token", f"kivi-g{args.group}"):
+            attend = attend_concatenated if layout == "float32" else quantized_attention(layout, args.group)
+            for block in model.blocks:
+                block.attn.attend = attend
             results[layout] = bits_per_byte(partial(target_logprobs, model), sequences)
+        for block in model.blocks:  # the served channel format: every token sees its own K/V stored too
+            block.attn.attend = attend_concatenated
+        with attending_to_stored(model, channel_quantizer(kv_channel_scales(model))):
+            results["channel"] = bits_per_byte(partial(target_logprobs, model), sequences)
         base = results["float32"]
         print(scheme.ljust(11), "  ".join(f"{k} {v:.4f} ({100 * (v / base - 1):+.2f}%)" for k, v in results.items()))
 

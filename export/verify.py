@@ -211,17 +211,16 @@ class FusedReport:
 
 
 @torch.no_grad()
-def check_fused_graph(
-    model: Transformer, folder: Path, prompts: list[list[int]], steps: int = 32, threads: int = 0
-) -> FusedReport:
-    """Each prompt alone through PyTorch (prefill, then `steps` greedy steps); the fused graph decodes
-    all of them at once from PyTorch's prompt caches, left-aligned in one buffer as the engine keeps
-    them, fed PyTorch's tokens. Greedy: the fused graph's argmax equals PyTorch's at every step."""
+def _greedy(
+    model: Transformer, prompts: list[list[int]], steps: int
+) -> tuple[list[np.ndarray], list[list[int]], list[np.ndarray]]:
+    """Each prompt alone through PyTorch float32: its prompt cache (2L, heads, P, hd), then `steps`
+    greedy tokens and the logits after each (steps, vocab)."""
     model = model.float().eval()
     caches, tokens, logits = [], [], []
     for ids in prompts:
         out, past = model(torch.tensor([ids]))
-        caches.append(torch.cat([t for pair in past for t in pair]).numpy())  # (2L, heads, P, hd)
+        caches.append(torch.cat([t for pair in past for t in pair]).numpy())
         fed, seen = [], []
         for _ in range(steps):
             fed.append(int(out[0, -1].argmax()))
@@ -229,6 +228,17 @@ def check_fused_graph(
             seen.append(out[0, -1].numpy())
         tokens.append(fed)
         logits.append(np.stack(seen))
+    return caches, tokens, logits
+
+
+@torch.no_grad()
+def check_fused_graph(
+    model: Transformer, folder: Path, prompts: list[list[int]], steps: int = 32, threads: int = 0
+) -> FusedReport:
+    """Each prompt alone through PyTorch (prefill, then `steps` greedy steps); the fused graph decodes
+    all of them at once from PyTorch's prompt caches, left-aligned in one buffer as the engine keeps
+    them, fed PyTorch's tokens. Greedy: the fused graph's argmax equals PyTorch's at every step."""
+    caches, tokens, logits = _greedy(model, prompts, steps)
     decoder = FusedDecoder(folder, len(prompts), max(map(len, prompts)) + steps, threads)
     for row, cache in enumerate(caches):
         decoder.write(row, cache)
@@ -255,17 +265,10 @@ def check_fused_int8_graph(
     fed PyTorch's float32 greedy tokens, against models.streaming under the `int8` policy with the
     manifest's scales (prompt in float32, then each token through the int8 cache). Returns the largest
     absolute logit difference."""
-    model = model.float().eval()
+    caches, fed, _ = _greedy(model, prompts, steps)
     decoder = FusedDecoder(folder, len(prompts), max(map(len, prompts)) + steps, threads, int8=True)
-    fed = []
-    for row, ids in enumerate(prompts):
-        out, past = model(torch.tensor([ids]))
-        decoder.write(row, torch.cat([t for pair in past for t in pair]).numpy())
-        tokens = []
-        for _ in range(steps):
-            tokens.append(int(out[0, -1].argmax()))
-            out, past = model(torch.tensor([[tokens[-1]]]), past_key_values=past)
-        fed.append(tokens)
+    for row, cache in enumerate(caches):
+        decoder.write(row, cache)
     scales, policy = decoder.scales, parse_cache_policy("int8")
     expected = [
         stream_logits(model, ids + tokens, policy, prompt_tokens=len(ids), int8_channel_scales=scales)[len(ids) :]

@@ -27,7 +27,7 @@ Per step, with n tokens cached before it and t its index in the sequence:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ def channel_quantizer(scales: np.ndarray) -> Callable[[Tensor, int], Tensor]:
 
 
 @contextmanager
-def _attending_to_stored(model: Transformer, quantize: Callable[[Tensor, int], Tensor]) -> Iterator[None]:
+def attending_to_stored(model: Transformer, quantize: Callable[[Tensor, int], Tensor]) -> Iterator[None]:
     """While inside: each layer's new K/V are quantized before its tokens attend to them."""
     originals = [block.attn.attend for block in model.blocks]
 
@@ -143,11 +143,8 @@ def stream_logits(
         input_ids = torch.tensor([[token]], dtype=torch.long, device=device)
         mask = torch.ones((1, n + 1), dtype=torch.long, device=device)
         position_ids = torch.tensor([[_query_position(model, t, n)]], dtype=torch.long, device=device)
-        if channels is None:
+        with nullcontext() if channels is None else attending_to_stored(model, channels):
             logits, presents = model(input_ids, mask, position_ids, past_key_values=cache)
-        else:
-            with _attending_to_stored(model, channels):
-                logits, presents = model(input_ids, mask, position_ids, past_key_values=cache)
         rows.append(logits[0, -1].to(torch.float32))
         cache = _stored(_with_new(cache, presents, n), policy, n, channels)
         if budget is None or n < budget:
