@@ -240,15 +240,22 @@ class RotaryInKernel(FusedPositions):
         return cos, sin, rows  # rows: (B, 1), each row's index into the cache
 
     def prompt_rotary(self, g: GraphBuilder, step: StepInputs) -> tuple[str, str, str]:
-        """A prompt's rows need every position up to T - 1, or up to the largest position id where a
-        caller places tokens further on (a segment computed at an offset): the caches cover positions
-        0 .. max(T, max position + 1) - 1 (cos and sin of head_dim/2 each, small next to the call), and
-        the kernel reads each token's own position."""
-        top = g.one("Add", g.one("ReduceMax", step.position_ids, keepdims=0), ONE)  # () int64
-        count = g.one("Max", step.total, top)
-        positions = g.one("Cast", g.one("Range", ZERO, count, ONE), to=TensorProto.FLOAT)  # (N,)
-        positions = g.one("Unsqueeze", positions, g.const("axis_1r", np.array([1])))  # (T, 1)
-        cos, sin = self._tables(g, positions)  # (T, head_dim/2)
+        """A prompt's rows need the positions of its new tokens, lowest to highest: the caches hold
+        their angles at those rows, zero-padded before the lowest and up to max(T, highest + 1)
+        rows (the kernel reads each token's own position, or where a caller places tokens further
+        on, a segment computed at an offset). A chunk after a long past (a prefix-cache hit's tail)
+        then costs S, not T, rows of cos and sin (head_dim/2 each)."""
+        low = g.one("ReduceMin", step.position_ids, keepdims=0)  # () int64
+        top = g.one("Add", g.one("ReduceMax", step.position_ids, keepdims=0), ONE)
+        positions = g.one("Unsqueeze", g.one("Range", low, top, ONE), g.const("axis_1r", np.array([1])))  # (N, 1)
+        cos, sin = self._tables(g, positions)  # (N, head_dim/2)
+        after = g.one("Sub", g.one("Max", step.total, top), top)
+        low_1d, after_1d = (
+            g.one("Unsqueeze", edge, g.const(f"axis_0{k}", np.array([0]))) for k, edge in (("l", low), ("a", after))
+        )
+        zero_column = g.const("prompt_pad_column", np.array([0]))
+        pads = g.one("Concat", low_1d, zero_column, after_1d, zero_column, axis=0)  # [low, 0, after, 0]
+        cos, sin = (g.one("Pad", table, pads) for table in (cos, sin))  # (max(T, highest + 1), head_dim/2)
         return cos, sin, step.position_ids
 
     def _tables(self, g: GraphBuilder, positions: str) -> tuple[str, str]:

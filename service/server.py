@@ -79,6 +79,12 @@ ENGINE_FLAGS = {
         "fused (refuse models without it) | explicit (the in-place serving graph only)",
     ),
     "prefill_nice": ("--prefill-nice", int, "nice value added to prefill worker threads (decode first; 0: off)"),
+    "tail_prefill_tokens": (
+        "--tail-prefill-tokens",
+        int,
+        "a prefix-cache hit with at most this many prompt tokens left to compute runs on a thread of its own "
+        "at the decode thread's priority, not behind the prefill worker's lower one (0: off)",
+    ),
     "stream_interval_ms": (
         "--stream-interval-ms",
         float,
@@ -189,6 +195,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         default_cache_policies=tuple(args["default_cache_policies"]),
         prefix_cache=args["prefix_cache"],
     )
+    if engine.tail_prefill_tokens < 0:
+        parser.error(f"--tail-prefill-tokens must be >= 0 (got {engine.tail_prefill_tokens})")
     if not 0 <= engine.stream_interval_ms <= 1000:
         parser.error(f"--stream-interval-ms must be between 0 and 1000 (got {engine.stream_interval_ms:g})")
     if (args["tls_cert"] is None) != (args["tls_key"] is None):

@@ -130,6 +130,9 @@ class EngineConfig:
     attention: str = "auto"  # decode: fused (GroupQueryAttention graph) where exported | fused | explicit
     threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
+    # A prefix-cache hit with at most this many prompt tokens left to compute goes to a thread of
+    # its own at normal priority (service.engine.prefill.TailWorker), not the prefill worker (0: never).
+    tail_prefill_tokens: int = 128
     # The engine core sends a stream's continuing tokens at most this often (first tokens and
     # finishes at once): each message wakes threads on the other core, which slows the decode step.
     stream_interval_ms: float = 4.0

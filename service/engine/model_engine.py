@@ -28,7 +28,7 @@ from service.engine.messages import DrainReport, EngineConfig, ErrorKind, Reques
 from service.engine.model_limits import default_cache_policy, sequence_limit
 from service.engine.model_metrics import ModelMetrics
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor
-from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
+from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
 from service.engine.prefix_cache import PrefixMetrics, PrefixReuse
 from service.engine.request import Request
 from service.engine.runner import DecodePlan, ModelRunner, StoreConfig
@@ -104,10 +104,15 @@ class ModelEngine:
             self.runner, config.prefill_tokens, self._deliver_prefilled, self._observe_prefill, manifest.name,
             config.prefill_nice,
         )  # fmt: skip
+        # Prefix-cache hits with a short tail left go to a thread of their own (TailWorker).
+        tails = config.tail_prefill_tokens > 0 and config.prefix_cache and self.runner.open_tail_session()
+        self._tail_tokens = config.tail_prefill_tokens if tails else 0
+        self.tail_worker = TailWorker(self.runner, self._deliver_prefilled, self._observe_prefill, manifest.name)
         self._wake = threading.Condition()
         self.sampler = Sampler()
         # What the current step produced (tokens, finishes, observations), published when the step ends.
         self._batch = OutputBatch()
+        self._to_keep: list[PrefillResult] = []  # joined this step, their blocks not yet kept
         self._publish = publish or (lambda deliver, batch: deliver(batch))
         self._stopping = False  # no new requests
         self._stopped = False  # the loop exits
@@ -181,6 +186,7 @@ class ModelEngine:
 
     def start(self) -> None:
         self.prefill_worker.start()
+        self.tail_worker.start()
         self._thread.start()
 
     def stop(self, timeout: float) -> DrainReport:
@@ -203,6 +209,7 @@ class ModelEngine:
             self._wake.notify()
         self._thread.join(timeout=5)
         self.prefill_worker.stop()
+        self.tail_worker.stop()
         if self._admission_trace is not None:
             self._admission_trace.close()
         cut = sum(1 for r in in_flight if r.status is RequestStatus.FINISHED_SHUTDOWN)
@@ -262,6 +269,11 @@ class ModelEngine:
         with self._wake:
             prefilled, self._prefilled = self._prefilled, []
         joined = self._join(prefilled)
+        if joined:
+            # First tokens go out now, not after this step's decode; then the prompts' blocks are
+            # kept in the prefix cache (copies that no first token should wait for).
+            self._hand_over()
+            self._keep_prompts()
         output = self.scheduler.schedule()
         self._snapshot_backlog()
         if output.preempted:
@@ -318,7 +330,16 @@ class ModelEngine:
             if request.attempt == 0:
                 request.scheduled_time = now
                 self.metrics.prompt_tokens[request.cache_policy.form].inc(len(request.prompt_ids))
-        self.prefill_worker.submit([self._prefill_job(r) for r in admitted])
+        jobs = [self._prefill_job(r) for r in admitted]
+        tails = [job for job in jobs if self._short_tail(job)]
+        if tails:
+            self.tail_worker.submit(tails)
+        if len(tails) < len(jobs):
+            self.prefill_worker.submit([job for job in jobs if not self._short_tail(job)])
+
+    def _short_tail(self, job: PrefillJob) -> bool:
+        """A prefix-cache hit with at most `tail_prefill_tokens` left to compute (TailWorker's)."""
+        return job.past is not None and job.compute is None and 0 < job.computed_tokens <= self._tail_tokens
 
     def _prefill_job(self, request: Request) -> PrefillJob:
         """Its prompt, with what the prefix cache holds of it and its reused segments."""
@@ -348,10 +369,9 @@ class ModelEngine:
             self._fail([r.job.request for r in ready], error)
             return 0
         requests = [r.job.request for r in ready]
-        for result, request in zip(ready, requests, strict=True):
+        for request in requests:
             request.num_computed_tokens = request.prefill_length
-            self.prefix.keep(request, result.prompt, self.segments.exact_tokens(request))  # type: ignore[arg-type]
-            self.segments.keep(request, result.prompt)  # type: ignore[arg-type]
+        self._to_keep = ready
         # After a preemption the next token is already known: no sample.
         fresh = [row for row, r in enumerate(requests) if not r.output_ids]
         if fresh:
@@ -359,6 +379,14 @@ class ModelEngine:
             self._sample([requests[row] for row in fresh], logits)
             self._observe_first_tokens([requests[row] for row in fresh])
         return len(ready)
+
+    def _keep_prompts(self) -> None:
+        """The prompts joined this step leave their blocks (and reusable segments) in the prefix cache."""
+        ready, self._to_keep = self._to_keep, []
+        for result in ready:
+            request = result.job.request
+            self.prefix.keep(request, result.prompt, self.segments.exact_tokens(request))  # type: ignore[arg-type]
+            self.segments.keep(request, result.prompt)  # type: ignore[arg-type]
 
     def _observe_first_tokens(self, requests: list[Request]) -> None:
         """Admission learns from each first token: the drain rate, and its estimate against what happened."""

@@ -61,7 +61,31 @@ class PrefillResult:
     error: Exception | None = None
 
 
-class PrefillWorker:
+class _JobThread:
+    """A thread that takes jobs from a queue: submit, stop."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._jobs: deque[PrefillJob] = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def submit(self, jobs: list[PrefillJob]) -> None:
+        with self._wake:
+            self._jobs.extend(jobs)
+            self._wake.notify()
+
+
+class PrefillWorker(_JobThread):
     def __init__(
         self,
         runner: ModelRunner,
@@ -76,15 +100,12 @@ class PrefillWorker:
         self.chunk_tokens = chunk_tokens
         self._deliver = deliver
         self._observe = observe
-        self._jobs: deque[PrefillJob] = deque()
+        super().__init__(f"prefill-{name}")
         self._long: deque[tuple[PrefillJob, Iterator[PrefilledPrompt | None]]] = deque()
         self._long_done = 0  # prompt tokens of the oldest long prompt computed so far
-        self._wake = threading.Condition()
-        self._stopped = False
         self._ready = threading.Event()
         self._open_error: Exception | None = None
         self.nice = nice
-        self._thread = threading.Thread(target=self._loop, name=f"prefill-{name}", daemon=True)
 
     def start(self) -> None:
         """Start the thread; it opens the prompt session itself (so ONNX Runtime's pool threads
@@ -93,17 +114,6 @@ class PrefillWorker:
         self._ready.wait()
         if self._open_error is not None:
             raise self._open_error
-
-    def stop(self) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
-        self._thread.join(timeout=10)
-
-    def submit(self, jobs: list[PrefillJob]) -> None:
-        with self._wake:
-            self._jobs.extend(jobs)
-            self._wake.notify()
 
     def _lower_priority(self) -> None:
         """Raise this thread's nice value (Linux schedules threads apart; lowering is always allowed)."""
@@ -243,3 +253,48 @@ class PrefillWorker:
             self._long.popleft()
             self._long_done = 0
             results.append(PrefillResult(job, prompt))
+
+
+class TailWorker(_JobThread):
+    """Prefix-cache hits with a short tail left to compute, on a thread of their own at the decode
+    thread's priority, one call each (the runner's one-thread tail session: this thread does the
+    work). Behind the prefill worker's lower priority such a tail waits for CPU the decode steps
+    and the streams hold, far longer than it takes; on the engine thread itself it would stall
+    every running sequence's step for it."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        deliver: Callable[[list[PrefillResult]], None],
+        observe: Callable[[float, int, int], None],
+        name: str,
+    ) -> None:
+        self.runner = runner
+        self._deliver = deliver
+        self._observe = observe
+        super().__init__(f"tails-{name}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._jobs and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                job = self._jobs.popleft()
+            self._deliver([self._run(job)])
+
+    def _run(self, job: PrefillJob) -> PrefillResult:
+        assert job.past is not None, "a tail worker's job is a prefix-cache hit"
+        if job.aborted:
+            return PrefillResult(job)
+        started = time.monotonic()
+        try:
+            prompt = self.runner.prefill_tail(job.request.request_id, job.token_ids, job.past)
+        except Exception as error:
+            return PrefillResult(job, error=error)
+        self._observe(time.monotonic() - started, 1, job.computed_tokens)
+        return PrefillResult(job, prompt)

@@ -149,6 +149,7 @@ class ModelRunner:
         self.prompt_variant = prompt_graph(manifest, self.dtype, attention)
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
+        self.tail_session: ModelSession | None = None  # open_tail_session()
         self._prompt_memory_held = False  # the prompt session's arena holds intermediates of past calls
         self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
         if open_prefill_session:
@@ -171,6 +172,14 @@ class ModelRunner:
             if self.prompt_variant
             else self.prefill_sessions[self.dtype]
         )
+
+    def open_tail_session(self) -> bool:
+        """A fused prompt session for prefix-cache hits' short tails (service.engine.prefill.TailWorker):
+        one intra-op thread, so the calling thread does the work, at its own priority. False where
+        there is no fused prompt graph (such tails go to the prefill worker)."""
+        if self.prompt_variant is not None and self.tail_session is None:
+            self.tail_session = self._session(1, True, self.prompt_variant)
+        return self.tail_session is not None
 
     def release_prompt_memory(self) -> None:
         """Give the fused prompt session's arena back to the system: a one-token call whose run
@@ -257,6 +266,16 @@ class ModelRunner:
             for row, (rid, p) in enumerate(prompts.items())
         ]
 
+    def prefill_tail(self, request_id: str, token_ids: list[int], past: CachedPast) -> PrefilledPrompt:
+        """A prompt whose first tokens' K/V are `past` (a prefix-cache hit), its rest in one call of
+        the fused prompt graph through the tail session (`open_tail_session`)."""
+        assert self.tail_session is not None, "open_tail_session() first"
+        self._check_fault([token_ids])
+        chunks = self._chunks_in_place(request_id, token_ids, len(token_ids), past.tokens, past, self.tail_session)
+        prompt = next(chunks)
+        assert prompt is not None
+        return prompt
+
     def prefill_chunks(
         self, request_id: str, token_ids: list[int], chunk_tokens: int, past: Array | CachedPast | None = None
     ) -> Iterator[PrefilledPrompt | None]:
@@ -276,7 +295,13 @@ class ModelRunner:
             yield PrefilledPrompt(request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
 
     def _chunks_in_place(
-        self, request_id: str, token_ids: list[int], chunk_tokens: int, done: int, past: Array | CachedPast | None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        chunk_tokens: int,
+        done: int,
+        past: Array | CachedPast | None,
+        session: ModelSession | None = None,
     ) -> Iterator[PrefilledPrompt | None]:
         """`prefill_chunks` through the fused prompt graph: the cache array is made once, with room
         for the whole prompt (the past, if any, in its first columns), and each chunk's call reads
@@ -293,17 +318,22 @@ class ModelRunner:
             if past is not None:
                 cache[:, :, :, :done] = past
         for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
-            logits, cache = self._prompt_in_place(ids, mask, positions, cache)
+            logits, cache = self._prompt_in_place(ids, mask, positions, cache, session)
             yield PrefilledPrompt(request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
 
     def _prompt_in_place(
-        self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: Array
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        positions: np.ndarray,
+        cache: Array,
+        session: ModelSession | None = None,
     ) -> tuple[np.ndarray, Array]:
         """One row's chunk through the fused prompt graph with its past in place: `cache`
         (2L, 1, heads, N, hd), N >= P + S, the past in its first P columns (P + S: the mask's
         width), gets the chunk's K/V in the S columns after them. Host logits of the chunk's last
-        token (1, 1, vocab) and the cache."""
-        session = self.prefill_session
+        token (1, 1, vocab) and the cache. `session`: the prefill worker's unless given."""
+        session = session or self.prefill_session
         assert session is not None, "open_prefill_session() first"
         backend = self.backend
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]

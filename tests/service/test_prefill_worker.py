@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 
 from contract.manifest import Manifest
 from models.tokenizer import TOKENIZER
-from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker
+from service.engine.kv.prefix import CachedPast
+from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
 from service.engine.request import Request, SamplingParams
 from service.engine.runner import ModelRunner, StoreConfig
 
@@ -24,9 +26,11 @@ class Collector:
     def __init__(self) -> None:
         self.results: list[PrefillResult] = []
         self.calls: list[int] = []
+        self.priority = 0  # the nice value of the thread that delivered last
         self.changed = threading.Condition()
 
     def deliver(self, results: list[PrefillResult]) -> None:
+        self.priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the delivering thread's
         with self.changed:
             self.results.extend(results)
             self.changed.notify_all()
@@ -165,3 +169,37 @@ def test_releasing_the_prompt_arena_returns_its_memory_to_the_system(repository:
         pytest.skip("an export without the fused prompt graph")
     held, released = (int(v) for v in done.stdout.split()[-2:])
     assert held - released > 2 << 20, f"the release freed {(held - released) >> 10} KiB"
+
+
+def test_a_tail_worker_computes_a_hit_as_the_whole_prompt_at_the_callers_priority(runner: ModelRunner) -> None:
+    """A prefix-cache hit's tail on the tail worker: the whole prompt's logits and K/V, from its
+    one-thread session on its own thread, at normal priority where the prefill worker's is lowered."""
+    text = "def read_config(path):\n    with open(path) as handle:\n        return handle.read()\n"
+    whole = runner.prefill_chunked("whole", TOKENIZER.encode(text), 512)
+    assert whole is not None
+    blocks = [whole.cache[:, :, start : start + 16] for start in range(0, 64, 16)]  # 4 blocks cached
+    hit = job("hit", text)
+    hit.past = CachedPast(blocks, runner.backend, runner.dtype)
+    assert hit.computed_tokens == len(hit.token_ids) - 64
+    assert runner.open_tail_session()
+    tails = Collector()
+    worker = TailWorker(runner, tails.deliver, tails.observe, "alibi")
+    worker.start()
+    try:
+        worker.submit([hit])
+        tails.wait_for(1)
+    finally:
+        worker.stop()
+    prompt = tails.results[0].prompt
+    assert prompt is not None and tails.calls == [1]
+    np.testing.assert_allclose(prompt.logits, whole.logits, atol=1e-4)
+    np.testing.assert_allclose(prompt.cache, whole.cache, atol=1e-5)
+    lowered = Collector()
+    prefill = start(runner, lowered, chunk_tokens=32)
+    try:
+        prefill.submit([job("short", "import os\n")])
+        lowered.wait_for(1)
+    finally:
+        prefill.stop()
+    normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert tails.priority == normal and lowered.priority == normal + 5

@@ -26,6 +26,10 @@ class NumpyArrays:
     def zeros(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
 
+    def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """Uninitialised: for arrays every element of which is written before it is read."""
+        return np.empty(shape, dtype=dtype)
+
     def upload(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array)
 
@@ -75,6 +79,9 @@ class TorchArrays:
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Array:
         return self.torch.zeros(shape, dtype=self._dtypes[dtype], device=self.device)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Array:
+        return self.torch.empty(shape, dtype=self._dtypes[dtype], device=self.device)
 
     def upload(self, array: np.ndarray) -> Array:
         return self.torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

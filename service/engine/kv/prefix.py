@@ -46,11 +46,12 @@ class CachedPast:
         """(2 x layers, 1, heads, tokens + room, head_dim): the blocks, then `room` zeroed columns
         (where a prompt call writes its new tokens' K/V in place)."""
         tensors, heads, _, head_dim = self.parts[0].shape
-        out = self.backend.zeros((tensors, 1, heads, self.tokens + room, head_dim), self.dtype)
+        out = self.backend.empty((tensors, 1, heads, self.tokens + room, head_dim), self.dtype)
         start = 0
         for part in self.parts:
             out[:, 0, :, start : start + part.shape[2]] = part
             start += part.shape[2]
+        out[:, 0, :, start:] = 0  # written over by the prompt call; zeroed, not uninitialised
         return out
 
 
