@@ -25,9 +25,6 @@ from service.engine.kv.prefix import CachedBlock, CachedPast, PrefixCache
 
 # A class moves up the ladder as a whole when each of its rows would be at least this full there.
 PROMOTED_FILL = 1 / GROWTH**2
-# A class that cannot grow beside its old array (over half the budget) gets up to this many
-# siblings, each a block wider, allocated fresh: the rest of the budget still holds rows.
-SIBLINGS = 3
 
 
 class KVBudgetError(ValueError):
@@ -158,8 +155,6 @@ class KVStore:
         if destination is None:
             self.trim(all_spare=True)
             destination = self._room(target, rows_needed, kind) or self._room_evicting(target, rows_needed, kind, keep)
-        if destination is None:
-            target, destination = self._sibling(target, rows_needed, kind, keep)
             if destination is None:
                 return False
         if destination.free_rows < len(movers):
@@ -207,22 +202,6 @@ class KVStore:
         if existing is not None and existing.free_rows > 0:
             return existing
         return self._reallocate(capacity, held + 1, kind) if rows_needed > 1 else None
-
-    def _sibling(
-        self, capacity: int, rows_needed: int, kind: str, keep: frozenset[int]
-    ) -> tuple[int, CapacityClass | None]:
-        """A class a block or a few wider than `capacity` with room, made fresh if need be: growing
-        a class re-allocates it with the old array alive, so one class never holds more than about
-        half the budget; a sibling's first array needs only its own bytes. One more graph call
-        per step for each, and only when the class proper could not take the row."""
-        for step in range(1, SIBLINGS + 1):
-            wider = capacity + step * self.block_size
-            if wider > self.max_tokens:
-                break
-            destination = self._room(wider, rows_needed, kind) or self._room_evicting(wider, rows_needed, kind, keep)
-            if destination is not None:
-                return wider, destination
-        return capacity, None
 
     def _room_evicting(
         self, capacity: int, rows_needed: int, kind: str, keep: frozenset[int] = frozenset()
