@@ -23,7 +23,7 @@ from contract.cli import HelpFormatter
 from contract.manifest import Manifest
 from contract.paths import REPOSITORY_ROOT
 from service.engine import denormals
-from service.engine.runner import default_threads
+from service.engine.model_session import default_threads
 
 SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill")
 

@@ -23,6 +23,7 @@ import numpy as np
 from contract.cache_policy import FORM_SYNTAX, CachePolicyError
 from contract.manifest import Manifest
 from service.engine.admission import AdmissionControl, Backlog, open_trace
+from service.engine.decode_plan import DecodePlan
 from service.engine.input_processor import InputLimits, InputProcessor
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
 from service.engine.model_limits import default_cache_policy, sequence_limit
@@ -31,7 +32,7 @@ from service.engine.output_processor import Finished, OutputBatch, OutputProcess
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
 from service.engine.prefix_cache import PrefixMetrics, PrefixReuse
 from service.engine.request import Request
-from service.engine.runner import DecodePlan, ModelRunner, StoreConfig
+from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.sampler import Sampler, all_greedy
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.segments import SegmentAssembly, SegmentReuser
@@ -112,7 +113,6 @@ class ModelEngine:
         self.sampler = Sampler()
         # What the current step produced (tokens, finishes, observations), published when the step ends.
         self._batch = OutputBatch()
-        self._to_keep: list[PrefillResult] = []  # joined this step, their blocks not yet kept
         self._publish = publish or (lambda deliver, batch: deliver(batch))
         self._stopping = False  # no new requests
         self._stopped = False  # the loop exits
@@ -273,7 +273,7 @@ class ModelEngine:
             # First tokens go out now, not after this step's decode; then the prompts' blocks are
             # kept in the prefix cache (copies that no first token should wait for).
             self._hand_over()
-            self._keep_prompts()
+            self._keep_prompts(joined)
         output = self.scheduler.schedule()
         self._snapshot_backlog()
         if output.preempted:
@@ -289,7 +289,7 @@ class ModelEngine:
             self.runner.forget_calls()
             self._housekeeping_due = now + GAUGE_INTERVAL_SECONDS
             self._update_gauges(now)
-        self._hold_steady(output, joined)
+        self._hold_steady(output, len(joined))
         return busy
 
     def _hold_steady(self, output: SchedulerOutput, joined: int) -> None:
@@ -330,12 +330,13 @@ class ModelEngine:
             if request.attempt == 0:
                 request.scheduled_time = now
                 self.metrics.prompt_tokens[request.cache_policy.form].inc(len(request.prompt_ids))
-        jobs = [self._prefill_job(r) for r in admitted]
-        tails = [job for job in jobs if self._short_tail(job)]
-        if tails:
-            self.tail_worker.submit(tails)
-        if len(tails) < len(jobs):
-            self.prefill_worker.submit([job for job in jobs if not self._short_tail(job)])
+        tails: list[PrefillJob] = []
+        queued: list[PrefillJob] = []
+        for job in (self._prefill_job(r) for r in admitted):
+            (tails if self._short_tail(job) else queued).append(job)
+        for worker, jobs in ((self.tail_worker, tails), (self.prefill_worker, queued)):
+            if jobs:
+                worker.submit(jobs)
 
     def _short_tail(self, job: PrefillJob) -> bool:
         """A prefix-cache hit with at most `tail_prefill_tokens` left to compute (TailWorker's)."""
@@ -346,8 +347,8 @@ class ModelEngine:
         past = self.prefix.take(request, self.segments.exact_tokens(request))
         return PrefillJob(request, request.attempt, request.prefill_ids, past, self.segments.compute(request, past))
 
-    def _join(self, results: list[PrefillResult]) -> int:
-        """Computed prompts are written into their rows; first tokens are sampled. Returns how many joined."""
+    def _join(self, results: list[PrefillResult]) -> list[PrefillResult]:
+        """Computed prompts are written into their rows; first tokens are sampled. Returns those joined."""
         ready = []
         for result in results:
             request = result.job.request
@@ -358,7 +359,7 @@ class ModelEngine:
             elif result.prompt is not None:  # None: given up (cancel or deadline, reaped here)
                 ready.append(result)
         if not ready:
-            return 0
+            return []
         for result in ready:
             assert result.prompt is not None
             if result.prompt.policy is None:
@@ -367,23 +368,21 @@ class ModelEngine:
             self.runner.join([r.prompt for r in ready])  # type: ignore[misc]
         except Exception as error:
             self._fail([r.job.request for r in ready], error)
-            return 0
+            return []
         requests = [r.job.request for r in ready]
         for request in requests:
             request.num_computed_tokens = request.prefill_length
-        self._to_keep = ready
         # After a preemption the next token is already known: no sample.
         fresh = [row for row, r in enumerate(requests) if not r.output_ids]
         if fresh:
             logits = np.stack([ready[row].prompt.logits for row in fresh])  # type: ignore[union-attr]
             self._sample([requests[row] for row in fresh], logits)
             self._observe_first_tokens([requests[row] for row in fresh])
-        return len(ready)
+        return ready
 
-    def _keep_prompts(self) -> None:
-        """The prompts joined this step leave their blocks (and reusable segments) in the prefix cache."""
-        ready, self._to_keep = self._to_keep, []
-        for result in ready:
+    def _keep_prompts(self, joined: list[PrefillResult]) -> None:
+        """Prompts just joined leave their blocks (and reusable segments) in the prefix cache."""
+        for result in joined:
             request = result.job.request
             self.prefix.keep(request, result.prompt, self.segments.exact_tokens(request))  # type: ignore[arg-type]
             self.segments.keep(request, result.prompt)  # type: ignore[arg-type]
@@ -484,22 +483,6 @@ class ModelEngine:
 
     def _update_gauges(self, now: float) -> None:
         self._gauges_due = now + GAUGE_INTERVAL_SECONDS
-        with self.metrics.gauge_lock:  # a scrape sees all of this update or none of it
-            self._set_gauges()
-
-    def _set_gauges(self) -> None:
-        stats = self.store.stats()
-        forms = {request.request_id: request.cache_policy.form for request in self.scheduler.requests()}
-        held = dict.fromkeys(self.metrics.used, 0)
-        for sequence, nbytes in self.store.held_bytes().items():
-            held[forms[sequence]] += nbytes
-        for form, nbytes in self.prefix.held_by_form().items():
-            held[form] += nbytes
-        self.prefix.update_gauges()
-        for form, gauge in self.metrics.used.items():
-            gauge.set(held[form])
-        self.metrics.physical.set(stats.physical_bytes)
-        self.metrics.peak.set(stats.peak_physical_bytes)
-        self.metrics.classes.set(stats.classes)
-        self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.queued.set(len(self.scheduler.waiting) + len(self._inbox))
+        scheduler = self.scheduler
+        queued = len(scheduler.waiting) + len(self._inbox)
+        self.metrics.set_gauges(self.store, self.prefix, scheduler.requests(), len(scheduler.running), queued)

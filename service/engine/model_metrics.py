@@ -3,10 +3,15 @@ and never looks a label set up per step (a `labels()` call costs more than the o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.engine.output_processor import TokenMetrics
 from service.metrics import ServiceMetrics
+
+if TYPE_CHECKING:
+    from service.engine.kv import KVStore
+    from service.engine.prefix_cache import PrefixReuse
+    from service.engine.request import Request
 
 
 class ModelMetrics:
@@ -44,3 +49,25 @@ class ModelMetrics:
             for reason in ("ttft_slo", "queue")
             for form, form_labels in by_form.items()
         }
+
+    def set_gauges(
+        self, store: KVStore, prefix: PrefixReuse, requests: list[Request], running: int, queued: int
+    ) -> None:
+        """The store's bytes (each policy form's rows and cached blocks), classes, running and
+        queued sequences, under the gauge lock: a scrape sees all of one update or none of it."""
+        with self.gauge_lock:
+            stats = store.stats()
+            forms = {request.request_id: request.cache_policy.form for request in requests}
+            held = dict.fromkeys(self.used, 0)
+            for sequence, nbytes in store.held_bytes().items():
+                held[forms[sequence]] += nbytes
+            for form, nbytes in prefix.held_by_form().items():
+                held[form] += nbytes
+            prefix.update_gauges()
+            for form, gauge in self.used.items():
+                gauge.set(held[form])
+            self.physical.set(stats.physical_bytes)
+            self.peak.set(stats.peak_physical_bytes)
+            self.classes.set(stats.classes)
+            self.running.set(running)
+            self.queued.set(queued)

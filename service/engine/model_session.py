@@ -13,6 +13,7 @@ present alike.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,12 @@ def choose_providers(device: str) -> list[str]:
 # Run options that shrink the CPU arena at the end of the call (its regions no tensor uses are freed).
 _RELEASE_ARENA = ort.RunOptions()
 _RELEASE_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+
+def default_threads() -> int:
+    """Intra-op threads of the decode session: half the cores (the prefill session gets them all,
+    at a lower priority, see PrefillWorker)."""
+    return max(1, (os.cpu_count() or 2) // 2)
 
 
 class ModelSession:

@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import onnxruntime as ort
 
 from contract.cache_policy import CachePolicy
 from contract.graph import left_pad_batch, right_pad_batch
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
+from service.engine.decode_plan import DecodeCall, DecodePlan
 from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
 from service.engine.kv.prefix import CachedPast
 from service.engine.messages import Scored
@@ -47,6 +47,7 @@ from service.engine.model_session import (
     ModelSession,
     cache_graphs,
     choose_providers,
+    default_threads,
     fused_graph,
     int8_channel_scales,
     prompt_graph,
@@ -54,12 +55,6 @@ from service.engine.model_session import (
 from service.engine.prompts import PrefilledPrompt, StreamedPrompt, chunk_inputs
 
 logger = logging.getLogger(__name__)
-
-
-def default_threads() -> int:
-    """Intra-op threads of the decode session: half the cores (the prefill session gets them all,
-    at a lower priority, see PrefillWorker)."""
-    return max(1, (os.cpu_count() or 2) // 2)
 
 
 @dataclass(frozen=True)
@@ -83,29 +78,6 @@ STREAM_TOKENS_PER_YIELD = 64
 # an arena-less call maps every intermediate fresh and page-faults it in: 21,000 faults and about a
 # quarter of a 2,048-token prompt's time here, docs/measurements.md); `release_prompt_memory` gives
 # the arena back to the system, which the prefill worker does once it has been idle a while.
-
-
-@dataclass
-class _DecodeCall:
-    """A class's decode call, bound once for its current arrays and batch size."""
-
-    version: int
-    session: ModelSession
-    binding: ort.IOBinding
-    new_kv: Array | None  # (2 x layers, B, heads, 1, head_dim), bound outputs; None: written in place
-    logits: Array  # (B, 1, vocab)
-
-
-@dataclass
-class DecodePlan:
-    """A batch's decode calls resolved once (vLLM's persistent batch): each capacity class with
-    its bound call and where its members' tokens come from. Good while the store's classes and
-    their members stay as they are; the engine's steady batch keeps one for as long as it lasts,
-    so a step only writes each row's token, runs the calls and advances the rows."""
-
-    ids: list[str]  # the sequences, in the caller's order
-    parts: list[tuple[CapacityClass, _DecodeCall, list[int] | None]]  # class, call, its members' indexes in ids
-    order: np.ndarray | None  # for each of ids, its row of the classes' logits stacked (None: the same)
 
 
 class ModelRunner:
@@ -156,7 +128,7 @@ class ModelRunner:
             self.open_prefill_session()
         self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
         self.timings = RunnerTimings()
-        self._calls: dict[tuple[int, str], _DecodeCall] = {}  # by class (capacity, kind)
+        self._calls: dict[tuple[int, str], DecodeCall] = {}  # by class (capacity, kind)
         # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
@@ -271,9 +243,8 @@ class ModelRunner:
         the fused prompt graph through the tail session (`open_tail_session`)."""
         assert self.tail_session is not None, "open_tail_session() first"
         self._check_fault([token_ids])
-        chunks = self._chunks_in_place(request_id, token_ids, len(token_ids), past.tokens, past, self.tail_session)
-        prompt = next(chunks)
-        assert prompt is not None
+        (prompt,) = self._chunks_in_place(request_id, token_ids, len(token_ids), past.tokens, past, self.tail_session)
+        assert prompt is not None  # one chunk: the whole rest
         return prompt
 
     def prefill_chunks(
@@ -452,7 +423,7 @@ class ModelRunner:
     def plan_decode(self, ids: list[str]) -> DecodePlan:
         """The decode calls for these sequences, which must be every member of the store."""
         index = {sequence: position for position, sequence in enumerate(ids)}
-        parts: list[tuple[CapacityClass, _DecodeCall, list[int] | None]] = []
+        parts: list[tuple[CapacityClass, DecodeCall, list[int] | None]] = []
         members: list[str] = []
         for klass in self.store.batches():
             picks = [index.get(member, -1) for member in klass.members]
@@ -491,7 +462,7 @@ class ModelRunner:
         stacked = np.concatenate(parts)
         return stacked if plan.order is None else stacked[plan.order]
 
-    def _decode_call(self, klass: CapacityClass) -> _DecodeCall:
+    def _decode_call(self, klass: CapacityClass) -> DecodeCall:
         """The class's decode call bound to the leading rows of its arrays and preallocated
         outputs, re-made only when the class is re-allocated or its membership changes."""
         call = self._calls.get(klass.key)
@@ -504,11 +475,11 @@ class ModelRunner:
             fused = self.sessions[klass.kind] if klass.kind == INT8_CHANNEL else self.fused_session
             assert fused is not None
             binding, logits = self.binder.bind_in_place(fused, *inputs, past[0])
-            call = _DecodeCall(klass.version, fused, binding, None, logits)
+            call = DecodeCall(klass.version, fused, binding, None, logits)
         else:
             session = self.sessions[klass.kind]
             binding, logits, new_kv = self.binder.bind(session, *inputs, past, klass.kind)
-            call = _DecodeCall(klass.version, session, binding, new_kv, logits)
+            call = DecodeCall(klass.version, session, binding, new_kv, logits)
         self._calls[klass.key] = call
         return call
 
