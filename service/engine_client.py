@@ -164,6 +164,7 @@ class EngineClient:
         self._process: subprocess.Popen[bytes] | None = None
         self._serving = False
         self._stopping = False
+        self._taken_while_stopping: list[RequestHandle] = []  # the drain's report counts them too
         self._exits: deque[float] = deque()
         self.restarts = 0
         self._reader: threading.Thread | None = None
@@ -336,14 +337,19 @@ class EngineClient:
             if not future.done():
                 future.set_exception(RequestError(ErrorKind.UNAVAILABLE, message))
 
-    def stop(self, timeout: float) -> DrainReport:
-        """Drain: running requests finish within `timeout` (a call the transport accepted just before
-        it closed is still taken), then the core cuts the rest and exits."""
+    def stop(self, timeout: float, until: threading.Event | None = None) -> DrainReport:
+        """Drain: running requests finish within `timeout`, and new ones are still taken until `until`
+        is set (the front end has ended every call it accepted), then the core cuts the rest and exits."""
         self._stopping = True
         in_flight = list(self._handles.values())
         deadline = time.monotonic() + timeout
-        while self._serving and time.monotonic() < deadline and any(not h.done.is_set() for h in self._running()):
+
+        def busy() -> bool:
+            return (until is not None and not until.is_set()) or any(not h.done.is_set() for h in self._running())
+
+        while self._serving and time.monotonic() < deadline and busy():
             time.sleep(0.02)
+        in_flight += self._taken_while_stopping
         self._serving = False
         process = self._process
         report = DrainReport()
@@ -428,6 +434,8 @@ class EngineClient:
         if reply.refusal is not None:
             self._handles.pop(request_id, None)
             raise reply.refusal.error()
+        if self._stopping:
+            self._taken_while_stopping.append(handle)
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:

@@ -240,6 +240,7 @@ class RunningServer:
         self.stopped = threading.Event()
         self._engine_went_down = False
         self._draining = False
+        self._refusing_http = False  # SIGTERM, after the drain delay: the HTTP API answers 503 (nginx retries it)
         self.give_up = threading.Event()  # set when the engine core cannot be kept running
         self.gave_up: str | None = None  # why the engine core could not be kept running (exit non-zero)
 
@@ -275,7 +276,7 @@ class RunningServer:
         if not config.http_port:
             return
         api = OpenAIApi(
-            lambda: self.engine, lambda: self.servicer.draining, self.metrics, self.servicer.labels, config.auth_token,
+            lambda: self.engine, lambda: self._refusing_http, self.metrics, self.servicer.labels, config.auth_token,
             leaving=lambda: self._draining,
         )
         context = None
@@ -328,15 +329,17 @@ class RunningServer:
         grace = self.config.grace_seconds if grace is None else grace
         delay = max(0.0, self.config.drain_delay_seconds) if grace > 0 else 0.0  # stop(0): at once
         if delay == 0:  # refused from the moment health says so (one HTTP call once slipped in between, in CI)
-            self.servicer.draining = True
+            self._refusing_http = True
         self._draining = True  # health stays NOT_SERVING whatever the engine core does
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if delay > 0:
             time.sleep(delay)
-            self.servicer.draining = True  # a handler that starts now (HTTP keeps its port) is refused with the reason
+            self._refusing_http = True  # an HTTP handler that starts now (HTTP keeps its port) gets 503 and the reason
         started = time.monotonic()
         closed = self.server.stop(grace)  # running calls go on; new ones are not accepted
-        report = self.engine.stop(grace) if self.engine is not None else DrainReport()
+        # The engine serves until every call gRPC accepted has ended: a handler accepted just before the
+        # port closed may not have submitted its request yet.
+        report = self.engine.stop(grace, until=closed) if self.engine is not None else DrainReport()
         # Finished requests' handlers still send their last message: give them what is left of the grace.
         left = max(0.5, grace - (time.monotonic() - started))
         if self.http is not None:

@@ -49,7 +49,6 @@ class _Aborted(Exception):
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self) -> None:
         self.engine: EngineClient | None = None  # set once the engine core has loaded the models
-        self.draining = False  # SIGTERM: new calls get UNAVAILABLE while running ones finish
 
     def labels(self, model: str) -> dict[str, str]:
         """Metric labels of a model name; unknown names (and none) share one empty label set."""
@@ -123,11 +122,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # ------------------------------------------------------------------ helpers
 
     def _engine(self, context: grpc.ServicerContext) -> EngineClient:
-        if self.draining:
-            raise _Aborted(
-                grpc.StatusCode.UNAVAILABLE,
-                "server is draining (stopping): running requests finish, new ones go elsewhere; retry",
-            )
+        # No refusal while draining: once the port has closed (GOAWAY) gRPC itself turns new streams
+        # away before any handler runs, so a proxy or a retry policy sends them elsewhere; a handler
+        # that runs was accepted before that and is served (a refusal here reached clients without
+        # retries through nginx, which cannot retry a status).
         if self.engine is None:
             raise _Aborted(grpc.StatusCode.UNAVAILABLE, "server is starting: models are loading; retry")
         return self.engine
