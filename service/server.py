@@ -276,7 +276,11 @@ class RunningServer:
         if not config.http_port:
             return
         api = OpenAIApi(
-            lambda: self.engine, lambda: self._refusing_http, self.metrics, self.servicer.labels, config.auth_token,
+            lambda: self.engine,
+            lambda: self._refusing_http,
+            self.metrics,
+            self.servicer.labels,
+            config.auth_token,
             leaving=lambda: self._draining,
         )
         context = None

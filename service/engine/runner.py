@@ -310,7 +310,8 @@ class ModelRunner:
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
         binding, logits = self.binder.bind_prompt_in_place(session, *inputs, cache)
         session.run(binding)
-        self._prompt_memory_held = True
+        if session is self.prefill_session:  # the tail session's small arena is kept (not released when idle)
+            self._prompt_memory_held = True
         return backend.download(logits[:, -1:]).astype(np.float32), cache
 
     def prefill_chunked(

@@ -182,6 +182,7 @@ def test_a_tail_worker_computes_a_hit_as_the_whole_prompt_at_the_callers_priorit
     hit.past = CachedPast(blocks, runner.backend, runner.dtype)
     assert hit.computed_tokens == len(hit.token_ids) - 64
     assert runner.open_tail_session()
+    runner.release_prompt_memory()  # the whole prompt's call above held the prefill session's arena
     tails = Collector()
     worker = TailWorker(runner, tails.deliver, tails.observe, "alibi")
     worker.start()
@@ -194,6 +195,7 @@ def test_a_tail_worker_computes_a_hit_as_the_whole_prompt_at_the_callers_priorit
     assert prompt is not None and tails.calls == [1]
     np.testing.assert_allclose(prompt.logits, whole.logits, atol=1e-4)
     np.testing.assert_allclose(prompt.cache, whole.cache, atol=1e-5)
+    assert not runner._prompt_memory_held  # a tail leaves the idle prefill worker nothing to release
     lowered = Collector()
     prefill = start(runner, lowered, chunk_tokens=32)
     try:
