@@ -197,7 +197,11 @@ def single_stream_figures(
 
 
 def aggregate_tokens_per_second(
-    server: ServerProcess, model: str, streams: int, new_tokens: int, requests_per_stream: int = REQUESTS_PER_STREAM,
+    server: ServerProcess,
+    model: str,
+    streams: int,
+    new_tokens: int,
+    requests_per_stream: int = REQUESTS_PER_STREAM,
     http: bool = False,
 ) -> float:
     """Generated tokens/s of `streams` clients, each sending unary requests back to back, so

@@ -90,9 +90,9 @@ def test_sigterm_on_one_of_two_replicas_under_load_fails_no_call_of_our_client_o
         )
         client = ClientLoop(proxy.target)
         # Under load on both replicas (and our client has run once), then the SIGTERM.
-        assert wait_for(
-            lambda: min(map(streams_served, replicas)) >= 3 and bool(client.runs), timeout=60
-        ), [streams_served(replica) for replica in replicas]
+        assert wait_for(lambda: min(map(streams_served, replicas)) >= 3 and bool(client.runs), timeout=60), [
+            streams_served(replica) for replica in replicas
+        ]
         signalled = time.monotonic()
         leaving.process.send_signal(signal.SIGTERM)
         assert leaving.process.wait(timeout=60) == 0

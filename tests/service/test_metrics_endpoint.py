@@ -18,7 +18,11 @@ def endpoint() -> tuple[MetricsEndpoint, Counter, str]:
     drained = Gauge("posenc_drained", "drained", registry=registry)
     calls = Counter("posenc_calls", "calls", registry=registry)
     port = free_port()
-    return MetricsEndpoint("127.0.0.1", port, lambda: None, drained, registry), calls, f"http://127.0.0.1:{port}/metrics"
+    return (
+        MetricsEndpoint("127.0.0.1", port, lambda: None, drained, registry),
+        calls,
+        f"http://127.0.0.1:{port}/metrics",
+    )
 
 
 def scrape(url: str) -> list[str]:
