@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from service.api import generation_pb2 as pb
 from service.engine.request import Request
-from service.engine_client import RequestHandle
+from service.request_handle import RequestHandle
 
 
 def median_of(measure: Callable[[], float], runs: int = 3) -> float:

@@ -28,12 +28,13 @@ from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.messages import DrainReport, EngineConfig
-from service.engine_client import EngineClient, EngineStartError, ResumeObserver
+from service.engine_client import EngineClient, EngineStartError
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
 from service.metrics_endpoint import MetricsEndpoint
 from service.openai_api.app import OpenAIApi
 from service.openai_api.server import HttpServer
+from service.request_handle import ResumeObserver
 from service.security import BearerTokenInterceptor, read_token, server_credentials, ssl_context
 from service.servicer import GenerationServicer
 

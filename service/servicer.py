@@ -14,7 +14,8 @@ from service.api import generation_pb2_grpc
 from service.api.retry import RETRY_AFTER_KEY
 from service.engine.messages import ErrorKind, GenerateInput, ModelInfo, PromptSegment, RequestError, RequestStatus
 from service.engine.streams import StreamEvent
-from service.engine_client import EngineClient, RequestHandle
+from service.engine_client import EngineClient
+from service.request_handle import RequestHandle
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,

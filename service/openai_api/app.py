@@ -22,10 +22,11 @@ import msgspec
 from aiohttp import web
 
 from service.engine.messages import RequestError, RequestStatus
-from service.engine_client import EngineClient, RequestHandle
+from service.engine_client import EngineClient
 from service.metrics import ServiceMetrics
 from service.openai_api.protocol import DONE, ApiError, Generation, Shapes, Usage, models_list, parse_generation
 from service.openai_api.stream import AsyncOutputStream
+from service.request_handle import RequestHandle
 from service.security import authorized, bearer
 
 logger = logging.getLogger(__name__)
