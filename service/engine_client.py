@@ -276,7 +276,7 @@ class EngineClient:
         """Drain: running requests finish within `timeout`, and new ones are still taken until `until`
         is set (the front end has ended every call it accepted), then the core cuts the rest and exits."""
         self._stopping = True
-        in_flight = list(self._handles.values())
+        in_flight = dict(self._handles)  # by id: a submit racing this line may also be in the list below
         deadline = time.monotonic() + timeout
 
         def busy() -> bool:
@@ -284,7 +284,7 @@ class EngineClient:
 
         while self._serving and time.monotonic() < deadline and busy():
             time.sleep(0.02)
-        in_flight += self._taken_while_stopping
+        in_flight |= {handle.request_id: handle for handle in self._taken_while_stopping}
         self._serving = False
         process = self._process
         report = DrainReport()
@@ -293,7 +293,7 @@ class EngineClient:
                 if self._ready.done() and self._ready.exception() is None:  # it serves: let it drain
                     self._send(Stop(max(0.0, deadline - time.monotonic())))
                     self._stopped.result(timeout + 30)
-                    cut = sum(1 for h in in_flight if h.status is RequestStatus.FINISHED_SHUTDOWN)
+                    cut = sum(1 for h in in_flight.values() if h.status is RequestStatus.FINISHED_SHUTDOWN)
                     report = DrainReport(len(in_flight) - cut, cut)
             except RequestError:
                 pass  # it is not there to hear it
