@@ -142,7 +142,8 @@ class GenerationUser(Scenario, User):
         options = self.environment.parsed_options
         self._rng = random.Random(id(self))
         # The retry policy every client should carry: a draining replica's port closes (GOAWAY) and a
-        # call refused with UNAVAILABLE before it started is sent again, elsewhere behind a proxy.
+        # call refused before it started (UNAVAILABLE, or gRPC core's CANCELLED at shutdown) is sent
+        # again, elsewhere behind a proxy.
         self.channel = open_channel(self.host)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         models = self._list_models()

@@ -4,7 +4,12 @@ A replica that is draining (SIGTERM) or still loading answers UNAVAILABLE before
 for the call, so a retry is always safe: gRPC's own retry policy (the service config below) sends
 it again, and behind a per-request load balancer the retry reaches another replica. A stream is
 only retried before its first message arrives, so no client ever sees text twice.
-RESOURCE_EXHAUSTED (queue full, or a time-to-first-token target that cannot be met) is not
+CANCELLED is retried too, for one case: gRPC core cancels a call that reaches a server in the
+instant it shuts down, before any handler ran (grpc/grpc#41785: it answers CANCELLED where
+UNAVAILABLE is meant), which a SIGTERM on a replica behind nginx hits now and then. A retry policy
+only ever resends a call that got no response headers, and a client's own cancellation or deadline
+ends its call on the client, so no call the server worked on, and none the client gave up, is sent
+again. RESOURCE_EXHAUSTED (queue full, or a time-to-first-token target that cannot be met) is not
 retried: that is load shedding, and an immediate retry would defeat it.
 """
 
@@ -27,7 +32,7 @@ RETRY_SERVICE_CONFIG = {
                 "initialBackoff": "0.05s",
                 "maxBackoff": "1s",
                 "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
+                "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
             },
         }
     ]

@@ -31,6 +31,7 @@ AUTH = (("authorization", f"Bearer {TOKEN}"),)
 REPLICA_FLAGS = (
     "--models", "alibi", "rope", "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", "2048",
     "--auth-token", TOKEN, "--grace-seconds", "30",
+    "--final-scrape-seconds", "5",  # the drained replica's final counters stay readable (SIGTERM test)
 )  # fmt: skip
 LONG = pb.GenerateRequest(model="alibi", prompt="def main():\n", max_new_tokens=2000)  # seconds of decoding
 
@@ -258,14 +259,19 @@ def test_a_draining_replica_s_refusals_are_retried_on_the_other(
         fake.stop(0)
 
 
-def test_sigterm_on_one_replica_loses_no_call_and_its_streams_finish(
+def test_sigterm_on_one_replica_loses_no_call_of_a_retrying_client_and_its_streams_finish(
     proxy: Proxy, replicas: list[ServerProcess]
 ) -> None:
     """Runs last: it stops a replica. Calls keep coming from two clients while `leaving` gets
     SIGTERM: the project's (retry policy) and one without retries. Health goes NOT_SERVING, then the
     port closes (GOAWAY) while running calls finish, so nginx sends each new call to `staying`
-    (a refused connection is an `error` it may retry): no call is lost by either client and every
-    stream already running on `leaving` finishes."""
+    (a refused connection is an `error` it may retry): the project's client loses no call and every
+    stream already running on `leaving` finishes.
+
+    The client without retries can lose a call that reaches `leaving` in the instant its gRPC server
+    shuts down: gRPC core answers it CANCELLED before any handler runs (grpc/grpc#41785; seen in one
+    CI run in five), and nginx cannot resend an answered call. So its losses may only be that: few,
+    CANCELLED, and never a call the replica's handler saw (the replica counted no CANCELLED call)."""
     leaving, staying = replicas
     request = pb.GenerateRequest(model="alibi", prompt="def main():\n", max_new_tokens=1500)
     streams = [proxy.stub.GenerateStream(request, metadata=AUTH, timeout=60) for _ in range(4)]
@@ -291,6 +297,7 @@ def test_sigterm_on_one_replica_loses_no_call_and_its_streams_finish(
 
     threads = [threading.Thread(target=client, args=(name,)) for name in clients]
     served_before = finished(staying, code="OK")
+    cancelled_before = finished(leaving, code="CANCELLED")
     for thread in threads:
         thread.start()
     time.sleep(0.3)
@@ -305,8 +312,21 @@ def test_sigterm_on_one_replica_loses_no_call_and_its_streams_finish(
     last_chunks = [list(call)[-1] for call in streams]  # the drain: each ends normally
     assert all(chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED for chunk in last_chunks)
     for name, made in calls.items():
-        lost = [code for _, code in made if code != grpc.StatusCode.OK]
-        assert not lost, (name, lost)
         assert sum(1 for started, _ in made if started > signalled) >= 5, name
+    assert not [code for _, code in calls["retrying"] if code != grpc.StatusCode.OK]
+    refused = [code for _, code in calls["not retrying"] if code != grpc.StatusCode.OK]
+    assert len(refused) <= 2 and set(refused) <= {grpc.StatusCode.CANCELLED}, refused
+    cancelled_after: list[float] = []  # read by the scrape that finds `leaving` drained, its last
+
+    def drained() -> bool:
+        lines = leaving.metrics().splitlines()
+        if "posenc_drained 1.0" not in lines:
+            return False
+        counted = [line for line in lines if line.startswith("posenc_requests_total{") and 'code="CANCELLED"' in line]
+        cancelled_after.append(sum(float(line.rpartition(" ")[2]) for line in counted))
+        return True
+
+    assert wait_for(drained, timeout=30)
+    assert cancelled_after == [cancelled_before]  # its handlers cancelled nothing
     assert finished(staying, code="OK") > served_before
     assert leaving.process.wait(timeout=40) == 0
