@@ -134,15 +134,17 @@ def test_streams_resume_on_the_restarted_core_with_the_text_of_an_uninterrupted_
 
 
 def test_a_unary_generate_resumes_on_the_restarted_core(server: ServerProcess, repository: Path) -> None:
-    prompt = "class Parser:\n"
-    request = pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=RESUMED)
+    """A unary call shows nothing until it ends, so the kill waits for its first tokens in the core's
+    counter, polled every 5 ms: 1,200 tokens take 0.2 s on a fast machine (400 ended between two
+    polls of 50 ms)."""
+    prompt, new_tokens = "class Parser:\n", 3 * RESUMED
+    request = pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=new_tokens)
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(server.stub.Generate, request, timeout=120)
-        assert wait_for(lambda: server.metric("posenc_running_sequences", model="alibi") == 1, timeout=30)
-        time.sleep(0.05)  # some tokens produced
+        assert wait_for(lambda: generated(server) >= 8, timeout=30, interval=0.005)
         kill_core(server)
         response = reply.result()
-    expected, _ = offline_greedy_text(repository, "alibi", prompt, RESUMED)
+    expected, _ = offline_greedy_text(repository, "alibi", prompt, new_tokens)
     assert response.text == expected
     assert server.metric("posenc_resumed_requests_total") == 1
 
