@@ -41,6 +41,7 @@ from contract.manifest import Manifest, serving_variant
 from service.engine.decode_plan import DecodeCall, DecodePlan
 from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
 from service.engine.kv.prefix import CachedPast
+from service.engine.kv.scratch import ScratchArray
 from service.engine.messages import Scored
 from service.engine.model_session import (
     GraphBinder,
@@ -122,6 +123,7 @@ class ModelRunner:
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
         self.tail_session: ModelSession | None = None  # open_tail_session()
+        self._tail_scratch = ScratchArray()  # the tail worker's assembled pasts (service.engine.kv.scratch)
         self._prompt_memory_held = False  # the prompt session's arena holds intermediates of past calls
         self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
         if open_prefill_session:
@@ -281,7 +283,7 @@ class ModelRunner:
         copies the past into a new array, and no call allocates a cache."""
         room = len(token_ids) - done
         if isinstance(past, CachedPast):
-            cache = past.assemble(room=room)
+            cache = past.assemble(room, self._tail_scratch if session is self.tail_session else None)
         else:
             layout = self.layout
             shape = (layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim)

@@ -12,6 +12,7 @@ import pytest
 from contract.manifest import Manifest
 from models.tokenizer import TOKENIZER
 from service.engine.kv.prefix import CachedPast
+from service.engine.kv.scratch import MAX_REUSED_BYTES, ScratchArray
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
 from service.engine.request import Request, SamplingParams
 from service.engine.runner import ModelRunner, StoreConfig
@@ -205,3 +206,42 @@ def test_a_tail_worker_computes_a_hit_as_the_whole_prompt_at_the_callers_priorit
         prefill.stop()
     normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert tails.priority == normal and lowered.priority == normal + 5
+
+
+def test_scratch_memory_is_handed_out_again_only_once_nothing_views_it() -> None:
+    scratch = ScratchArray()
+    first = scratch.empty((2, 3, 4), "float32")
+    view = first[:, 0]
+    del first
+    second = scratch.empty((2, 3, 4), "float32")  # `view` still reads the first: new memory
+    assert not np.shares_memory(second, view) and scratch.in_use
+    address = second.__array_interface__["data"][0]
+    del view, second
+    assert not scratch.in_use
+    third = scratch.empty((4, 3), "float32")  # free and large enough: the same memory, another shape
+    assert third.__array_interface__["data"][0] == address and third.flags.c_contiguous
+    assert scratch.empty((2, 3, 5), "float32").shape == (2, 3, 5)  # larger: new memory
+    big = (MAX_REUSED_BYTES // 4 + 1,)
+    assert not np.shares_memory(scratch.empty(big, "float32"), scratch.empty(big, "float32"))
+
+
+def test_hits_reuse_the_tail_workers_memory_only_after_their_prompts_are_dropped(runner: ModelRunner) -> None:
+    """A hit's past is assembled into the tail thread's kept memory (no fresh mapping to fault in),
+    never while an earlier hit's prompt, which the engine thread copies from, still views it."""
+    text = "def read_config(path):\n    with open(path) as handle:\n        return handle.read()\n"
+    ids = TOKENIZER.encode(text)
+    whole = runner.prefill_chunked("whole", ids, 512)
+    assert whole is not None
+    blocks = [whole.cache[:, :, start : start + 16] for start in range(0, 64, 16)]
+    assert runner.open_tail_session()
+    held = runner.prefill_tail("a", ids, CachedPast(blocks, runner.backend, runner.dtype))
+    expected = held.cache.copy()
+    other = runner.prefill_tail("b", ids, CachedPast(blocks, runner.backend, runner.dtype))
+    assert not np.shares_memory(held.cache, other.cache)  # `held` is still read: not written over
+    np.testing.assert_array_equal(held.cache, expected)
+    address = other.cache.__array_interface__["data"][0]
+    del other
+    again = runner.prefill_tail("c", ids, CachedPast(blocks, runner.backend, runner.dtype))
+    assert again.cache.__array_interface__["data"][0] == address  # b's memory, free again
+    np.testing.assert_allclose(again.cache, whole.cache, atol=1e-5)
+    np.testing.assert_allclose(again.logits, whole.logits, atol=1e-4)

@@ -19,7 +19,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from service.engine.kv.arrays import Array, Backend
+from service.engine.kv.arrays import Array, Backend, NumpyArrays
+from service.engine.kv.scratch import ScratchArray
 
 
 def block_hashes(token_ids: list[int], block_size: int, extra: Hashable) -> list[int]:
@@ -42,11 +43,14 @@ class CachedPast:
         self.tokens = sum(int(part.shape[2]) for part in parts)
         self.backend, self.dtype = backend, dtype
 
-    def assemble(self, room: int = 0) -> Array:
+    def assemble(self, room: int = 0, scratch: ScratchArray | None = None) -> Array:
         """(2 x layers, 1, heads, tokens + room, head_dim): the blocks, then `room` zeroed columns
-        (where a prompt call writes its new tokens' K/V in place)."""
+        (where a prompt call writes its new tokens' K/V in place). `scratch`: host memory to reuse
+        (the calling thread's), for host arrays."""
         tensors, heads, _, head_dim = self.parts[0].shape
-        out = self.backend.empty((tensors, 1, heads, self.tokens + room, head_dim), self.dtype)
+        shape = (tensors, 1, heads, self.tokens + room, head_dim)
+        host = scratch is not None and isinstance(self.backend, NumpyArrays)
+        out = scratch.empty(shape, self.dtype) if host else self.backend.empty(shape, self.dtype)  # type: ignore[union-attr]
         start = 0
         for part in self.parts:
             out[:, 0, :, start : start + part.shape[2]] = part
