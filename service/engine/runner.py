@@ -40,6 +40,7 @@ from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
 from service.engine.decode_plan import DecodeCall, DecodePlan
 from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
+from service.engine.kv.arrays import NumpyArrays
 from service.engine.kv.prefix import CachedPast
 from service.engine.kv.scratch import ScratchArray
 from service.engine.messages import Scored
@@ -123,7 +124,7 @@ class ModelRunner:
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
         self.tail_session: ModelSession | None = None  # open_tail_session()
-        self._tail_scratch = ScratchArray()  # the tail worker's assembled pasts (service.engine.kv.scratch)
+        self._tail_scratch = ScratchArray() if isinstance(self.backend, NumpyArrays) else None  # kv/scratch.py
         self._prompt_memory_held = False  # the prompt session's arena holds intermediates of past calls
         self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
         if open_prefill_session:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from service.engine.kv.arrays import Array, Backend, NumpyArrays
+from service.engine.kv.arrays import Array, Backend
 from service.engine.kv.scratch import ScratchArray
 
 
@@ -45,12 +45,11 @@ class CachedPast:
 
     def assemble(self, room: int = 0, scratch: ScratchArray | None = None) -> Array:
         """(2 x layers, 1, heads, tokens + room, head_dim): the blocks, then `room` zeroed columns
-        (where a prompt call writes its new tokens' K/V in place). `scratch`: host memory to reuse
-        (the calling thread's), for host arrays."""
+        (where a prompt call writes its new tokens' K/V in place). `scratch`: the calling thread's
+        host memory to reuse (only where the backend's arrays are host arrays)."""
         tensors, heads, _, head_dim = self.parts[0].shape
         shape = (tensors, 1, heads, self.tokens + room, head_dim)
-        host = scratch is not None and isinstance(self.backend, NumpyArrays)
-        out = scratch.empty(shape, self.dtype) if host else self.backend.empty(shape, self.dtype)  # type: ignore[union-attr]
+        out = (scratch or self.backend).empty(shape, self.dtype)
         start = 0
         for part in self.parts:
             out[:, 0, :, start : start + part.shape[2]] = part

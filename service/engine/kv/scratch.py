@@ -33,13 +33,13 @@ class ScratchArray:
         size = math.prod(shape)
         if size * wanted.itemsize > MAX_REUSED_BYTES:
             return np.empty(shape, dtype=wanted)
-        # Two references when free: the attribute and getrefcount's argument; every live view adds one.
-        free = self._memory is not None and sys.getrefcount(self._memory) == 2
-        if not free or self._memory.dtype != wanted or self._memory.size < size:  # type: ignore[union-attr]
-            self._memory = np.empty(size, dtype=wanted)
-        return self._memory[:size].reshape(shape)
+        memory = None if self.in_use else self._memory
+        if memory is None or memory.dtype != wanted or memory.size < size:
+            memory = self._memory = np.empty(size, dtype=wanted)
+        return memory[:size].reshape(shape)
 
     @property
     def in_use(self) -> bool:
-        """Whether an array handed out still refers to the kept memory."""
+        """Whether an array handed out still refers to the kept memory: free, it has two references
+        (the attribute and getrefcount's argument), and every live view adds one."""
         return self._memory is not None and sys.getrefcount(self._memory) > 2
