@@ -18,7 +18,8 @@ figure the server's posenc_requests_total counts (its `api` label tells the fron
 `ListModels` or `GET /v1/models` (once per user), `GenerateStream <model>` or `POST /v1/completions
 <model>` (an SSE stream), `Cancelled <model>` (streams the client cancels on purpose,
 --cancel-fraction) and `Stopped <model>` (streams cut because Locust stopped the user;
-`--stop-timeout` lets them finish). A refusal for load (RESOURCE_EXHAUSTED, HTTP 429) counts as a
+`--stop-timeout` lets them finish; one cut while its request was still on its way never reaches
+the server, which then counts one call fewer). A refusal for load (RESOURCE_EXHAUSTED, HTTP 429) counts as a
 failure, and the user waits as long as its retry-after hint asks. Time to first token and
 inter-token latency are not requests: they go to `loadtest.token_latency` under the model's name
 (whichever API measured them), which prints them at the end, writes them beside the CSV and shows
@@ -187,8 +188,8 @@ class GenerationUser(Scenario, User):
                 return
             timing = timed_stream(self.stub, request, self.timeout)
         except GreenletExit:
-            # Locust stopped this user mid-stream (the run ended, or fewer users): the RPC happened
-            # all the same, and on_stop's channel close cancels it on the server, which counts it.
+            # Locust stopped this user mid-stream (the run ended, or fewer users): on_stop's channel
+            # close cancels the RPC on the server, which counts it, if it had got there.
             self._fire("cancel", f"Stopped {model}", time.perf_counter() - started, 0, None)
             raise
         self._fire("grpc", f"{self.label} {model}", timing.seconds, timing.received_bytes, timing.error)
@@ -310,8 +311,8 @@ class HttpGenerationUser(Scenario, FastHttpUser):
                 response.request_meta["response_time"] = timing.seconds * 1000.0  # the whole stream, as gRPC's
                 response.request_meta["response_length"] = 0 if cancel else timing.received_bytes
         except GreenletExit:
-            # Locust stopped this user mid-stream: the call happened all the same, and closing the
-            # connection below cancels it on the server, which counts it.
+            # Locust stopped this user mid-call: closing the connection below cancels the call on the
+            # server, which counts it, unless it was stopped before its request got there (connecting).
             self._fire("cancel", f"Stopped {model}", time.perf_counter() - started, 0, None)
             raise
         finally:
