@@ -116,8 +116,10 @@ class Scheduler:
         # A row never evicts the cached prefix blocks of a prompt admitted before it in this step,
         # nor its own while others run (it waits for one of them to end rather than recompute
         # them); with nothing running it may evict its own, or it would wait forever.
+        # None in a step that preempted (as vLLM v1): the memory just freed would go straight to a
+        # waiting prompt, often the victim itself, recomputed at once instead of a decode resumed.
         taken: frozenset[int] = frozenset()
-        while self.waiting and len(self.running) < self.max_batch_size:
+        while self.waiting and len(self.running) < self.max_batch_size and not out.preempted:
             request = self.waiting[0]
             policy = request.cache_policy
             own = self.prefix_blocks(request)

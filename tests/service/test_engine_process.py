@@ -165,6 +165,14 @@ def unavailable(call: Callable[[], object]) -> str:
     return caught.value.details()
 
 
+def wait_resumed_and_running(server: ServerProcess, resumed: int) -> None:
+    """Until `resumed` requests have been resumed and the new core has generated tokens since: text a
+    client reads after a kill may have been on its way from the old core, the new one not yet started."""
+    assert wait_for(lambda: server.metric("posenc_resumed_requests_total") == resumed, timeout=60)
+    tokens = generated(server)
+    assert wait_for(lambda: generated(server) >= tokens + 8, timeout=60)
+
+
 def test_a_request_whose_cores_keep_dying_ends_with_unavailable_and_says_why(server: ServerProcess) -> None:
     """A request is resumed at most RESUMES_ALLOWED times; the core's next death ends it with a clear
     UNAVAILABLE (a non-retrying client loses it; the server stays up within its restart budget).
@@ -179,7 +187,9 @@ def test_a_request_whose_cores_keep_dying_ends_with_unavailable_and_says_why(ser
         )
         text: list[str] = []
         for kills in range(1, 4):
-            read_until(stream, text, 20 * kills)  # running (again: resumed)
+            read_until(stream, text, 20 * kills)
+            if kills > 1:
+                wait_resumed_and_running(server, resumed=2 * (kills - 1))
             kill_core(server)
         expected = "engine process was killed (signal 9); the request ran on 3 engine cores that died: not resumed"
         assert unavailable(lambda: [None for _ in stream]) == expected

@@ -108,13 +108,15 @@ def test_the_torch_store_path_caches_and_hits_alike() -> None:
 
 
 def test_a_row_that_could_not_fit_even_after_evicting_leaves_the_cache_alone() -> None:
-    """A class that cannot grow beside its old array within the budget: evicting every cached block
-    would not make room, so none is evicted (the cache once lost its shared prefix to each such try,
-    and every later request recomputed it)."""
+    """A class that cannot grow beside its old array within the budget (torch arrays, as on a GPU,
+    grow by copy): evicting every cached block would not make room, so none is evicted (the cache
+    once lost its shared prefix to each such try, and every later request recomputed it)."""
     budget = 6 * 64 * LAYOUT.token_bytes  # six rows of 64 tokens
-    store = KVStore(LAYOUT, budget, BLOCK, 64)
+    import torch
+
+    store = KVStore(LAYOUT, budget, BLOCK, 64, backend=TorchArrays("cpu"))
     shared = list(range(48))
-    assert cache(store, shared, prompt_kv(48)) == 3
+    assert cache(store, shared, torch.from_numpy(prompt_kv(48))) == 3
     cached = store.prefix.nbytes
     admitted = 0
     while store.reserve(f"r{admitted}", 64):
@@ -125,6 +127,20 @@ def test_a_row_that_could_not_fit_even_after_evicting_leaves_the_cache_alone() -
     assert store.physical_bytes - cached + (held + 1) * 64 * LAYOUT.token_bytes > store.capacity_bytes
     assert admitted >= 2 and store.prefix.nbytes == cached and store.prefix.evictions == 0
     assert store.cached_prefix(shared, block_hashes(shared, BLOCK, EXTRA), EXTRA, 47)[0] == 47
+
+
+def test_host_rows_grow_in_place_to_the_whole_budget_evicting_cached_blocks_last() -> None:
+    """Host arrays change their row count in place: the same budget holds all six rows, the cached
+    blocks evicted as the last rows need their bytes (and only then)."""
+    store = KVStore(LAYOUT, 6 * 64 * LAYOUT.token_bytes, BLOCK, 64)
+    shared = list(range(48))
+    cache(store, shared, prompt_kv(48))
+    admitted = 0
+    while store.reserve(f"r{admitted}", 64):
+        admitted += 1
+        assert store.peak_physical_bytes <= store.capacity_bytes
+        assert store.prefix.evictions == 0 or store.physical_bytes > 3 * 64 * LAYOUT.token_bytes
+    assert admitted == 6 and store.classes[64].rows == 6 and store.prefix.nbytes == 0
 
 
 def test_a_reservation_evicts_no_block_it_is_told_to_keep() -> None:

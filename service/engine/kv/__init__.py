@@ -2,6 +2,7 @@
 
 - `layout`: what one token's cache is made of (`KVLayout`) and the storage kinds (float, `INT8`).
 - `arrays`: where the memory lives (`NumpyArrays` on the host, `TorchArrays` on CPU or CUDA).
+- `region`: host memory in which a class changes its row count in place (`RowRegion`).
 - `rows`: how a class stores its rows (`FloatRows`, `Int8Rows` with per-token scales).
 - `classes`: dense in-place batches of one row width (`CapacityClass`) on a ladder of widths,
   and a row's cache policy and eviction state (`RowPolicy`).

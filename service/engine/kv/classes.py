@@ -19,7 +19,7 @@ import numpy as np
 
 from service.engine.kv.arrays import Array, Backend
 from service.engine.kv.layout import KVLayout
-from service.engine.kv.rows import make_rows
+from service.engine.kv.rows import Rows, make_rows
 
 GROWTH = 1.25  # capacity ratio between neighbouring classes: a row is >= 1/GROWTH full
 SMALLEST_CLASS_BLOCKS = 4
@@ -77,11 +77,15 @@ class CapacityClass:
         rows: int,
         rotary_inv_freq: np.ndarray | None = None,
         kind: str | None = None,
+        reserve_bytes: int = 0,
+        storage: Rows | None = None,
     ) -> None:
+        """`reserve_bytes`: the most its arrays may ever take (the budget), which lets host arrays
+        change their row count in place (`resized_from`); `storage`: rows already laid out (that)."""
         self.backend, self.layout, self.capacity = backend, layout, capacity
         self.kind = kind or layout.dtype
         self.rotary_inv_freq = rotary_inv_freq
-        self.storage = make_rows(self.kind, backend, layout, rows, capacity)
+        self.storage = storage or make_rows(self.kind, backend, layout, rows, capacity, reserve_bytes)
         self.cache = self.storage.cache  # (2 x layers, rows, heads, capacity, head_dim)
         # mask: (rows, capacity + 1); the last column is the token fed by the step, always 1.
         self.mask = backend.zeros((rows, capacity + 1), "int64")
@@ -123,11 +127,27 @@ class CapacityClass:
     def free_rows(self) -> int:
         return self.rows - len(self.members) - len(self.reserved)
 
-    def copy_members_from(self, old: CapacityClass) -> None:
-        """Take over `old`'s members and reservations (same capacity, at least as many rows)."""
+    @property
+    def resizes_in_place(self) -> bool:
+        """Its arrays can change their row count where they are (host memory with a reserve)."""
+        return self.storage.memory.in_place
+
+    @classmethod
+    def resized_from(cls, old: CapacityClass, rows: int) -> CapacityClass:
+        """`old` with `rows` rows (at least its members), its arrays changed in place: no second
+        array is ever allocated. `old` must not be used afterwards (its arrays' layout is gone)."""
+        old.storage.resize(rows, len(old.members))
+        fresh = cls(old.backend, old.layout, old.capacity, rows, old.rotary_inv_freq, old.kind, storage=old.storage)
+        fresh.copy_members_from(old, cache=False)
+        return fresh
+
+    def copy_members_from(self, old: CapacityClass, cache: bool = True) -> None:
+        """Take over `old`'s members and reservations (same capacity, at least as many rows);
+        `cache` False: their K/V are already in this class's arrays."""
         batch = len(old.members)
-        for new, previous in zip(self.arrays, old.arrays, strict=True):
-            new[:, :batch] = previous[:, :batch]
+        if cache:
+            for new, previous in zip(self.arrays, old.arrays, strict=True):
+                new[:, :batch] = previous[:, :batch]
         self.mask[:batch] = old.mask[:batch]
         self.positions[:batch] = old.positions[:batch]
         self.lengths[:batch] = old.lengths[:batch]

@@ -18,6 +18,7 @@ from typing import Any
 from contract.kv_int8 import SCALE_DTYPE, dequantize
 from service.engine.kv.arrays import Array, Backend
 from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
+from service.engine.kv.region import RowMemory
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,28 @@ class Int8KV:
         return Int8KV(self.values[index], self.scales[index])
 
 
-class FloatRows:
+class _Rows:
+    """What every kind shares: its arrays come from a `RowMemory`, and on the host they change their
+    row count in place (`resize`)."""
+
+    memory: RowMemory
+    arrays: list[Array]
+
+    def _bind(self, arrays: list[Array]) -> None:
+        self.arrays = arrays
+        self.cache = arrays[0]
+
+    def resize(self, rows: int, kept: int) -> None:
+        """The arrays laid out again with `rows` rows, the first `kept` keeping their K/V (`memory.in_place` only)."""
+        self._bind(self.memory.resized(self.arrays, rows, kept))
+
+
+class FloatRows(_Rows):
     """A class's K/V in the layout's float dtype: one array, written and read as it is."""
 
-    def __init__(self, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> None:
-        self.dtype = layout.dtype
-        self.cache = backend.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), layout.dtype)
-        self.arrays = [self.cache]
+    def __init__(self, memory: RowMemory, layout: KVLayout, rows: int, capacity: int) -> None:
+        self.dtype, self.memory = layout.dtype, memory
+        self._bind([memory.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), layout.dtype)])
 
     def encode(self, kv: Array) -> list[Array]:
         """Float K/V as this storage's arrays hold them."""
@@ -53,17 +69,19 @@ class FloatRows:
         return self.cache[index]
 
 
-class Int8Rows:
+class Int8Rows(_Rows):
     """A class's K/V as int8 with float32 per-token scales: float K/V are quantized when written,
     and read back dequantized (float32)."""
 
-    def __init__(self, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> None:
+    def __init__(self, memory: RowMemory, layout: KVLayout, rows: int, capacity: int) -> None:
         shape = (layout.tensors, rows, layout.n_heads, capacity)
-        self.dtype = "float32"
-        self.cache = backend.zeros((*shape, layout.head_dim), INT8)
-        self.scales = backend.zeros((*shape, 1), SCALE_DTYPE)
-        self.arrays = [self.cache, self.scales]
-        self._quantize = backend.quantize
+        self.dtype, self.memory = "float32", memory
+        self._bind([memory.zeros((*shape, layout.head_dim), INT8), memory.zeros((*shape, 1), SCALE_DTYPE)])
+        self._quantize = memory.backend.quantize
+
+    def _bind(self, arrays: list[Array]) -> None:
+        super()._bind(arrays)
+        self.scales = arrays[1]
 
     def encode(self, kv: Array) -> list[Array]:
         if isinstance(kv, Int8KV):
@@ -77,19 +95,18 @@ class Int8Rows:
         return Int8KV(self.cache[index], self.scales[index])
 
 
-class ChannelInt8Rows:
+class ChannelInt8Rows(_Rows):
     """A class's K/V as int8 with the model's fixed per-channel scales (contract/kv_int8.py's channel
     format): one int8 array, which the fused int8 graph reads and appends to inside its kernel. Float
     K/V are quantized when written (whole rows, (tensors, heads, n, head_dim)); a row moved from
     another class of this kind is copied as it is."""
 
-    def __init__(self, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> None:
+    def __init__(self, memory: RowMemory, layout: KVLayout, rows: int, capacity: int) -> None:
         assert layout.channel_scales is not None, "int8-channel rows need the model's channel scales"
-        self.dtype = "float32"
-        self.cache = backend.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), INT8)
-        self.arrays = [self.cache]
-        self._backend = backend
-        self._scales = backend.upload(layout.channel_scales)  # (tensors, heads, 1, head_dim)
+        self.dtype, self.memory = "float32", memory
+        self._bind([memory.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), INT8)])
+        self._backend = memory.backend
+        self._scales = memory.backend.upload(layout.channel_scales)  # (tensors, heads, 1, head_dim)
 
     def encode(self, kv: Array) -> list[Array]:
         if kv.dtype == self.cache.dtype:
@@ -106,11 +123,13 @@ class ChannelInt8Rows:
 Rows = FloatRows | Int8Rows | ChannelInt8Rows
 
 
-def make_rows(kind: str, backend: Backend, layout: KVLayout, rows: int, capacity: int) -> Rows:
+def make_rows(kind: str, backend: Backend, layout: KVLayout, rows: int, capacity: int, reserve_bytes: int = 0) -> Rows:
+    """A class's storage; `reserve_bytes` (the budget) lets host arrays change their row count in place."""
+    memory = RowMemory(backend, reserve_bytes)
     if kind == INT8:
-        return Int8Rows(backend, layout, rows, capacity)
+        return Int8Rows(memory, layout, rows, capacity)
     if kind == INT8_CHANNEL:
-        return ChannelInt8Rows(backend, layout, rows, capacity)
+        return ChannelInt8Rows(memory, layout, rows, capacity)
     if kind != layout.dtype:
         raise ValueError(f"storage kind must be {layout.dtype}, {INT8} or {INT8_CHANNEL}, got {kind!r}")
-    return FloatRows(backend, layout, rows, capacity)
+    return FloatRows(memory, layout, rows, capacity)

@@ -7,8 +7,9 @@ all stay >= 64% full one rung up moves there whole when one of them fills (`_mov
 re-allocation, and still one call per step.
 
 Accounting and memory are the same thing here: `reserve` allocates the row (or grows the class
-array) at once, or says no, and refuses anything that would take the allocated bytes, counted
-with the old array still alive while a class is re-allocated, above the budget.
+array) at once, or says no, and refuses anything that would take the allocated bytes above the
+budget at their peak. On the host a class changes its row count in place (region.py), so its peak
+is its new size; device arrays are re-allocated, the old one alive while the members are copied.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class StoreStats:
     used_tokens: int  # tokens held or promised (rounded up to blocks in used_bytes)
     used_bytes: int
     physical_bytes: int  # K/V arrays allocated now
-    peak_physical_bytes: int  # high-water mark, counting both arrays while a class is re-allocated
+    peak_physical_bytes: int  # high-water mark (with both arrays while a device class is re-allocated)
     capacity_bytes: int
     sequences: int
     classes: int
@@ -209,12 +210,12 @@ class KVStore:
         """`_room`, making room by evicting cached prefix blocks not in `keep` (least recently used
         first) a class row's worth at a time: a cached block goes before any sequence is refused or
         preempted. Nothing is evicted when evicting all it may would still leave no room (a class
-        that cannot grow beside its old array): the cache would be lost for nothing."""
+        that cannot grow beside its old array, on a device): the cache would be lost for nothing."""
         row_bytes = capacity * self.layout.kind_token_bytes(kind)
         existing = self.kinds[kind].get(capacity)
         held = 0 if existing is None else existing.rows - existing.free_rows
         evictable = sum(block.nbytes for key, block in self.prefix.blocks.items() if key not in keep)
-        if self.physical_bytes - evictable + (held + 1) * row_bytes > self.capacity_bytes:
+        if self.physical_bytes - evictable + self._growth_bytes(capacity, held + 1, kind) > self.capacity_bytes:
             return None
         step = rows_needed * row_bytes
         while True:
@@ -226,17 +227,31 @@ class KVStore:
             if destination is not None or not freed:
                 return destination
 
-    def _reallocate(self, capacity: int, rows: int, kind: str) -> CapacityClass | None:
-        """A new array for the class with `rows` rows, members copied over; None if the old and the
-        new array together would exceed the budget."""
+    def _growth_bytes(self, capacity: int, rows: int, kind: str) -> int:
+        """What making the class `rows` rows adds to the physical bytes at its peak: on the host its
+        arrays change size in place (the difference); elsewhere a new array is allocated and
+        filled while the old one is alive (the whole new array)."""
         old = self.kinds[kind].get(capacity)
         new_bytes = rows * capacity * self.layout.kind_token_bytes(kind)
-        if self.physical_bytes + new_bytes > self.capacity_bytes:
+        return new_bytes - old.nbytes if old is not None and old.resizes_in_place else new_bytes
+
+    def _reallocate(self, capacity: int, rows: int, kind: str) -> CapacityClass | None:
+        """The class with `rows` rows, members kept: its arrays resized in place on the host, else a
+        new array with the members copied over; None if that would exceed the budget at its peak."""
+        old = self.kinds[kind].get(capacity)
+        growth = self._growth_bytes(capacity, rows, kind)
+        if self.physical_bytes + growth > self.capacity_bytes:
             return None
-        self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes + new_bytes)
-        fresh = CapacityClass(self.backend, self.layout, capacity, rows, self.rotary_inv_freq, kind)
+        self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes + growth)
+        if old is not None and old.resizes_in_place:
+            fresh = CapacityClass.resized_from(old, rows)
+        else:
+            fresh = CapacityClass(
+                self.backend, self.layout, capacity, rows, self.rotary_inv_freq, kind, self.capacity_bytes
+            )
+            if old is not None:
+                fresh.copy_members_from(old)
         if old is not None:
-            fresh.copy_members_from(old)
             self.physical_bytes -= old.nbytes
         self.kinds[kind][capacity] = fresh
         self.physical_bytes += fresh.nbytes
@@ -256,7 +271,7 @@ class KVStore:
 
     def trim(self, all_spare: bool = False) -> None:
         """Give back spare rows where more than a quarter of a class is spare (`all_spare`: every
-        spare row, when memory ran out), if the copy fits beside the old array."""
+        spare row, when memory ran out): in place on the host; on a device if the copy fits beside the old array."""
         for klass in self.all_classes():
             held = klass.rows - klass.free_rows
             if all_spare and held and klass.free_rows:
