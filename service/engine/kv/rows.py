@@ -105,13 +105,12 @@ class ChannelInt8Rows(_Rows):
         assert layout.channel_scales is not None, "int8-channel rows need the model's channel scales"
         self.dtype, self.memory = "float32", memory
         self._bind([memory.zeros((layout.tensors, rows, layout.n_heads, capacity, layout.head_dim), INT8)])
-        self._backend = memory.backend
         self._scales = memory.backend.upload(layout.channel_scales)  # (tensors, heads, 1, head_dim)
 
     def encode(self, kv: Array) -> list[Array]:
         if kv.dtype == self.cache.dtype:
             return [kv]
-        return [self._backend.quantize_channels(kv, self._scales)]
+        return [self.memory.backend.quantize_channels(kv, self._scales)]
 
     def read(self, index: Any) -> Array:
         raise NotImplementedError("int8-channel rows hold unbounded rows only: nothing reads them back as float")
