@@ -38,7 +38,7 @@ from contract.cache_policy import CachePolicy
 from contract.graph import left_pad_batch, right_pad_batch
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
-from service.engine.decode_plan import DecodeCall, DecodePlan
+from service.engine.decode_plan import DecodeCall, DecodeCalls, DecodePlan
 from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
 from service.engine.kv.arrays import NumpyArrays
 from service.engine.kv.prefix import CachedPast
@@ -131,7 +131,8 @@ class ModelRunner:
             self.open_prefill_session()
         self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
         self.timings = RunnerTimings()
-        self._calls: dict[tuple[int, str], DecodeCall] = {}  # by class (capacity, kind)
+        fused_dtype = self.fused.dtype if self.fused else None
+        self.calls = DecodeCalls(self.binder, self.sessions, self.fused_session, fused_dtype)
         # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
@@ -435,7 +436,7 @@ class ModelRunner:
                 missing = klass.members[picks.index(-1)]
                 raise ValueError(f"a decode step feeds every member of the store: {missing!r} is not fed")
             in_order = picks == list(range(len(members), len(members) + len(picks)))
-            parts.append((klass, self._decode_call(klass), None if in_order and len(picks) == len(ids) else picks))
+            parts.append((klass, self.calls.get(klass), None if in_order and len(picks) == len(ids) else picks))
             members += klass.members
         if len(members) != len(ids):
             raise ValueError(f"a decode step feeds every member of the store: {len(members)}, not {len(ids)}")
@@ -466,36 +467,6 @@ class ModelRunner:
         stacked = np.concatenate(parts)
         return stacked if plan.order is None else stacked[plan.order]
 
-    def _decode_call(self, klass: CapacityClass) -> DecodeCall:
-        """The class's decode call bound to the leading rows of its arrays and preallocated
-        outputs, re-made only when the class is re-allocated or its membership changes."""
-        call = self._calls.get(klass.key)
-        if call is not None and call.version == klass.version:
-            return call
-        batch = len(klass.members)
-        past = [array[:, :batch] for array in klass.arrays]
-        inputs = (klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch])
-        if self._decodes_fused(klass):
-            fused = self.sessions[klass.kind] if klass.kind == INT8_CHANNEL else self.fused_session
-            assert fused is not None
-            binding, logits = self.binder.bind_in_place(fused, *inputs, past[0])
-            call = DecodeCall(klass.version, fused, binding, None, logits)
-        else:
-            session = self.sessions[klass.kind]
-            binding, logits, new_kv = self.binder.bind(session, *inputs, past, klass.kind)
-            call = DecodeCall(klass.version, session, binding, new_kv, logits)
-        self._calls[klass.key] = call
-        return call
-
-    def _decodes_fused(self, klass: CapacityClass) -> bool:
-        """The fused graph takes a class of full rows in its own dtype (it cannot shift a bounded
-        row by one token, nor read int8 rows' per-token scales); the fused int8 graph takes the
-        int8-channel classes (unbounded rows only)."""
-        if klass.kind == INT8_CHANNEL:
-            return True
-        return self.fused is not None and klass.kind == self.fused.dtype and not klass.bounded
-
     def forget_calls(self, everything: bool = False) -> None:
         """Drop the bindings (and output buffers) of classes that no longer exist, or all of them."""
-        for key in [key for key in self._calls if everything or not self.store.has_class(key)]:
-            del self._calls[key]
+        self.calls.forget(self.store.has_class, everything)

@@ -171,7 +171,7 @@ def test_fused_decode_equals_explicit_decode(repository: Path, model: str, backe
             logits = runner.decode(tokens)
             tokens = {rid: int(value.argmax()) for rid, value in logits.items()}
             trace.append((tokens, logits))
-        calls = list(runner._calls.values())
+        calls = list(runner.calls.by_class.values())
         assert calls and all((call.new_kv is None) == (attention == "fused") for call in calls)
         runs[attention] = trace
     for step, ((tokens, logits), (tokens_x, logits_x)) in enumerate(zip(runs["fused"], runs["explicit"], strict=True)):
@@ -198,7 +198,7 @@ def test_a_class_with_a_bounded_row_keeps_the_explicit_graph(repository: Path) -
         for rid, value in logits.items():
             np.testing.assert_allclose(value, expected[rid][step], atol=1e-4, err_msg=f"{rid} step {step}")
         tokens = {rid: int(np.argmax(expected[rid][step])) for rid in logits}
-    fused = {key: call.new_kv is None for key, call in runner._calls.items()}
+    fused = {key: call.new_kv is None for key, call in runner.calls.by_class.items()}
     assert sorted(fused.values()) == [False, True], fused
 
 
