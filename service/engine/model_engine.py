@@ -108,7 +108,9 @@ class ModelEngine:
         # Prefix-cache hits with a short tail left go to a thread of their own (TailWorker).
         tails = config.tail_prefill_tokens > 0 and config.prefix_cache and self.runner.open_tail_session()
         self._tail_tokens = config.tail_prefill_tokens if tails else 0
-        self.tail_worker = TailWorker(self.runner, self._deliver_prefilled, self._observe_prefill, manifest.name)
+        self.tail_worker = TailWorker(
+            self.runner, self._deliver_prefilled, self._observe_prefill, manifest.name, self._nothing_decodes
+        )
         self._wake = threading.Condition()
         self.sampler = Sampler()
         # What the current step produced (tokens, finishes, observations), published when the step ends.
@@ -337,6 +339,11 @@ class ModelEngine:
         for worker, jobs in ((self.tail_worker, tails), (self.prefill_worker, queued)):
             if jobs:
                 worker.submit(jobs)
+
+    def _nothing_decodes(self) -> bool:
+        """No running request has its prompt computed (read by the tail worker's thread: a list the
+        engine thread may change meanwhile, so a hint, never a guarantee)."""
+        return not any(request.prefill_done for request in list(self.scheduler.running))
 
     def _short_tail(self, job: PrefillJob) -> bool:
         """A prefix-cache hit with at most `tail_prefill_tokens` left to compute (TailWorker's)."""

@@ -258,9 +258,9 @@ class PrefillWorker(_JobThread):
 class TailWorker(_JobThread):
     """Prefix-cache hits with a short tail left to compute, on a thread of their own at the decode
     thread's priority, one call each (the runner's one-thread tail session: this thread does the
-    work). Behind the prefill worker's lower priority such a tail waits for CPU the decode steps
-    and the streams hold, far longer than it takes; on the engine thread itself it would stall
-    every running sequence's step for it."""
+    work; with nothing decoding, the session of every prefill thread). Behind the prefill worker's
+    lower priority such a tail waits for CPU the decode steps and the streams hold, far longer than
+    it takes; on the engine thread itself it would stall every running sequence's step for it."""
 
     def __init__(
         self,
@@ -268,10 +268,13 @@ class TailWorker(_JobThread):
         deliver: Callable[[list[PrefillResult]], None],
         observe: Callable[[float, int, int], None],
         name: str,
+        idle: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`idle()`: no sequence decodes now (a tail may then take every prefill thread)."""
         self.runner = runner
         self._deliver = deliver
         self._observe = observe
+        self._idle = idle
         super().__init__(f"tails-{name}")
 
     def start(self) -> None:
@@ -293,7 +296,7 @@ class TailWorker(_JobThread):
             return PrefillResult(job)
         started = time.monotonic()
         try:
-            prompt = self.runner.prefill_tail(job.request.request_id, job.token_ids, job.past)
+            prompt = self.runner.prefill_tail(job.request.request_id, job.token_ids, job.past, self._idle())
         except Exception as error:
             return PrefillResult(job, error=error)
         self._observe(time.monotonic() - started, 1, job.computed_tokens)

@@ -208,6 +208,44 @@ def test_a_tail_worker_computes_a_hit_as_the_whole_prompt_at_the_callers_priorit
     assert tails.priority == normal and lowered.priority == normal + 5
 
 
+def test_a_tail_with_nothing_decoding_beside_it_takes_every_prefill_thread(repository: Path) -> None:
+    """The tail worker asks whether anything decodes: if not, the hit's tail runs through the session
+    of all the prefill threads (not the one-thread session), with the same logits and K/V."""
+    runner = ModelRunner(Manifest.load(repository / "alibi"), StoreConfig(64 << 20, 16, 1024), "cpu", threads=2)
+    text = "def read_config(path):\n    with open(path) as handle:\n        return handle.read()\n"
+    whole = runner.prefill_chunked("whole", TOKENIZER.encode(text), 512)
+    assert whole is not None
+    blocks = [whole.cache[:, :, start : start + 16] for start in range(0, 64, 16)]
+    assert runner.open_tail_session() and runner.idle_tail_session is not None
+    used: list[str] = []
+    for name in ("tail_session", "idle_tail_session"):
+        session = getattr(runner, name)
+
+        def recorded(binding: object, release_arena: bool = False, run=session.run, name: str = name) -> None:
+            used.append(name)
+            run(binding, release_arena)
+
+        session.run = recorded
+    decoding = [True, False]
+    tails = Collector()
+    worker = TailWorker(runner, tails.deliver, tails.observe, "alibi", idle=lambda: not decoding[0])
+    worker.start()
+    try:
+        for index in range(2):
+            hit = job(f"hit{index}", text)
+            hit.past = CachedPast(blocks, runner.backend, runner.dtype)
+            worker.submit([hit])
+            tails.wait_for(index + 1)
+            decoding.pop(0)
+    finally:
+        worker.stop()
+    assert used == ["tail_session", "idle_tail_session"]
+    for result in tails.results:
+        assert result.prompt is not None
+        np.testing.assert_allclose(result.prompt.logits, whole.logits, atol=1e-4)
+        np.testing.assert_allclose(result.prompt.cache, whole.cache, atol=1e-5)
+
+
 def test_scratch_memory_is_handed_out_again_only_once_nothing_views_it() -> None:
     scratch = ScratchArray()
     first = scratch.empty((2, 3, 4), "float32")
