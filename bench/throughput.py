@@ -102,12 +102,14 @@ def print_throughput(
         # is the median of `rounds` sweeps over every concurrency, as the single-stream ones are, and
         # the graph ceiling is measured right after each sweep (the server idle), so that every
         # sweep's 16-stream ratio is taken against a ceiling of the same minute.
-        one_runner, sixteen_runner = (batch_runner(folder, batch, 128, args.threads, args.device) for batch in (1, 16))
+        # Batch 64 too: how far the graph's own cost per token still falls past 16 rows bounds what 64
+        # streams can gain over 16.
+        runners = [batch_runner(folder, batch, 128, args.threads, args.device) for batch in (1, 16, 64)]
 
-        def graph_steps() -> tuple[float, float]:
-            pairs = [(step_seconds(one_runner, steps * 5), step_seconds(sixteen_runner, steps * 5)) for _ in range(3)]
-            one, sixteen = (statistics.median(times) for times in zip(*pairs, strict=True))
-            return one, sixteen
+        def graph_steps() -> tuple[float, float, float]:
+            rounds = [tuple(step_seconds(runner, steps * 5) for runner in runners) for _ in range(3)]
+            one, sixteen, sixty_four = (statistics.median(times) for times in zip(*rounds, strict=True))
+            return one, sixteen, sixty_four
 
         sweeps, graphs, http64 = [], [], []
         for _ in range(args.rounds):
@@ -127,12 +129,13 @@ def print_throughput(
     finally:
         server.stop()
         uncached.stop()
-    ceilings = [16 * one / sixteen for one, sixteen in graphs]
-    one, sixteen = (statistics.median(times) for times in zip(*graphs, strict=True))
+    ceilings = [16 * one / sixteen for one, sixteen, _ in graphs]
+    one, sixteen, sixty_four = (statistics.median(times) for times in zip(*graphs, strict=True))
     print(
         f"  graph alone (runner, context 128, after each sweep): step {one * 1000:.3f} ms at batch 1, "
         f"{sixteen * 1000:.3f} ms at batch 16, so 16 streams can be at most {statistics.median(ceilings):.2f}x "
-        f"one stream here (sweeps: {', '.join(f'{c:.2f}' for c in ceilings)})"
+        f"one stream here (sweeps: {', '.join(f'{c:.2f}' for c in ceilings)}); {sixty_four * 1000:.3f} ms at "
+        f"batch 64, so 64 streams at most {4 * sixteen / sixty_four:.2f}x 16"
     )
     first = args.concurrency[0]
     if first == 1 and 16 in rates:
@@ -144,8 +147,8 @@ def print_throughput(
     if 16 in rates and 64 in rates:
         each = [sweep[64] / sweep[16] for sweep in sweeps]
         print(
-            f"  64 streams / 16 streams              {statistics.median(each):.2f}  (goal >= 1; sweeps: "
-            f"{', '.join(f'{r:.2f}' for r in each)})"
+            f"  64 streams / 16 streams              {statistics.median(each):.2f}  (goal >= 1; the graph alone "
+            f"{4 * sixteen / sixty_four:.2f}; sweeps: {', '.join(f'{r:.2f}' for r in each)})"
         )
     if http64:
         each = [http / sweep[64] for http, sweep in zip(http64, sweeps, strict=True)]
