@@ -184,30 +184,38 @@ def measure_reuse(
     declared: dict[str, str] = {}
     sizes: dict[str, tuple[int, int]] = {}
     admission = ("--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S))
-    for cache in (False, True):
-        progress.set_postfix(part=f"reuse, prefix cache {'on' if cache else 'off'}")
-        with serving(repository, threads, schemes, *admission, *(() if cache else COMPUTED)) as servers:
-            infos = {scheme: model_info(server, scheme, results) for scheme, server in servers.items()}
-            workloads = workloads or Workloads.build(held_out, budget, next(iter(infos.values())).train_context)
-            prompts = {scheme: workloads.shared_prompt(infos[scheme].max_positions) for scheme in schemes}
-            for scheme, (prefix_bytes, tail_bytes, prompt) in prompts.items():
-                sizes[scheme] = (prefix_bytes, tail_bytes)
+    # Both sets run at once and each level measures a scheme without and with the cache back to back
+    # (which first alternates), so the machine's drift over minutes does not land between the two
+    # figures a ratio divides, as it did when one set was measured whole after the other.
+    with (
+        serving(repository, threads, schemes, *admission, *COMPUTED) as uncached,
+        serving(repository, threads, schemes, *admission) as cached,
+    ):
+        sets = {False: uncached, True: cached}
+        progress.set_postfix(part="reuse, shared prefix, prefix cache off and on")
+        infos = {scheme: model_info(server, scheme, results) for scheme, server in cached.items()}
+        workloads = Workloads.build(held_out, budget, next(iter(infos.values())).train_context)
+        prompts = {scheme: workloads.shared_prompt(infos[scheme].max_positions) for scheme in schemes}
+        for scheme, (prefix_bytes, tail_bytes, prompt) in prompts.items():
+            sizes[scheme] = (prefix_bytes, tail_bytes)
+            for servers in sets.values():
                 # The prefix once before the levels: with the cache, every level then measures it held.
-                generate(
-                    servers[scheme], pb.GenerateRequest(model=scheme, prompt=prompt(random.Random()), max_new_tokens=1)
-                )
-            for turn, users in enumerate(budget.reuse_users):
-                for scheme in rotated(schemes, turn):
-                    prompt = prompts[scheme][2]
-                    figures = measure_load(servers[scheme], scheme, prompt, users, budget.reuse_seconds,
-                                           SHARED_NEW_TOKENS)  # fmt: skip
+                request = pb.GenerateRequest(model=scheme, prompt=prompt(random.Random()), max_new_tokens=1)
+                generate(servers[scheme], request)
+        for turn, users in enumerate(budget.reuse_users):
+            for index, scheme in enumerate(rotated(schemes, turn)):
+                for cache in (False, True) if (turn + index) % 2 == 0 else (True, False):
+                    figures = measure_load(sets[cache][scheme], scheme, prompts[scheme][2], users,
+                                           budget.reuse_seconds, SHARED_NEW_TOKENS)  # fmt: skip
                     loads[cache].setdefault(scheme, {})[str(users)] = figures
+        for cache, servers in sets.items():
+            progress.set_postfix(part=f"reuse, documents, prefix cache {'on' if cache else 'off'}")
             for scheme in rotated(schemes, int(cache)):
                 declared[scheme] = infos[scheme].segment_reuse
-                for form, prompts in workloads.forms.items():
-                    if fits(infos[scheme].max_positions, prompts):
+                for form, prompts_of_form in workloads.forms.items():
+                    if fits(infos[scheme].max_positions, prompts_of_form):
                         served[scheme][form] |= measure_documents(
-                            servers[scheme], scheme, declared[scheme], prompts, cache, budget.reuse_repairs
+                            servers[scheme], scheme, declared[scheme], prompts_of_form, cache, budget.reuse_repairs
                         )
                 progress.update()
     assert workloads is not None
