@@ -151,8 +151,9 @@ def reuse_section(results: Results) -> str:
         "**Shared prefix**: closed-loop users streaming 32 new tokens (sampling) after one long prefix every "
         "request shares and a unique tail of held-out text (scaled down together for a model with fewer "
         f"positions), against servers with admission control (`--ttft-slo-seconds {slo}`), one set started with "
-        "`--no-prefix-cache`, one with the prefix cache. Goodput and TTFT as in the load section "
-        "(TTFT measured by the client).\n",
+        "`--no-prefix-cache`, one with the prefix cache, both running at once: each level measures a scheme "
+        "without and with the cache back to back (from f6cfe9a on; earlier runs measured one set after the "
+        "other). Goodput and TTFT as in the load section (TTFT measured by the client).\n",
         "![reuse](reuse.png)\n",
         shared_prefix_table(results),
         "**Documents in varying order** (RAG-like): 8 documents of held-out text; each prompt holds 4 of them in "
