@@ -178,7 +178,6 @@ def measure_reuse(
     progress: tqdm,
 ) -> None:  # fmt: skip
     """Both workloads on both server sets, then the answers' bits per byte in-process."""
-    workloads: Workloads | None = None
     loads: dict[bool, dict[str, dict[str, LoadFigures]]] = {False: {}, True: {}}
     served: dict[str, dict[str, dict[str, ReuseMode]]] = {s: {f: {} for f in budget.reuse_forms} for s in schemes}
     declared: dict[str, str] = {}
@@ -218,7 +217,6 @@ def measure_reuse(
                             servers[scheme], scheme, declared[scheme], prompts_of_form, cache, budget.reuse_repairs
                         )
                 progress.update()
-    assert workloads is not None
     for scheme in schemes:
         progress.set_postfix(part="reuse, answers' bits per byte", scheme=scheme)
         scorer = AnswerScorer(repository, scheme, threads)

@@ -256,7 +256,9 @@ class ModelRunner:
         assert self.tail_session is not None, "open_tail_session() first"
         self._check_fault([token_ids])
         session = self.idle_tail_session if idle and self.idle_tail_session is not None else self.tail_session
-        (prompt,) = self._chunks_in_place(request_id, token_ids, len(token_ids), past.tokens, past, session)
+        (prompt,) = self._chunks_in_place(
+            request_id, token_ids, len(token_ids), past.tokens, past, session, self._tail_scratch
+        )
         assert prompt is not None  # one chunk: the whole rest
         return prompt
 
@@ -286,16 +288,17 @@ class ModelRunner:
         done: int,
         past: Array | CachedPast | None,
         session: ModelSession | None = None,
+        scratch: ScratchArray | None = None,
     ) -> Iterator[PrefilledPrompt | None]:
         """`prefill_chunks` through the fused prompt graph: the cache array is made once, with room
         for the whole prompt (the past, if any, in its first columns), and each chunk's call reads
         the columns before it and writes its own after them, in place (the kernel's shared-buffer
         mode takes a buffer longer than the call's tokens; the mask says how many count). No chunk
-        copies the past into a new array, and no call allocates a cache."""
+        copies the past into a new array, and no call allocates a cache. `scratch`: the calling
+        thread's kept host memory to assemble a cached past into (the tail worker's)."""
         room = len(token_ids) - done
         if isinstance(past, CachedPast):
-            tail = session is not None and session in (self.tail_session, self.idle_tail_session)
-            cache = past.assemble(room, self._tail_scratch if tail else None)
+            cache = past.assemble(room, scratch)
         else:
             layout = self.layout
             shape = (layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim)
