@@ -355,10 +355,25 @@ class EngineClient:
             raise RequestError(ErrorKind.UNAVAILABLE, "engine core is not serving (starting, restarting or stopping)")
 
     def submit(self, raw: GenerateInput, output: OutputStream | None = None) -> RequestHandle:
-        """`output`: where the request's text goes (an asynchronous front end passes its own kind)."""
+        """`output`: where the request's text goes (an asynchronous front end passes its own kind).
+        Prompt log-probabilities (`prompt_logprobs`, OpenAI's echo) are computed first, by scoring
+        the whole prompt teacher-forced through the request's cache policy (Score's path), so every
+        prompt token has its own however much of the prompt the prefix cache or a reused segment
+        would give the generation; max_new_tokens 0 asks for them alone (no generation)."""
         self._check_serving()
         request_id = f"{raw.model}-{next(self._ids)}"
         handle = RequestHandle(request_id, raw.model, raw, output=output or OutputStream())
+        if raw.max_new_tokens == 0 and raw.prompt_logprobs is None:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT, "max_new_tokens: 0 is allowed only with prompt log-probabilities (echo)"
+            )
+        if raw.prompt_logprobs is not None:
+            self._score_prompt(handle, raw)
+            if raw.max_new_tokens == 0:
+                handle.accepted = True
+                handle.prompt_tokens = len(handle.prompt_ids)
+                handle.finish(RequestStatus.FINISHED_LENGTH, None)
+                return handle
         self._handles[request_id] = handle
         try:
             reply = self._call(request_id, Add(request_id, raw), CALL_TIMEOUT_SECONDS)
@@ -381,10 +396,35 @@ class EngineClient:
             except RequestError:
                 pass  # no core: the request ends when the next one would have resumed it (or now, at a stop)
 
-    def score(self, model: str, text: str, cache_policy: str = "", timeout: float | None = None) -> Scored:
+    def _score_prompt(self, handle: RequestHandle, raw: GenerateInput) -> None:
+        """The prompt's log-probabilities into `handle` (None for its first token), or the refusal."""
+        info = self.models.get(raw.model)
+        if info is None:
+            self.score(raw.model, raw.prompt or " ")  # the core's NOT_FOUND, worded as every call's
+            return
+        ids = list(raw.prompt_ids) or info.prompt_ids(raw.prompt)
+        scored = self.score(
+            raw.model, raw.prompt, raw.cache_policy, ids=list(raw.prompt_ids), top=raw.prompt_logprobs or 0,
+            field="prompt",
+        )  # fmt: skip
+        handle.prompt_ids, handle.prompt_logprobs = ids, [None, *scored.token_logprobs(ids)]
+
+    def score(
+        self,
+        model: str,
+        text: str,
+        cache_policy: str = "",
+        timeout: float | None = None,
+        ids: list[int] | None = None,
+        top: int = 0,
+        field: str = "text",
+    ) -> Scored:
+        """Teacher-forced log-probabilities of a text (or token ids) after its first token; `top`: each
+        position's likeliest tokens too; `field`: what an error calls the text."""
         self._check_serving()
         call = next(self._call_ids)
-        reply = self._call(call, Score(call, model, text, cache_policy), min(timeout or 3600.0, 3600.0))
+        command = Score(call, model, text, cache_policy, ids or [], top, field)
+        reply = self._call(call, command, min(timeout or 3600.0, 3600.0))
         assert isinstance(reply, ScoreReply)
         if reply.refusal is not None:
             raise reply.refusal.error()
@@ -425,7 +465,7 @@ class EngineClient:
                         if handle.stalled_since is not None:  # resumed: its first token since its core died
                             self.resume.first_token(time.monotonic() - handle.stalled_since)
                             handle.stalled_since = None
-                    handle.receive(entry.text, status, entry.error, entry.final)
+                    handle.receive(entry.text, status, entry.error, entry.final, entry.logprobs)
         elif isinstance(event, Reply | ScoreReply | MetricsReply):
             if isinstance(event, Reply) and event.refusal is None and event.request_id in self._handles:
                 self._handles[event.request_id].accepted = True  # before its submit (or resume) learns it

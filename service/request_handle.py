@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.engine.messages import Final, GenerateInput, RequestStatus
+from service.engine.messages import Final, GenerateInput, RequestStatus, TokenLogprob
 from service.engine.streams import OutputStream
 
 
@@ -31,6 +31,11 @@ class RequestHandle:
     model: str
     input: GenerateInput | None = None
     token_ids: list[int] = field(default_factory=list)
+    # Log-probabilities where asked: each generated token's (aligned with token_ids, then the final
+    # entry's tokens), and each prompt token's (echo; None for the first, which nothing precedes).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     accepted: bool = False  # the core answered its Add without a refusal
     cancelled: bool = False
     resumes: int = 0
@@ -49,10 +54,19 @@ class RequestHandle:
     scheduled_time: float | None = None
     finish_time: float | None = None
 
-    def receive(self, text: str, status: int | None, error: str | None, final: Final | None) -> None:
+    def receive(
+        self,
+        text: str,
+        status: int | None,
+        error: str | None,
+        final: Final | None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        if logprobs:
+            self.logprobs += logprobs
         if status is None:
             self.text += text
-            self.output.put(text)
+            self.output.put(text, logprobs)
             return
         if final is not None:
             self.prompt_tokens, self.completion_tokens = final.prompt_tokens, final.completion_tokens
@@ -65,13 +79,15 @@ class RequestHandle:
                 self.arrival_time, self.first_token_time = final.arrival_time, final.first_token_time
                 self.scheduled_time = final.scheduled_time
             self.finish_time = final.finish_time
-        self.finish(RequestStatus(status), error, text)
+        self.finish(RequestStatus(status), error, text, logprobs)
 
-    def finish(self, status: RequestStatus, error: str | None, text: str = "") -> None:
+    def finish(
+        self, status: RequestStatus, error: str | None, text: str = "", logprobs: list[TokenLogprob] | None = None
+    ) -> None:
         if self.status.finished:
             return
         self.text += text
         self.status, self.error = status, error
         self.finish_time = self.finish_time or time.monotonic()
-        self.output.close(text, status, error)
+        self.output.close(text, status, error, logprobs)
         self.done.set()

@@ -12,9 +12,18 @@ import grpc
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.api.retry import RETRY_AFTER_KEY
-from service.engine.messages import ErrorKind, GenerateInput, ModelInfo, PromptSegment, RequestError, RequestStatus
+from service.engine.messages import (
+    ErrorKind,
+    GenerateInput,
+    ModelInfo,
+    PromptSegment,
+    RequestError,
+    RequestStatus,
+    TokenLogprob,
+)
 from service.engine.streams import StreamEvent
 from service.engine_client import EngineClient
+from service.logprobs import TokenAligner, aligned
 from service.request_handle import RequestHandle
 
 FINISH_REASONS = {
@@ -81,6 +90,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             finish_reason=FINISH_REASONS[handle.status],
             usage=_usage(handle),
             timings=_timings(handle),
+            logprobs=_logprobs(aligned(handle.text, handle.logprobs)),
+            prompt_logprobs=_prompt_logprobs(handle),
         )
 
     def GenerateStream(
@@ -88,7 +99,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> Iterator[pb.GenerateStreamResponse]:
         try:
             handle = self._submit(request, context)
+            aligner = TokenAligner()
+            prompt = _prompt_logprobs(handle)
             for event in self._events(handle, context):
+                logprobs = _logprobs(aligner.take(event.text, event.logprobs)) if event.logprobs else []
                 if event.status.finished:
                     self._raise_if_aborted(handle)
                     yield pb.GenerateStreamResponse(
@@ -96,9 +110,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         finish_reason=FINISH_REASONS[handle.status],
                         usage=_usage(handle),
                         timings=_timings(handle),
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt,
                     )
-                elif event.text:
-                    yield pb.GenerateStreamResponse(text=event.text)
+                elif event.text or logprobs or prompt:
+                    yield pb.GenerateStreamResponse(text=event.text, logprobs=logprobs, prompt_logprobs=prompt)
+                else:
+                    continue
+                prompt = []
         except _Aborted as aborted:
             aborted.abort(context)
 
@@ -142,6 +161,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         if request.segments and request.prompt:
             raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, "segments: set either prompt or segments, not both")
+        if request.prompt_token_ids and (request.prompt or request.segments):
+            raise _Aborted(
+                grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: set either prompt_token_ids or prompt/segments"
+            )
         segments = tuple(PromptSegment(s.text, s.reusable) for s in request.segments)
         raw = GenerateInput(
             model=request.model,
@@ -158,6 +181,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             min_tokens=request.min_tokens,
             segments=segments,
             segment_repair_tokens=request.segment_repair_tokens,
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+            prompt_ids=tuple(request.prompt_token_ids),
         )
         handle: RequestHandle = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))
@@ -198,7 +224,26 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         default_cache_policy=info.default_cache_policy,
         eviction_positions=info.eviction_positions,
         segment_reuse=info.segment_reuse,
+        vocab_size=info.vocab_size,
+        bos_token_id=info.bos_token_id,
+        eos_token_id=info.eos_token_id,
+        add_bos=info.add_bos,
     )
+
+
+def _logprobs(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob, top_token_ids=t.top_ids, top_logprobs=t.top_logprobs)
+        for t in logprobs
+    ]
+
+
+def _prompt_logprobs(handle: RequestHandle) -> list[pb.TokenLogprob]:
+    """Every prompt token's, the first with no log-probability (nothing precedes it)."""
+    if handle.prompt_logprobs is None:
+        return []
+    out = [pb.TokenLogprob(token_id=handle.prompt_ids[0])] if handle.prompt_ids else []
+    return out + _logprobs([t for t in handle.prompt_logprobs if t is not None])
 
 
 def _usage(handle: RequestHandle) -> pb.Usage:

@@ -23,7 +23,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "scheme", "max_positions", "train_context", "kv_cache_bytes_per_token", "n_layers", "n_heads", "head_dim", "dtype", "max_new_tokens_limit", "max_sequence_tokens", "kv_cache_capacity_bytes", "cache_policies", "default_cache_policy", "eviction_positions", "segment_reuse")
+    __slots__ = ("name", "scheme", "max_positions", "train_context", "kv_cache_bytes_per_token", "n_layers", "n_heads", "head_dim", "dtype", "max_new_tokens_limit", "max_sequence_tokens", "kv_cache_capacity_bytes", "cache_policies", "default_cache_policy", "eviction_positions", "segment_reuse", "vocab_size", "bos_token_id", "eos_token_id", "add_bos")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,10 @@ class ModelInfo(_message.Message):
     DEFAULT_CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     EVICTION_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_REUSE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
     name: str
     scheme: str
     max_positions: int
@@ -56,7 +60,11 @@ class ModelInfo(_message.Message):
     default_cache_policy: str
     eviction_positions: str
     segment_reuse: str
-    def __init__(self, name: _Optional[str] = ..., scheme: _Optional[str] = ..., max_positions: _Optional[int] = ..., train_context: _Optional[int] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., cache_policies: _Optional[_Iterable[str]] = ..., default_cache_policy: _Optional[str] = ..., eviction_positions: _Optional[str] = ..., segment_reuse: _Optional[str] = ...) -> None: ...
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
+    add_bos: bool
+    def __init__(self, name: _Optional[str] = ..., scheme: _Optional[str] = ..., max_positions: _Optional[int] = ..., train_context: _Optional[int] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., cache_policies: _Optional[_Iterable[str]] = ..., default_cache_policy: _Optional[str] = ..., eviction_positions: _Optional[str] = ..., segment_reuse: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., add_bos: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -65,7 +73,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cache_policy", "ignore_eos", "min_tokens", "segments", "segment_repair_tokens")
+    __slots__ = ("model", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cache_policy", "ignore_eos", "min_tokens", "segments", "segment_repair_tokens", "logprobs", "prompt_logprobs", "prompt_token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +87,9 @@ class GenerateRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_REPAIR_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     max_new_tokens: int
@@ -92,7 +103,22 @@ class GenerateRequest(_message.Message):
     min_tokens: int
     segments: _containers.RepeatedCompositeFieldContainer[PromptSegment]
     segment_repair_tokens: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[PromptSegment, _Mapping]]] = ..., segment_repair_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    prompt_logprobs: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[PromptSegment, _Mapping]]] = ..., segment_repair_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PromptSegment(_message.Message):
     __slots__ = ("text", "reusable")
@@ -127,28 +153,36 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "finish_reason", "usage", "timings")
+    __slots__ = ("text", "finish_reason", "usage", "timings", "logprobs", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("text", "finish_reason", "usage", "timings")
+    __slots__ = ("text", "finish_reason", "usage", "timings", "logprobs", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("model", "text", "cache_policy")

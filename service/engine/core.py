@@ -88,6 +88,10 @@ def model_infos(engine: Engine) -> list[ModelInfo]:
                 default_cache_policy=str(model.inputs.default_policy),
                 eviction_positions=model.eviction_positions,
                 segment_reuse=manifest.segment_reuse.mode,
+                vocab_size=manifest.vocab_size,
+                bos_token_id=model.inputs.bos_token_id,
+                eos_token_id=model.inputs.eos_token_id,
+                add_bos=model.inputs.add_bos,
             )
         )
     return infos
@@ -163,6 +167,8 @@ class StepOutputs:
             sent, delivered = self._ids_sent.get(request_id, 0), request.delivered_tokens
             if delivered > sent:
                 entry.token_ids += request.output_ids[sent:delivered]
+                if request.logprobs is not None:
+                    entry.logprobs += request.logprobs[sent:delivered]  # type: ignore[arg-type]
                 self._ids_sent[request_id] = delivered
 
     def close(self, request: Request, text: str, status: RequestStatus, error: str | None) -> None:
@@ -183,6 +189,9 @@ class StepOutputs:
                 self._entries.append(entry)
             entry.text += text
             entry.status, entry.error, entry.final = int(status), error, final
+            sent = self._ids_sent.get(request.request_id, 0)
+            if request.logprobs is not None and request.delivered_tokens > sent:  # held back, or no text (EOS)
+                entry.logprobs += request.logprobs[sent : request.delivered_tokens]  # type: ignore[arg-type]
             self._pending.pop(request.request_id, None)
             self.requests.pop(request.request_id, None)
             self._ids_sent.pop(request.request_id, None)
@@ -367,6 +376,8 @@ class CommandLoop:
         eos = model.inputs.eos_token_id
         request = Request(command.request_id, raw.model, ids, params, eos, raw.deadline, policy)
         request.output_ids, request.delivered_tokens = list(produced), len(produced)
+        if request.logprobs is not None:  # the produced tokens' went out with them: never sent again
+            request.logprobs = [None] * len(produced)
         request.last_token_time = time.monotonic()  # its next token's interval starts now
         for token in produced:
             if token != eos:
@@ -391,7 +402,9 @@ class CommandLoop:
 
     def score(self, command: Score) -> None:
         try:
-            scored = self.engine.score(command.model, command.text, command.cache_policy)
+            scored = self.engine.score(
+                command.model, command.text, command.cache_policy, command.ids, command.top, command.field
+            )
         except RequestError as error:
             self.sender.send(ScoreReply(command.call, Refusal.of(error)))
             return
@@ -399,8 +412,7 @@ class CommandLoop:
             logger.exception("scoring failed")
             self.sender.send(ScoreReply(command.call, Refusal("INTERNAL", f"scoring failed: {error}")))
             return
-        logprobs, greedy = scored.logprobs.astype("<f8").tobytes(), scored.greedy.astype("<i8").tobytes()
-        self.sender.send(ScoreReply(command.call, None, logprobs, greedy))
+        self.sender.send(ScoreReply.of(command.call, scored))
 
     def stop(self, grace: float) -> None:
         report = self.engine.stop(grace)

@@ -91,12 +91,21 @@ class Engine:
         engine.submit(request)
         return request
 
-    def score(self, model: str, text: str, cache_policy: str = "") -> Scored:
+    def score(
+        self,
+        model: str,
+        text: str,
+        cache_policy: str = "",
+        token_ids: list[int] | None = None,
+        top: int = 0,
+        field: str = "text",
+    ) -> Scored:
         """Teacher-forced log-probabilities (and greedy predictions) of the text's tokens after the
-        first, each seeing what the cache policy keeps."""
+        first, each seeing what the cache policy keeps; `token_ids`: the text as ids instead; `top`:
+        each position's likeliest tokens too; `field`: what errors call the text (echo's: prompt)."""
         engine = self.model(model)
-        ids, policy = engine.inputs.score(text, cache_policy)
-        return engine.runner.score(ids, policy)
+        ids, policy = engine.inputs.score(text, cache_policy, token_ids, top, field)
+        return engine.runner.score(ids, policy, top)
 
     def cancel(self, request: Request) -> None:
         if request.cancel_time is None and not request.status.finished:

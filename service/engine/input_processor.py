@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from contract.cache_policy import FIELD as POLICY_FIELD
 from contract.cache_policy import FULL_POLICY, CachePolicy, CachePolicyError, parse_cache_policy
 from contract.manifest import Manifest
-from service.engine.messages import ErrorKind, GenerateInput, RequestError
+from service.engine.messages import MAX_LOGPROBS, ErrorKind, GenerateInput, RequestError
 from service.engine.request import SamplingParams
 
 
@@ -65,9 +65,30 @@ class InputProcessor:
             )
         return policy
 
+    def token_ids(self, ids: tuple[int, ...] | list[int], field: str = "prompt") -> list[int]:
+        """A prompt given as token ids, taken as they are (no BOS added), each checked against the vocabulary."""
+        vocab = self.manifest.vocab_size
+        for index, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise RequestError(
+                    ErrorKind.INVALID_ARGUMENT,
+                    f"{field}[{index}]: token id {token} is outside the vocabulary [0, {vocab}) of model "
+                    f"{self.manifest.name!r}",
+                )
+        return list(ids)
+
+    @staticmethod
+    def check_logprobs(value: int | None, field: str) -> None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"{field}: must be in [0, {MAX_LOGPROBS}], got {value}")
+
     def generate(self, raw: GenerateInput) -> tuple[list[int], SamplingParams, CachePolicy]:
-        if not raw.prompt:
+        if raw.prompt and raw.prompt_ids:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, "prompt: set either text or token ids, not both")
+        if not raw.prompt and not raw.prompt_ids:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "prompt: must not be empty")
+        self.check_logprobs(raw.logprobs, "logprobs")
+        self.check_logprobs(raw.prompt_logprobs, "prompt_logprobs")
         params = SamplingParams(
             max_new_tokens=self.limits.default_max_new_tokens if raw.max_new_tokens is None else raw.max_new_tokens,
             temperature=raw.temperature,
@@ -77,10 +98,11 @@ class InputProcessor:
             stop=raw.stop,
             ignore_eos=raw.ignore_eos,
             min_tokens=raw.min_tokens,
+            logprobs=raw.logprobs,
         )
         self.check(params)
         policy = self.cache_policy(raw.cache_policy)
-        ids = self.tokenize(raw.prompt)
+        ids = self.token_ids(raw.prompt_ids) if raw.prompt_ids else self.tokenize(raw.prompt)
         self.check_length(len(ids), params.max_new_tokens, policy)
         return ids, params, policy
 
@@ -130,19 +152,22 @@ class InputProcessor:
                 f"min_tokens: must be in [0, max_new_tokens={params.max_new_tokens}], got {params.min_tokens}",
             )
 
-    def score(self, text: str, cache_policy: str = "") -> tuple[list[int], CachePolicy]:
-        """Token ids of a text to score and the policy it streams through; its positions must fit
-        like a generation's."""
-        if not text:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, "text: must not be empty")
+    def score(
+        self, text: str, cache_policy: str = "", token_ids: list[int] | None = None, top: int = 0, field: str = "text"
+    ) -> tuple[list[int], CachePolicy]:
+        """Token ids of a text to score (or the ids given) and the policy it streams through; its
+        positions must fit like a generation's. `field`: the name errors give the text (echo's: prompt)."""
+        if not text and not token_ids:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"{field}: must not be empty")
+        self.check_logprobs(top, "logprobs" if field == "prompt" else "top")
         policy = self.cache_policy(cache_policy)
-        ids = self.tokenize(text)
+        ids = self.token_ids(token_ids, field) if token_ids else self.tokenize(text)
         scored = len(ids) - 1
         limit = self.manifest.max_positions or self.limits.max_sequence_tokens
         if scored > limit:
             what = "max_positions" if self.manifest.max_positions else "max_sequence_tokens"
             raise RequestError(
                 ErrorKind.INVALID_ARGUMENT,
-                f"text: {scored} tokens to score exceed {what}={limit} of model {self.manifest.name!r}",
+                f"{field}: {scored} tokens to score exceed {what}={limit} of model {self.manifest.name!r}",
             )
         return ids, policy

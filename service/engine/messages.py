@@ -101,15 +101,47 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
     min_tokens: int = 0  # EOS cannot end the request before this many new tokens
     segments: tuple[PromptSegment, ...] = ()  # set: `prompt` is their concatenation
     segment_repair_tokens: int = 0  # leading tokens of each reused segment recomputed in context
+    # Log-probabilities, only when asked (None: none, and none is computed): `logprobs` for each
+    # generated token (its own and the top-N alternatives', N = the value, at most MAX_LOGPROBS);
+    # `prompt_logprobs` for each prompt token given those before it (OpenAI's echo).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # The prompt as token ids, taken as they are (no BOS added: the client's tokenizer decides), instead of `prompt`.
+    prompt_ids: tuple[int, ...] = ()
+
+
+# The most alternatives a token's log-probabilities may list (OpenAI's and vLLM's default limit).
+MAX_LOGPROBS = 20
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """One token and its log-probability under the model (its log-softmax, before temperature, top-k
+    and top-p: vLLM's default), with the likeliest tokens' ids and log-probabilities, likeliest first."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
 @dataclass
 class Scored:
     """A text scored teacher-forced: per token after the first, its log-probability and the token
-    the model found most likely there (its greedy prediction)."""
+    the model found most likely there (its greedy prediction); with `top` asked, each position's
+    likeliest tokens and their log-probabilities, (T-1, top) each."""
 
     logprobs: np.ndarray  # (T-1,) float64
     greedy: np.ndarray  # (T-1,) int64
+    top_ids: np.ndarray | None = None  # (T-1, top) int64
+    top_logprobs: np.ndarray | None = None  # (T-1, top) float64
+
+    def token_logprobs(self, token_ids: list[int]) -> list[TokenLogprob]:
+        """Per scored token (`token_ids`: the text's; its first is not scored), as generation reports them."""
+        empty: list[list] = [[] for _ in range(len(self.logprobs))]
+        top_ids = empty if self.top_ids is None else self.top_ids.tolist()
+        top_lp = empty if self.top_logprobs is None else self.top_logprobs.tolist()
+        rows = zip(token_ids[1:], self.logprobs.tolist(), top_ids, top_lp, strict=True)
+        return [TokenLogprob(token, logprob, ids, lps) for token, logprob, ids, lps in rows]
 
 
 # ---------------------------------------------------------------------------- the engine's settings
@@ -170,6 +202,17 @@ class ModelInfo(msgspec.Struct, frozen=True):
     default_cache_policy: str
     eviction_positions: str
     segment_reuse: str = "recompute"  # contract.manifest.SegmentReuse.mode
+    # The byte tokenizer (token id == byte value below 256; the specials after), for the front ends'
+    # tokenizer endpoints and log-probabilities' token strings.
+    vocab_size: int = 259
+    bos_token_id: int = 256
+    eos_token_id: int = 257
+    add_bos: bool = True
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A text prompt's token ids, as the engine tokenizes it (service.engine.input_processor)."""
+        data = list(text.encode("utf-8"))
+        return [self.bos_token_id, *data] if self.add_bos else data
 
 
 @dataclass
@@ -202,10 +245,15 @@ class Cancel(msgspec.Struct, tag=2, array_like=True):
 
 
 class Score(msgspec.Struct, tag=3, array_like=True):
+    """`ids`: the text as token ids instead (taken as they are); `top`: alternatives per position."""
+
     call: int
     model: str
     text: str
     cache_policy: str
+    ids: list[int] = msgspec.field(default_factory=list)
+    top: int = 0
+    field: str = "text"  # what an error calls the text (echo's: prompt)
 
 
 class MetricsQuery(msgspec.Struct, tag=4, array_like=True):
@@ -263,6 +311,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     error: str | None = None
     final: Final | None = None
     token_ids: list[int] = msgspec.field(default_factory=list)
+    # With log-probabilities asked: one per token delivered since its last entry (a final entry
+    # carries those of the tokens delivered since, whose ids it does not repeat).
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
 
 
 class Ready(msgspec.Struct, tag=11, array_like=True):
@@ -283,9 +334,23 @@ class ScoreReply(msgspec.Struct, tag=14, array_like=True):
     refusal: Refusal | None = None
     logprobs: bytes = b""  # little-endian float64
     greedy: bytes = b""  # little-endian int64
+    top_ids: bytes = b""  # little-endian int64, (tokens, top) row-major
+    top_logprobs: bytes = b""  # little-endian float64, likewise
+
+    @classmethod
+    def of(cls, call: int, scored: Scored) -> ScoreReply:
+        top_ids = b"" if scored.top_ids is None else scored.top_ids.astype("<i8").tobytes()
+        top_lp = b"" if scored.top_logprobs is None else scored.top_logprobs.astype("<f8").tobytes()
+        logprobs, greedy = scored.logprobs.astype("<f8").tobytes(), scored.greedy.astype("<i8").tobytes()
+        return cls(call, None, logprobs, greedy, top_ids, top_lp)
 
     def scored(self) -> Scored:
-        return Scored(np.frombuffer(self.logprobs, dtype="<f8").copy(), np.frombuffer(self.greedy, dtype="<i8").copy())
+        logprobs = np.frombuffer(self.logprobs, dtype="<f8").copy()
+        top_ids = top_lp = None
+        if self.top_ids:
+            top_ids = np.frombuffer(self.top_ids, dtype="<i8").reshape(len(logprobs), -1).copy()
+            top_lp = np.frombuffer(self.top_logprobs, dtype="<f8").reshape(len(logprobs), -1).copy()
+        return Scored(logprobs, np.frombuffer(self.greedy, dtype="<i8").copy(), top_ids, top_lp)
 
 
 class MetricsReply(msgspec.Struct, tag=15, array_like=True):

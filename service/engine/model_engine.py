@@ -25,7 +25,7 @@ from contract.manifest import Manifest
 from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.decode_plan import DecodePlan
 from service.engine.input_processor import InputLimits, InputProcessor
-from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
+from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus, TokenLogprob
 from service.engine.model_limits import default_cache_policy, sequence_limit
 from service.engine.model_metrics import ModelMetrics
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor
@@ -33,7 +33,7 @@ from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, Tai
 from service.engine.prefix_cache import PrefixMetrics, PrefixReuse
 from service.engine.request import Request
 from service.engine.runner import ModelRunner, StoreConfig
-from service.engine.sampler import Sampler, all_greedy
+from service.engine.sampler import Sampler, all_greedy, token_logprobs
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.segments import SegmentAssembly, SegmentReuser
 from service.metrics import ServiceMetrics
@@ -456,7 +456,19 @@ class ModelEngine:
         whose sampling failed, are finished."""
         tokens = self.sampler.sample_batch(requests, logits, greedy)
         now = time.monotonic() if now is None else now
-        self._finish_all(self.outputs.accept(requests, tokens, now, self._batch))
+        asking = [row for row, request in enumerate(requests) if request.logprobs is not None]
+        logprobs = self._logprobs(requests, logits, tokens, asking) if asking else None
+        self._finish_all(self.outputs.accept(requests, tokens, now, self._batch, logprobs))
+
+    @staticmethod
+    def _logprobs(
+        requests: list[Request], logits: np.ndarray, tokens: list[int | Exception], asking: list[int]
+    ) -> dict[int, TokenLogprob]:
+        """The log-probabilities of the rows that ask for them (and sampled a token), by row."""
+        rows = [row for row in asking if not isinstance(tokens[row], Exception)]
+        chosen = [tokens[row] for row in rows]
+        top = [requests[row].params.logprobs or 0 for row in rows]
+        return dict(zip(rows, token_logprobs(logits[rows], chosen, top), strict=True))  # type: ignore[arg-type]
 
     def _observe_decode_step(self, step: tuple[float, int]) -> None:
         seconds, batch = step

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.messages import FIRST_FINAL, RequestStatus
+from service.engine.messages import FIRST_FINAL, RequestStatus, TokenLogprob
 from service.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -69,14 +69,20 @@ class OutputProcessor:
         self.on_stop = on_stop
 
     def accept(
-        self, requests: list[Request], tokens: list[int | Exception], now: float, batch: OutputBatch
+        self,
+        requests: list[Request],
+        tokens: list[int | Exception],
+        now: float,
+        batch: OutputBatch,
+        logprobs: dict[int, TokenLogprob] | None = None,
     ) -> list[Finished]:
-        """The loop's half: append each request's sampled token (into `batch` too); the requests
-        now done by token ids (end of sequence, length) or by a failed sample."""
+        """The loop's half: append each request's sampled token (into `batch` too), and its
+        log-probabilities (`logprobs`, by row) where it asked; the requests now done by token ids
+        (end of sequence, length) or by a failed sample."""
         finished: list[Finished] = []
         eos = self.eos_token_id
         out = batch.tokens
-        for request, token in zip(requests, tokens, strict=True):
+        for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
             if request.status >= FIRST_FINAL:
                 continue  # finished by its stop string, not yet reaped
             if isinstance(token, Exception):  # one request's sampling failure ends that request only
@@ -88,6 +94,8 @@ class OutputProcessor:
                 batch.first_tokens = True
             output_ids = request.output_ids
             output_ids.append(token)
+            if logprobs is not None and request.logprobs is not None:
+                request.logprobs.append(logprobs[row])
             out.append((request, token, now))
             if token == eos and request.params.eos_allowed(len(output_ids) - 1):
                 finished.append(Finished(request, RequestStatus.FINISHED_EOS))

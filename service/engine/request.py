@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.admission import Estimate
 from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.messages import RequestStatus
+from service.engine.messages import RequestStatus, TokenLogprob
 from service.engine.streams import OutputSink, OutputStream
 
 
@@ -23,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # EOS never ends the request: the sampler masks its logit
     min_tokens: int = 0  # nor before this many new tokens
+    logprobs: int | None = None  # each generated token's log-probability and this many alternatives' (None: none)
 
     def eos_allowed(self, generated: int) -> bool:
         """Whether EOS may be sampled (and end the request) after `generated` new tokens."""
@@ -72,6 +73,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.detokenizer = IncrementalDetokenizer(self.params.stop)
+        # One per output token when the request asks for log-probabilities (None: it asks for none);
+        # None entries stand for tokens a resumed request produced on an earlier core.
+        self.logprobs: list[TokenLogprob | None] | None = [] if self.params.logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,7 @@ from service.engine.model_session import (
     prompt_graph,
 )
 from service.engine.prompts import PrefilledPrompt, StreamedPrompt, chunk_inputs
+from service.engine.sampler import log_softmax, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -342,11 +343,12 @@ class ModelRunner:
                 return None
         raise ValueError("prefill_chunked: empty prompt")
 
-    def score(self, token_ids: list[int], policy: CachePolicy | None = None) -> Scored:
+    def score(self, token_ids: list[int], policy: CachePolicy | None = None, top: int = 0) -> Scored:
         """Teacher-forced log-probabilities of token_ids[1:] and the greedy prediction at each
         position (one call, outside the store; a text longer than a bounded policy's budget
         streams through it, one token at a time past the budget; under an int8 policy every token
-        after the first, so each sees the int8 cache of the ones before it)."""
+        after the first, so each sees the int8 cache of the ones before it); `top`: each position's
+        likeliest tokens and their log-probabilities too (echo's alternatives)."""
         inputs = token_ids[:-1]
         head = 1 if policy is not None and policy.int8 else None
         if policy is not None and len(inputs) > (head or policy.cached(len(inputs))):
@@ -357,7 +359,10 @@ class ModelRunner:
             ids = np.asarray([inputs], dtype=np.int64)
             positions = np.arange(ids.shape[1], dtype=np.int64)[None]
             logits = self._prompt_call(ids, np.ones_like(ids), positions, None, last_only=False)[0][0]
-        return Scored(log_probabilities(logits, token_ids[1:]), np.asarray(logits).argmax(-1))
+        scored = Scored(log_probabilities(logits, token_ids[1:]), np.asarray(logits).argmax(-1))
+        if top:
+            scored.top_ids, scored.top_logprobs = top_logprobs(log_softmax(np.asarray(logits)), top)
+        return scored
 
     def row_policy(self, policy: CachePolicy) -> RowPolicy:
         """A new row's eviction state for a request's policy."""

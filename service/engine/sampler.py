@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from service.engine.messages import TokenLogprob
 from service.engine.request import Request, SamplingParams
 
 # Below this, temperature sampling is greedy (dividing by it would overflow).
@@ -126,6 +127,39 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64 (as Score's, contract.graph.target_logprobs)."""
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def top_logprobs(logprobs: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's `top` likeliest tokens (ids, their log-probabilities), likeliest first; ties by lower id."""
+    if top <= 0:
+        empty = np.empty((logprobs.shape[0], 0))
+        return empty.astype(np.int64), empty
+    part = np.argpartition(-logprobs, top - 1, axis=-1)[:, :top]
+    values = np.take_along_axis(logprobs, part, axis=-1)
+    order = np.lexsort((part, -values), axis=-1)
+    ids = np.take_along_axis(part, order, axis=-1)
+    return ids.astype(np.int64), np.take_along_axis(values, order, axis=-1)
+
+
+def token_logprobs(logits: np.ndarray, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """Row i's token `tokens[i]`: its log-probability under the model's own distribution (the raw
+    logits' log-softmax, before temperature, top-k, top-p and the EOS mask: vLLM's default
+    `raw_logprobs`) and its `top[i]` likeliest alternatives'. Only requests that ask call this."""
+    logprobs = log_softmax(logits)
+    chosen = logprobs[np.arange(len(tokens)), tokens].tolist()
+    most = max(top, default=0)
+    ids, values = top_logprobs(logprobs, most)
+    ids_rows, value_rows = ids.tolist(), values.tolist()
+    return [
+        TokenLogprob(tokens[row], chosen[row], ids_rows[row][: top[row]], value_rows[row][: top[row]])
+        for row in range(len(tokens))
+    ]
 
 
 def token_generator(seed: int, index: int) -> np.random.Generator:

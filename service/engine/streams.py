@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.engine.messages import RequestStatus
+from service.engine.messages import RequestStatus, TokenLogprob
 
 
 @dataclass
 class StreamEvent:
-    """New text since the consumer last looked; `status` is final on the last event."""
+    """New text since the consumer last looked; `status` is final on the last event. `logprobs`:
+    those of the tokens that arrived with it, where the request asked for them (a token's text
+    may come in a later event: a character's first bytes, a possible stop string are held back)."""
 
     text: str
     status: RequestStatus
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class OutputSink(Protocol):
@@ -44,21 +47,26 @@ class OutputStream:
         self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._signalled = False  # a wake-up is queued that the consumer has not taken
         self._text = ""
+        self._logprobs: list[TokenLogprob] = []
         self._final: StreamEvent | None = None
         self._closed = False  # the final event was taken: later calls answer at once
 
-    def put(self, text: str) -> None:
+    def put(self, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
         with self._lock:
             self._text += text
+            if logprobs:
+                self._logprobs += logprobs
             if self._signalled:
                 return
             self._signalled = True
         self._wakeups.put(None)
 
-    def close(self, text: str, status: RequestStatus, error: str | None = None) -> None:
+    def close(
+        self, text: str, status: RequestStatus, error: str | None = None, logprobs: list[TokenLogprob] | None = None
+    ) -> None:
         with self._lock:
-            self._final = StreamEvent(self._text + text, status, error)
-            self._text = ""
+            self._final = StreamEvent(self._text + text, status, error, self._logprobs + (logprobs or []))
+            self._text, self._logprobs = "", []
             if self._signalled:
                 return
             self._signalled = True
@@ -82,4 +90,5 @@ class OutputStream:
                 final, self._final = self._final, StreamEvent("", self._final.status, self._final.error)
                 return final
             text, self._text = self._text, ""
-        return StreamEvent(text, RequestStatus.RUNNING)
+            logprobs, self._logprobs = self._logprobs, []
+        return StreamEvent(text, RequestStatus.RUNNING, None, logprobs)
