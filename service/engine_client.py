@@ -31,6 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from service.engine.messages import (
+    MAX_LOGPROBS,
     Add,
     Cancel,
     CoreConfig,
@@ -368,6 +369,11 @@ class EngineClient:
                 ErrorKind.INVALID_ARGUMENT, "max_new_tokens: 0 is allowed only with prompt log-probabilities (echo)"
             )
         if raw.prompt_logprobs is not None:
+            if not 0 <= raw.prompt_logprobs <= MAX_LOGPROBS:  # before any work (the engine checks it again)
+                raise RequestError(
+                    ErrorKind.INVALID_ARGUMENT,
+                    f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {raw.prompt_logprobs}",
+                )
             self._score_prompt(handle, raw)
             if raw.max_new_tokens == 0:
                 handle.accepted = True

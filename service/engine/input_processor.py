@@ -159,7 +159,7 @@ class InputProcessor:
         positions must fit like a generation's. `field`: the name errors give the text (echo's: prompt)."""
         if not text and not token_ids:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"{field}: must not be empty")
-        self.check_logprobs(top, "logprobs" if field == "prompt" else "top")
+        self.check_logprobs(top, "prompt_logprobs" if field == "prompt" else "top")
         policy = self.cache_policy(cache_policy)
         ids = self.token_ids(token_ids, field) if token_ids else self.tokenize(text)
         scored = len(ids) - 1

@@ -21,10 +21,20 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from service.engine.messages import RequestError, RequestStatus
+from service.engine.messages import GenerateInput, ModelInfo, RequestError, RequestStatus
 from service.engine_client import EngineClient
+from service.logprobs import TokenAligner, aligned, token_string
 from service.metrics import ServiceMetrics
-from service.openai_api.protocol import DONE, ApiError, Generation, Shapes, Usage, models_list, parse_generation
+from service.openai_api.protocol import (
+    DONE,
+    ApiError,
+    Choice,
+    Generation,
+    Shapes,
+    Usage,
+    models_list,
+    parse_generation,
+)
 from service.openai_api.stream import AsyncOutputStream
 from service.request_handle import RequestHandle
 from service.security import authorized, bearer
@@ -68,6 +78,9 @@ class OpenAIApi:
         app.router.add_post("/v1/completions", lambda request: self._generate(request, chat=False))
         app.router.add_post("/v1/chat/completions", lambda request: self._generate(request, chat=True))
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/tokenizer_info", self._tokenizer_info)
         app.router.add_get("/health", self._health)
         return app
 
@@ -128,66 +141,170 @@ class OpenAIApi:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         engine = self._serving_engine()
-        try:
-            body = msgspec.json.decode(await request.read())
-        except msgspec.DecodeError as error:
-            raise ApiError(400, f"request body: not valid JSON ({error})") from None
+        body = await _json_body(request)
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             request["model"] = body["model"]
         generation = parse_generation(body, engine.models, chat)
         loop = asyncio.get_running_loop()
-        output = AsyncOutputStream(loop)
+        handles: list[RequestHandle] = []
+        outputs: list[AsyncOutputStream] = []
         try:
-            handle = await loop.run_in_executor(self._submitter, engine.submit, generation.input, output)
-        except RequestError as error:
-            raise ApiError.of(error) from None
-        try:
+            for raw in generation.inputs:  # n prompts: n engine requests, all accepted or none kept
+                output = AsyncOutputStream(loop)
+                try:
+                    handles.append(await loop.run_in_executor(self._submitter, engine.submit, raw, output))
+                except RequestError as error:
+                    raise ApiError.of(error) from None
+                outputs.append(output)
+            shapes = Shapes(generation, engine.models[generation.input.model])
             if generation.stream:
-                return await self._stream(request, generation, handle, output)
-            return await self._whole(generation, handle, output)
+                return await self._stream(request, generation, shapes, handles, outputs)
+            return await self._whole(generation, shapes, handles, outputs)
         finally:
-            if not handle.status.finished:  # the client left (or the response failed): free its cache
-                engine.cancel(handle)
-                request["code"] = "CANCELLED"
+            for handle in handles:
+                if not handle.status.finished:  # the client left (or the response failed): free its cache
+                    engine.cancel(handle)
+                    request["code"] = "CANCELLED"
 
-    async def _whole(self, generation: Generation, handle: RequestHandle, output: AsyncOutputStream) -> web.Response:
-        while True:
-            event = await output.next()
-            if event is not None and event.status.finished:
-                break
-        if handle.status in ABORTS:
-            raise _abort(handle)
-        body = Shapes(generation).whole(handle.text, handle.status, _usage(handle))
+    async def _whole(
+        self, generation: Generation, shapes: Shapes, handles: list[RequestHandle], outputs: list[AsyncOutputStream]
+    ) -> web.Response:
+        for output in outputs:
+            while True:
+                event = await output.next()
+                if event is not None and event.status.finished:
+                    break
+        for handle in handles:
+            if handle.status in ABORTS:
+                raise _abort(handle)
+        choices = []
+        for raw, handle in zip(generation.inputs, handles, strict=True):
+            echoed = _echo(raw, handle) if generation.echo else Choice("", None, [])
+            generated = [(t.token_id, t) for t in aligned(handle.text, handle.logprobs)]
+            logprobs = echoed.logprobs + generated if echoed.logprobs is not None else None  # type: ignore[operator]
+            choices.append(Choice(echoed.text + handle.text, handle.status, logprobs))
+        body = shapes.whole(choices, _usage(handles))
         return web.Response(body=body, content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, generation: Generation, handle: RequestHandle, output: AsyncOutputStream
+        self,
+        request: web.Request,
+        generation: Generation,
+        shapes: Shapes,
+        handles: list[RequestHandle],
+        outputs: list[AsyncOutputStream],
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        shapes = Shapes(generation)
         first = shapes.first()
         if first:
             await response.write(first)
-        while True:
-            event = await output.next()
-            if event is None:
-                continue
-            if event.status.finished:
-                break
-            if event.text:
-                await response.write(shapes.chunk(event.text))
-        if handle.status in ABORTS:  # the stream has begun: the error goes in it, as vLLM sends it
-            error = _abort(handle)
+        plain = len(handles) == 1 and generation.logprobs is None and not generation.echo
+        streams = (self._plain_choice if plain else self._choice)(response, generation, shapes, handles, outputs)
+        await asyncio.gather(*streams)
+        aborted = [handle for handle in handles if handle.status in ABORTS]
+        if aborted:  # the stream has begun: the error goes in it, as vLLM sends it
+            error = _abort(aborted[0])
             request["code"] = CODES[error.status]
             await response.write(b"data: " + error.body() + b"\n\n")
-        else:
-            await response.write(shapes.last(event.text, handle.status))
-            if generation.include_usage:
-                await response.write(shapes.usage_chunk(_usage(handle)))
+        elif generation.include_usage:
+            await response.write(shapes.usage_chunk(_usage(handles)))
         await response.write(DONE)
         await response.write_eof()
         return response
+
+    @staticmethod
+    def _plain_choice(
+        response: web.StreamResponse, generation: Generation, shapes: Shapes, handles: list[RequestHandle],
+        outputs: list[AsyncOutputStream],
+    ) -> list[Awaitable[None]]:  # fmt: skip
+        """One prompt, no log-probabilities: every chunk preformatted (the common, cheapest case)."""
+
+        async def stream() -> None:
+            (handle,), (output,) = handles, outputs
+            while True:
+                event = await output.next()
+                if event is None:
+                    continue
+                if event.status.finished:
+                    break
+                if event.text:
+                    await response.write(shapes.chunk(event.text))
+            if handle.status not in ABORTS:
+                await response.write(shapes.last(event.text, handle.status))
+
+        return [stream()]
+
+    @staticmethod
+    def _choice(
+        response: web.StreamResponse, generation: Generation, shapes: Shapes, handles: list[RequestHandle],
+        outputs: list[AsyncOutputStream],
+    ) -> list[Awaitable[None]]:  # fmt: skip
+        """Each prompt's chunks, index by index as they come, with their tokens' log-probabilities."""
+        wanted = generation.logprobs is not None
+
+        async def stream(index: int, raw: GenerateInput, handle: RequestHandle, output: AsyncOutputStream) -> None:
+            if generation.echo:
+                await response.write(shapes.choice_chunk(index, _echo(raw, handle)))
+            aligner = TokenAligner()
+            while True:
+                event = await output.next()
+                if event is None:
+                    continue
+                tokens = aligner.take(event.text, event.logprobs) if wanted else []
+                logprobs = [(t.token_id, t) for t in tokens] if wanted else None
+                if event.status.finished:
+                    if handle.status not in ABORTS:
+                        await response.write(shapes.choice_chunk(index, Choice(event.text, handle.status, logprobs)))
+                    return
+                if event.text or tokens:
+                    await response.write(shapes.choice_chunk(index, Choice(event.text, None, logprobs)))
+
+        rows = zip(generation.inputs, handles, outputs, strict=True)
+        return [stream(index, raw, handle, output) for index, (raw, handle, output) in enumerate(rows)]
+
+    # ------------------------------------------------------------------ tokenizer (vLLM's shapes)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize {"prompt", "add_special_tokens" (default true), "model" (optional)}: the ids
+        the engine computes a text prompt as (BOS first when added); no special is parsed out of text."""
+        engine = self._serving_engine()
+        body = await _json_body(request)
+        info = _tokenizer_model(engine, body)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, f"prompt: required, a string; got {prompt!r}", "prompt")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise ApiError(400, f"add_special_tokens: must be a boolean, got {special!r}", "add_special_tokens")
+        ids = info.prompt_ids(prompt) if special else list(prompt.encode("utf-8"))
+        limit = info.max_positions or info.max_sequence_tokens
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": limit})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize {"tokens", "model" (optional)}: the text of the byte tokens (specials skipped)."""
+        engine = self._serving_engine()
+        body = await _json_body(request)
+        info = _tokenizer_model(engine, body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ApiError(400, f"tokens: required, a list of token ids; got {tokens!r}", "tokens")
+        bad = [t for t in tokens if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "tokens")
+        text = bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+        return web.json_response({"prompt": text})
+
+    async def _tokenizer_info(self, request: web.Request) -> web.Response:
+        """GET /tokenizer_info: what lm-evaluation-harness's remote tokenizer reads (vLLM's endpoint)."""
+        engine = self._serving_engine()
+        info = _tokenizer_model(engine, dict(request.query))
+        return web.json_response({
+            "tokenizer_class": "ByteLevel", "vocab_size": info.vocab_size, "add_bos_token": info.add_bos,
+            "bos_token": token_string(info.bos_token_id, info), "eos_token": token_string(info.eos_token_id, info),
+            "pad_token": None, "bos_token_id": info.bos_token_id, "eos_token_id": info.eos_token_id,
+            "model_max_length": info.max_positions or info.max_sequence_tokens,
+        })  # fmt: skip
 
     def _serving_engine(self) -> EngineClient:
         if self._draining():
@@ -199,9 +316,41 @@ class OpenAIApi:
         return engine
 
 
-def _usage(handle: RequestHandle) -> Usage:
-    counts = handle.prompt_tokens, handle.completion_tokens
-    return Usage(*counts, handle.cached_prompt_tokens, handle.reused_prompt_tokens)
+def _usage(handles: list[RequestHandle]) -> Usage:
+    """The request's usage: its prompts' added up (OpenAI's for several prompts)."""
+    return Usage(
+        sum(h.prompt_tokens for h in handles),
+        sum(h.completion_tokens for h in handles),
+        sum(h.cached_prompt_tokens for h in handles),
+        sum(h.reused_prompt_tokens for h in handles),
+    )
+
+
+def _echo(raw: GenerateInput, handle: RequestHandle) -> Choice:
+    """The prompt a completion echoes: its text and, where asked, each token's log-probability."""
+    text = raw.prompt if not raw.prompt_ids else bytes(t for t in raw.prompt_ids if t < 256).decode("utf-8", "replace")
+    if handle.prompt_logprobs is None:
+        return Choice(text, None, None)
+    return Choice(text, None, list(zip(handle.prompt_ids, handle.prompt_logprobs, strict=True)))
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as error:
+        raise ApiError(400, f"request body: not valid JSON ({error})") from None
+
+
+def _tokenizer_model(engine: EngineClient, body: Any) -> ModelInfo:
+    """The model a tokenizer call names (`model`), or the first served: every scheme shares the byte tokenizer."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body: must be a JSON object")
+    name = body.get("model")
+    if name is None:
+        return engine.models[sorted(engine.models)[0]]
+    if name not in engine.models:
+        raise ApiError(404, f"model: {name!r} is not served here", "model", "model_not_found")
+    return engine.models[name]
 
 
 def _abort(handle: RequestHandle) -> ApiError:

@@ -27,7 +27,17 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from service.engine.messages import ErrorKind, GenerateInput, ModelInfo, PromptSegment, RequestError, RequestStatus
+from service.engine.messages import (
+    MAX_LOGPROBS,
+    ErrorKind,
+    GenerateInput,
+    ModelInfo,
+    PromptSegment,
+    RequestError,
+    RequestStatus,
+    TokenLogprob,
+)
+from service.logprobs import token_bytes, token_string
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
@@ -36,7 +46,8 @@ FINISH_REASONS = {
 }
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 # Fields OpenAI defines that these models cannot honour: accepted only at their neutral value.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1, "echo": False}
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1}
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
 SEGMENT_FIELDS = ("text", "reusable")
 UINT32_MAX = 2**32 - 1  # gRPC's segment_repair_tokens is a uint32
 _encode = msgspec.json.Encoder().encode
@@ -83,12 +94,21 @@ def invalid(field: str, message: str) -> ApiError:
 
 @dataclass(frozen=True)
 class Generation:
-    """One parsed /v1/completions or /v1/chat/completions request."""
+    """One parsed /v1/completions or /v1/chat/completions request: one engine input per prompt
+    (a completion's prompt may be a list: n prompts give n choices, in index order). `logprobs`:
+    alternatives per token where log-probabilities are asked (None: none); `echo`: the prompt, with
+    its tokens' log-probabilities when asked, comes before the completion."""
 
-    input: GenerateInput
+    inputs: tuple[GenerateInput, ...]
     stream: bool
     include_usage: bool
     chat: bool
+    logprobs: int | None = None
+    echo: bool = False
+
+    @property
+    def input(self) -> GenerateInput:
+        return self.inputs[0]
 
 
 def _typed(body: dict[str, Any], field: str, kind: type | tuple[type, ...], default: Any, within: str = "") -> Any:
@@ -123,15 +143,19 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
         raise ApiError(404, f"model: {model!r} is not served here; served models: {served}", "model", "model_not_found")
     info = models[model]
     segments, repair = prompt_segments(body, chat)
+    prompts: list[str | tuple[int, ...]]
     if chat:
-        prompt = chat_prompt(body.get("messages"))
+        prompts = [chat_prompt(body.get("messages"))]
     else:
-        prompt = "".join(s.text for s in segments) if segments else completion_prompt(body.get("prompt"))
+        prompts = ["".join(s.text for s in segments)] if segments else completion_prompts(body.get("prompt"), info)
+    logprobs, echo = requested_logprobs(body, chat)
     limit = info.max_new_tokens_limit
     max_tokens = _typed(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                         int, None)  # fmt: skip
-    if max_tokens is not None and not 1 <= max_tokens <= limit:
-        raise invalid("max_tokens", f"must be in [1, {limit}], got {max_tokens}")
+    lowest = 0 if echo else 1
+    if max_tokens is not None and not lowest <= max_tokens <= limit:
+        alone = "" if echo else " (0 only with echo: the prompt's log-probabilities alone)"
+        raise invalid("max_tokens", f"must be in [{lowest}, {limit}]{alone}, got {max_tokens}")
     min_tokens = _typed(body, "min_tokens", int, 0)
     if max_tokens is not None and not 0 <= min_tokens <= max_tokens:
         raise invalid("min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
@@ -152,7 +176,7 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
     seed = _typed(body, "seed", int, None)
     raw = GenerateInput(
         model=model,
-        prompt=prompt,
+        prompt="",
         max_new_tokens=max_tokens,
         temperature=_typed(body, "temperature", float, 1.0),  # OpenAI's default, not gRPC's greedy 0
         top_k=0 if top_k == -1 else top_k,  # vLLM's -1: no filter
@@ -164,16 +188,71 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
         min_tokens=min_tokens,
         segments=segments,
         segment_repair_tokens=repair,
+        logprobs=logprobs,
+        # echo with max_tokens 0 scores the prompt even when no log-probabilities are shown: its
+        # length is checked like any scored text, and nothing is generated.
+        prompt_logprobs=None if not echo else logprobs if logprobs is not None else 0 if max_tokens == 0 else None,
     )
-    return Generation(raw, stream, bool(options.get("include_usage")), chat)
+    inputs = tuple(
+        msgspec.structs.replace(raw, prompt=p) if isinstance(p, str) else msgspec.structs.replace(raw, prompt_ids=p)
+        for p in prompts
+    )
+    return Generation(inputs, stream, bool(options.get("include_usage")), chat, logprobs, echo)
 
 
-def completion_prompt(prompt: Any) -> str:
+def completion_prompts(prompt: Any, info: ModelInfo) -> list[str | tuple[int, ...]]:
+    """A completion's prompts as OpenAI takes them: a string, a list of strings, a list of token ids,
+    or a list of such lists; token ids are taken as they are (no BOS added: the client tokenized)."""
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        raise invalid("prompt", "arrays (several prompts, or token ids) are not supported: send one string")
-    raise invalid("prompt", f"required, a string; got {prompt!r}")
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        shapes = "a string, a list of strings, a token-id list or a list of those"
+        raise invalid("prompt", f"required: {shapes}; got {prompt!r}")
+    if len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
+        raise invalid("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+    if all(_is_token(t) for t in prompt):
+        return [_token_ids(prompt, "prompt", info)]
+    prompts: list[str | tuple[int, ...]] = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+            prompts.append(_token_ids(item, f"prompt[{index}]", info))
+        else:
+            raise invalid(f"prompt[{index}]", f"must be a string or a non-empty list of token ids, got {item!r}")
+    return prompts
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(ids: list[int], field: str, info: ModelInfo) -> tuple[int, ...]:
+    for index, token in enumerate(ids):
+        if not 0 <= token < info.vocab_size:
+            raise invalid(f"{field}[{index}]", f"token id {token} is outside the vocabulary [0, {info.vocab_size})")
+    return tuple(ids)
+
+
+def requested_logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
+    """(alternatives per token, or None for no log-probabilities; echo). Completions: `logprobs` an
+    integer in [0, 20] and `echo`; chat: `logprobs` a boolean and `top_logprobs` in [0, 20] with it."""
+    if chat:
+        if body.get("echo") not in (None, False):
+            raise invalid("echo", "only on /v1/completions")
+        wanted = _typed(body, "logprobs", bool, False)
+        top = _typed(body, "top_logprobs", int, None)
+        if top is not None and not wanted:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+        return (top or 0) if wanted else None, False
+    if body.get("top_logprobs") is not None:
+        raise invalid("top_logprobs", "only on /v1/chat/completions (completions take logprobs: N)")
+    logprobs = _typed(body, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    return logprobs, _typed(body, "echo", bool, False)
 
 
 def prompt_segments(body: dict[str, Any], chat: bool) -> tuple[tuple[PromptSegment, ...], int]:
@@ -221,11 +300,6 @@ def chat_prompt(messages: Any) -> str:
 
 
 def _check_unsupported(body: dict[str, Any], chat: bool) -> None:
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) and not (not chat and logprobs == 0):
-        raise invalid("logprobs", "not supported by this server (the engine returns no per-token log-probabilities)")
-    if body.get("top_logprobs") not in (None, 0):
-        raise invalid("top_logprobs", "not supported by this server")
     for field, neutral in NEUTRAL.items():
         if body.get(field) not in (None, neutral):
             raise invalid(field, f"not supported: only {neutral!r}, got {body[field]!r}")
@@ -254,11 +328,24 @@ class Usage:
                 "total_tokens": total, "prompt_tokens_details": details}  # fmt: skip
 
 
+@dataclass
+class Choice:
+    """One prompt's answer as a response shows it: the text after what was already sent, how it
+    ended, and the log-probabilities of the tokens that made it (`logprobs`: (token id, its entry or
+    None for a prompt's first token)); an echo's text and tokens come first."""
+
+    text: str
+    status: RequestStatus | None = None
+    logprobs: list[tuple[int, TokenLogprob | None]] | None = None
+
+
 class Shapes:
     """One response's objects: the whole answer, or its stream's chunks as SSE lines (`data: ...`)."""
 
-    def __init__(self, generation: Generation) -> None:
+    def __init__(self, generation: Generation, info: ModelInfo | None = None) -> None:
         self.chat = generation.chat
+        self.info = info
+        self.top = generation.logprobs
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = generation.input.model
@@ -271,16 +358,20 @@ class Shapes:
         self._suffix = suffix[:-3] + b',"logprobs":null,"finish_reason":null}]}\n\n'  # past the text's closing
         self._prefix = b"data: " + self._prefix
         self._head = head
+        self._offsets: dict[int, int] = {}  # completions' text_offset so far, by choice
 
-    def whole(self, text: str, status: RequestStatus, usage: Usage) -> bytes:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=FINISH_REASONS[status])
+    def whole(self, choices: list[Choice], usage: Usage) -> bytes:
+        bodies = []
+        for index, choice in enumerate(choices):
+            assert choice.status is not None
+            if self.chat:
+                body: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": choice.text}}
+            else:
+                body = {"index": index, "text": choice.text}
+            body.update(logprobs=self._logprobs(index, choice), finish_reason=FINISH_REASONS[choice.status])
+            bodies.append(body)
         obj = "chat.completion" if self.chat else "text_completion"
-        return _encode({**self._head, "object": obj, "choices": [choice],
-                        "usage": usage.body()})  # fmt: skip
+        return _encode({**self._head, "object": obj, "choices": bodies, "usage": usage.body()})
 
     def first(self) -> bytes:
         """Chat streams open with the assistant's role (as OpenAI's do); completions need nothing."""
@@ -291,23 +382,70 @@ class Shapes:
                                                         "finish_reason": None}]})  # fmt: skip
 
     def chunk(self, text: str) -> bytes:
+        """The common chunk (one prompt, no log-probabilities): preformatted around the text."""
         return self._prefix + _encode(text) + self._suffix
+
+    def choice_chunk(self, index: int, choice: Choice) -> bytes:
+        """A chunk of choice `index`, finishing it when `choice.status` is set."""
+        body: dict[str, Any] = {"index": index}
+        if self.chat:
+            body["delta"] = {"content": choice.text} if choice.text or choice.status is None else {}
+        else:
+            body["text"] = choice.text
+        reason = None if choice.status is None else FINISH_REASONS[choice.status]
+        body.update(logprobs=self._logprobs(index, choice), finish_reason=reason)
+        return self._event({**self._head, "choices": [body]})
 
     def last(self, text: str, status: RequestStatus) -> bytes:
         """The finishing chunk (with any text still held back, e.g. a stop-string prefix)."""
-        reason = FINISH_REASONS[status]
-        choice: dict[str, Any] = {"index": 0}
-        choice.update({"delta": {"content": text} if text else {}} if self.chat else {"text": text})
-        choice.update(logprobs=None, finish_reason=reason)
-        return self._event({**self._head, "choices": [choice]})
+        return self.choice_chunk(0, Choice(text, status))
 
     def usage_chunk(self, usage: Usage) -> bytes:
         """stream_options.include_usage: one more chunk, no choices, the usage (as OpenAI sends it)."""
         return self._event({**self._head, "choices": [], "usage": usage.body()})
 
+    def _logprobs(self, index: int, choice: Choice) -> dict[str, Any] | None:
+        if choice.logprobs is None or self.top is None:
+            return None
+        info = self.info
+        assert info is not None
+        if self.chat:
+            return {"content": [self._chat_token(token, entry, info) for token, entry in choice.logprobs if entry]}
+        offset = self._offsets.get(index, 0)
+        tokens, values, tops, offsets = [], [], [], []
+        for token, entry in choice.logprobs:
+            tokens.append(token_string(token, info))
+            offsets.append(offset)
+            offset += _characters(token)
+            if entry is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(entry.logprob)
+            top = {token_string(i, info): v for i, v in zip(entry.top_ids, entry.top_logprobs, strict=True)}
+            top.setdefault(token_string(token, info), entry.logprob)  # vLLM's: the chosen token is always listed
+            tops.append(top)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _chat_token(token: int, entry: TokenLogprob, info: ModelInfo) -> dict[str, Any]:
+        top = [
+            {"token": token_string(i, info), "logprob": v, "bytes": token_bytes(i)}
+            for i, v in zip(entry.top_ids, entry.top_logprobs, strict=True)
+        ]
+        return {"token": token_string(token, info), "logprob": entry.logprob, "bytes": token_bytes(token),
+                "top_logprobs": top}  # fmt: skip
+
     @staticmethod
     def _event(obj: dict[str, Any]) -> bytes:
         return b"data: " + _encode(obj) + b"\n\n"
+
+
+def _characters(token: int) -> int:
+    """Characters a token adds to the text: a byte that starts a UTF-8 character one, a continuation
+    byte or a special none (text_offset counts characters of the text, as Python and JavaScript index it)."""
+    return 1 if token < 0x80 or 0xC0 <= token < 0x100 else 0
 
 
 DONE = b"data: [DONE]\n\n"

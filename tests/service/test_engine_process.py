@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
@@ -68,12 +69,17 @@ def watch_health(server: ServerProcess, seen: list[int], stop: threading.Event) 
     return thread
 
 
-def read_until(stream: Iterator[pb.GenerateStreamResponse], text: list[str], size: int) -> None:
-    """Chunks into `text` until it holds `size` characters (the stream still running)."""
+def read_until(
+    stream: Iterator[pb.GenerateStreamResponse], text: list[str], size: int,
+    chunks: list[pb.GenerateStreamResponse] | None = None,
+) -> None:  # fmt: skip
+    """Chunks into `text` (and `chunks`) until it holds `size` characters (the stream still running)."""
     while len("".join(text)) < size:
         chunk = next(stream)
         assert chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED, "the stream ended before the kill"
         text.append(chunk.text)
+        if chunks is not None:
+            chunks.append(chunk)
 
 
 def kill_core(server: ServerProcess) -> int:
@@ -84,8 +90,15 @@ def kill_core(server: ServerProcess) -> int:
 
 
 SEEDED = pb.GenerateRequest(
-    model="alibi", prompt="import os\n", max_new_tokens=RESUMED, temperature=0.8, top_k=40, top_p=0.95, seed=17
-)
+    model="alibi", prompt="import os\n", max_new_tokens=RESUMED, temperature=0.8, top_k=40, top_p=0.95, seed=17,
+    logprobs=2,
+)  # fmt: skip
+
+
+def stream_logprobs(chunks: list[pb.GenerateStreamResponse]) -> tuple[list[int], np.ndarray]:
+    """A stream's tokens and their log-probabilities (the chosen token's, then its alternatives')."""
+    entries = [entry for chunk in chunks for entry in chunk.logprobs]
+    return [e.token_id for e in entries], np.array([[e.logprob, *e.top_logprobs] for e in entries])
 
 
 def test_streams_resume_on_the_restarted_core_with_the_text_of_an_uninterrupted_run(
@@ -95,8 +108,10 @@ def test_streams_resume_on_the_restarted_core_with_the_text_of_an_uninterrupted_
     twice or missing, and end with the uninterrupted text; health dips and comes back; the resumed
     requests are counted and their stall measured."""
     prompt = "def main():\n"
-    greedy = pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=RESUMED)
-    seeded_alone = "".join(c.text for c in server.stub.GenerateStream(SEEDED, timeout=120))
+    greedy = pb.GenerateRequest(model="alibi", prompt=prompt, max_new_tokens=RESUMED, logprobs=2)
+    seeded_chunks = list(server.stub.GenerateStream(SEEDED, timeout=120))
+    seeded_alone = "".join(c.text for c in seeded_chunks)
+    alone = [stream_logprobs(list(server.stub.GenerateStream(greedy, timeout=120))), stream_logprobs(seeded_chunks)]
     expected, _ = offline_greedy_text(repository, "alibi", prompt, RESUMED)
     seen: list[int] = []
     stop = threading.Event()
@@ -105,15 +120,22 @@ def test_streams_resume_on_the_restarted_core_with_the_text_of_an_uninterrupted_
 
     streams = [server.stub.GenerateStream(r, timeout=120) for r in (greedy, greedy, SEEDED)]
     texts: list[list[str]] = [[], [], []]
-    for stream, text in zip(streams, texts, strict=True):
-        read_until(stream, text, 20)  # each is running
+    received: list[list[pb.GenerateStreamResponse]] = [[], [], []]
+    for stream, text, chunks in zip(streams, texts, received, strict=True):
+        read_until(stream, text, 20, chunks)  # each is running
     core = kill_core(server)
     finals = []
-    for stream, text in zip(streams, texts, strict=True):
+    for stream, text, chunks in zip(streams, texts, received, strict=True):
         for chunk in stream:
             text.append(chunk.text)
+            chunks.append(chunk)
         finals.append(chunk)
     assert ["".join(t) for t in texts] == [expected, expected, seeded_alone]
+    # Log-probabilities go on across the restart: every token's once, none missing, none repeated.
+    for chunks, (tokens, values) in zip(received, [alone[0], alone[0], alone[1]], strict=True):
+        resumed_tokens, resumed_values = stream_logprobs(chunks)
+        assert resumed_tokens == tokens
+        np.testing.assert_allclose(resumed_values, values, atol=1e-4)
     generated = len(expected.encode())
     assert finals[0].usage.completion_tokens in (generated, generated + 1)  # + an EOS
     assert finals[0].usage.prompt_tokens == len(prompt.encode()) + 1
