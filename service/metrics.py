@@ -167,6 +167,28 @@ class ServiceMetrics:
         )  # fmt: skip
         # ---- end of the resume series
         self.preemptions = Counter("posenc_preemptions", "Sequences preempted for cache space.", LABELS, **kw)
+        # Speculative decoding (--speculative-tokens): guesses verified and kept, and where in the block.
+        self.speculative_proposed = Counter(
+            "posenc_speculative_proposed_tokens",
+            "Speculative guesses (draft tokens) verified, by the form of the request's cache policy.",
+            POLICY_LABELS, **kw,
+        )  # fmt: skip
+        self.speculative_accepted = Counter(
+            "posenc_speculative_accepted_tokens",
+            "Speculative guesses kept (each saved one decode step), by the form of the request's cache policy.",
+            POLICY_LABELS, **kw,
+        )  # fmt: skip
+        self.speculative_accepted_by_position = Counter(
+            "posenc_speculative_accepted_by_position",
+            "Speculative guesses kept at each position of their block (1: the first guess); over "
+            "posenc_speculative_steps_total it is the acceptance rate at that position.",
+            [*LABELS, "position"], **kw,
+        )  # fmt: skip
+        self.speculative_steps = Counter(
+            "posenc_speculative_steps",
+            "Requests' verifications of one or more speculative guesses, by how many guesses they verified.",
+            [*LABELS, "guesses"], **kw,
+        )  # fmt: skip
         # Admission control's estimate beside what happened (--ttft-slo-seconds; admitted requests only).
         self.admission_estimated_ttft = Histogram(
             "posenc_admission_estimated_ttft_seconds",

@@ -27,7 +27,7 @@ from contract.manifest import ManifestError
 from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
-from service.engine.messages import DrainReport, EngineConfig
+from service.engine.messages import MAX_SPECULATIVE_TOKENS, DrainReport, EngineConfig
 from service.engine_client import EngineClient, EngineStartError
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
@@ -104,6 +104,20 @@ ENGINE_FLAGS = {
         str,
         "folder: write each model's admission measurements, decisions and realised times to first token to "
         "<folder>/<model>.jsonl (replayed by service.engine.admission.replay; empty: off)",
+    ),
+    "speculative_tokens": (
+        "--speculative-tokens",
+        int,
+        "speculative decoding: guesses (from the n-gram prompt-lookup proposer) a decode step verifies in one "
+        "graph call, for requests that name none (GenerateRequest.speculative_tokens overrides; 0: off)",
+    ),
+    "ngram_prompt_lookup_min": ("--ngram-prompt-lookup-min", int, "shortest n-gram the proposer looks up"),
+    "ngram_prompt_lookup_max": ("--ngram-prompt-lookup-max", int, "longest n-gram the proposer looks up"),
+    "speculative_max_batch": (
+        "--speculative-max-batch",
+        int,
+        "no request guesses while more than this many sequences decode (a larger batch's step grows with "
+        "the tokens it verifies, so guesses cost more than they save)",
     ),
 }
 SERVER_FLAGS = {
@@ -196,6 +210,10 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         default_cache_policies=tuple(args["default_cache_policies"]),
         prefix_cache=args["prefix_cache"],
     )
+    if not 0 <= engine.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        parser.error(f"--speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (got {engine.speculative_tokens})")
+    if not 1 <= engine.ngram_prompt_lookup_min <= engine.ngram_prompt_lookup_max:
+        parser.error("--ngram-prompt-lookup-min must be >= 1 and at most --ngram-prompt-lookup-max")
     if engine.tail_prefill_tokens < 0:
         parser.error(f"--tail-prefill-tokens must be >= 0 (got {engine.tail_prefill_tokens})")
     if not 0 <= engine.stream_interval_ms <= 1000:

@@ -184,6 +184,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             logprobs=request.logprobs if request.HasField("logprobs") else None,
             prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
             prompt_ids=tuple(request.prompt_token_ids),
+            speculative_tokens=request.speculative_tokens if request.HasField("speculative_tokens") else None,
         )
         handle: RequestHandle = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))

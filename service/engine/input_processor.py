@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from contract.cache_policy import FIELD as POLICY_FIELD
 from contract.cache_policy import FULL_POLICY, CachePolicy, CachePolicyError, parse_cache_policy
 from contract.manifest import Manifest
-from service.engine.messages import MAX_LOGPROBS, ErrorKind, GenerateInput, RequestError
+from service.engine.messages import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, ErrorKind, GenerateInput, RequestError
 from service.engine.request import SamplingParams
 
 
@@ -21,6 +21,7 @@ class InputLimits:
     max_new_tokens_limit: int
     default_max_new_tokens: int
     max_sequence_tokens: int  # prompt (with BOS) + new tokens, for this model on this server
+    default_speculative_tokens: int = 0  # guesses per step of a request that names none (--speculative-tokens)
 
 
 class InputProcessor:
@@ -99,6 +100,9 @@ class InputProcessor:
             ignore_eos=raw.ignore_eos,
             min_tokens=raw.min_tokens,
             logprobs=raw.logprobs,
+            speculative_tokens=(
+                self.limits.default_speculative_tokens if raw.speculative_tokens is None else raw.speculative_tokens
+            ),
         )
         self.check(params)
         policy = self.cache_policy(raw.cache_policy)
@@ -146,6 +150,11 @@ class InputProcessor:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_p: must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_k: must be >= 0, got {params.top_k}")
+        if not 0 <= params.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}], got {params.speculative_tokens}",
+            )
         if not 0 <= params.min_tokens <= params.max_new_tokens:
             raise RequestError(
                 ErrorKind.INVALID_ARGUMENT,

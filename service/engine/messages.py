@@ -108,10 +108,14 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
     prompt_logprobs: int | None = None
     # The prompt as token ids, taken as they are (no BOS added: the client's tokenizer decides), instead of `prompt`.
     prompt_ids: tuple[int, ...] = ()
+    # Guesses a decode step may verify (speculative decoding; None: the server's --speculative-tokens, 0: none).
+    speculative_tokens: int | None = None
 
 
 # The most alternatives a token's log-probabilities may list (OpenAI's and vLLM's default limit).
 MAX_LOGPROBS = 20
+# The most speculative guesses a request's decode step may verify (service.engine.speculative).
+MAX_SPECULATIVE_TOKENS = 16
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
@@ -173,6 +177,13 @@ class EngineConfig:
     # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
     default_cache_policies: tuple[str, ...] = ()
     prefix_cache: bool = True  # keep prompts' full blocks and reuse them for prompts that start alike
+    # Speculative decoding (service.engine.speculative): guesses per step of a request that names
+    # none (0: off), the n-gram proposer's shortest and longest lookup, and the running batch above
+    # which no request guesses (measured: docs, the benchmark's speculative section).
+    speculative_tokens: int = 0
+    ngram_prompt_lookup_min: int = 3
+    ngram_prompt_lookup_max: int = 12
+    speculative_max_batch: int = 8
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from service.engine.messages import MAX_SPECULATIVE_TOKENS
 from service.engine.output_processor import TokenMetrics
 from service.metrics import ServiceMetrics
 
@@ -42,6 +43,12 @@ class ModelMetrics:
         self.used = {form: metrics.kv_cache_used.labels(**form_labels) for form, form_labels in by_form.items()}
         self.prompt_tokens = {form: metrics.prompt_tokens.labels(**fl) for form, fl in by_form.items()}
         self.preemptions = metrics.preemptions.labels(**labels)
+        self.speculative_proposed = {f: metrics.speculative_proposed.labels(**fl) for f, fl in by_form.items()}
+        self.speculative_accepted = {f: metrics.speculative_accepted.labels(**fl) for f, fl in by_form.items()}
+        self._accepted_at = [metrics.speculative_accepted_by_position.labels(**labels, position=str(p)) for p in
+                             range(1, MAX_SPECULATIVE_TOKENS + 1)]  # fmt: skip
+        self._steps = [metrics.speculative_steps.labels(**labels, guesses=str(g)) for g in
+                       range(1, MAX_SPECULATIVE_TOKENS + 1)]  # fmt: skip
         self.estimated_ttft = metrics.admission_estimated_ttft.labels(**labels)
         self.estimate_error = metrics.admission_ttft_error.labels(**labels)
         self.shed: dict[tuple[str, str], Any] = {
@@ -49,6 +56,14 @@ class ModelMetrics:
             for reason in ("ttft_slo", "queue")
             for form, form_labels in by_form.items()
         }
+
+    def speculative_accepted_at(self, position: int) -> Any:
+        """The counter of guesses kept at `position` (1-based) of their block."""
+        return self._accepted_at[position - 1]
+
+    def speculative_steps(self, guesses: int) -> Any:
+        """The counter of verifications of `guesses` guesses."""
+        return self._steps[guesses - 1]
 
     def set_gauges(
         self, store: KVStore, prefix: PrefixReuse, requests: list[Request], running: int, queued: int

@@ -10,6 +10,7 @@ from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.admission import Estimate
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.messages import RequestStatus, TokenLogprob
+from service.engine.speculative import DraftState
 from service.engine.streams import OutputSink, OutputStream
 
 
@@ -24,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False  # EOS never ends the request: the sampler masks its logit
     min_tokens: int = 0  # nor before this many new tokens
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives' (None: none)
+    speculative_tokens: int = 0  # guesses a step may verify (service.engine.speculative; 0: none)
 
     def eos_allowed(self, generated: int) -> bool:
         """Whether EOS may be sampled (and end the request) after `generated` new tokens."""
@@ -76,6 +78,7 @@ class Request:
         # One per output token when the request asks for log-probabilities (None: it asks for none);
         # None entries stand for tokens a resumed request produced on an earlier core.
         self.logprobs: list[TokenLogprob | None] | None = [] if self.params.logprobs is not None else None
+        self.draft = DraftState() if self.params.speculative_tokens else None  # its proposer's state
 
     @property
     def num_tokens(self) -> int:
@@ -93,8 +96,17 @@ class Request:
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens the KV cache holds once this step's token is in: all of them, or the policy's budget."""
-        return self.cache_policy.cached(self.num_tokens)
+        """Tokens the KV cache holds once this step's token is in: all of them, or the policy's budget.
+        A speculative request's step may keep its guesses too: room for them is counted (`lookahead`)."""
+        return self.cache_policy.cached(self.num_tokens + self.lookahead)
+
+    @property
+    def lookahead(self) -> int:
+        """Most tokens a step may add beyond the one it feeds (its speculative guesses): never past
+        max_new_tokens, so never past the sequence limit the request was checked against."""
+        if not self.params.speculative_tokens:
+            return 0
+        return min(self.params.speculative_tokens, max(0, self.params.max_new_tokens - len(self.output_ids) - 1))
 
     @property
     def prefill_done(self) -> bool:

@@ -125,7 +125,11 @@ class Scheduler:
             own = self.prefix_blocks(request)
             keep = taken | own if self.running else taken
             if not self.kv.reserve(
-                request.request_id, policy.cached(request.prefill_length + 1), policy.int8, keep, policy.bounded
+                request.request_id,
+                policy.cached(request.prefill_length + 1 + request.lookahead),
+                policy.int8,
+                keep,
+                policy.bounded,
             ):
                 break
             taken |= own
@@ -144,7 +148,8 @@ class Scheduler:
             capacity, policy = self.kv.capacity(request.request_id), request.cache_policy
             if policy.cached(sys.maxsize) <= capacity:
                 continue  # a bounded policy whose budget fits its row: never grows past it
-            steps = min(steps, capacity - request.cached_tokens + 1)
+            # Each step adds up to 1 + lookahead tokens and needs room for its guesses beforehand.
+            steps = min(steps, (capacity - request.cached_tokens) // (1 + request.lookahead) + 1)
         return max(steps, 0)
 
     def note_growth(self, decoding: list[Request]) -> None:

@@ -189,6 +189,7 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
         segments=segments,
         segment_repair_tokens=repair,
         logprobs=logprobs,
+        speculative_tokens=_typed(body, "speculative_tokens", int, None),
         # echo with max_tokens 0 scores the prompt even when no log-probabilities are shown: its
         # length is checked like any scored text, and nothing is generated.
         prompt_logprobs=None if not echo else logprobs if logprobs is not None else 0 if max_tokens == 0 else None,

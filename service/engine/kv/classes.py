@@ -221,21 +221,48 @@ class CapacityClass:
         else:
             self.positions[:batch] += 1
 
+    def append_tokens(self, row: int, kv: Array) -> None:
+        """Write several tokens' K/V, (tensors, heads, n, head_dim), after row `row`'s last: a
+        verified speculative block's kept tokens (service.engine.speculative). A bounded row takes
+        more than one only while they fit its budget; one token into a full bounded row evicts first,
+        as `append_step` does."""
+        count = int(kv.shape[2])
+        policy = self.policies[row]
+        evicted = False
+        if policy.budget and self.lengths[row] + count > policy.budget:
+            assert count == 1, "a block is verified only while it fits the row's budget"
+            evicted = self._evict_row(row)
+        column = int(self.lengths[row])
+        self._put((slice(None), row, slice(None), slice(column, column + count)), kv)
+        self.mask[row, column : column + count] = 1
+        self.lengths[row] += count
+        if evicted:
+            self.positions[row, 0] = self.lengths[row] + (policy.evicted if policy.original_positions else 0)
+        else:
+            self.positions[row, 0] += count
+        self._update_uniform()
+
+    def _evict_row(self, row: int) -> bool:
+        """Make room for one token in bounded row `row` (its budget is full)."""
+        policy, length = self.policies[row], int(self.lengths[row])
+        sinks = policy.sinks
+        for array in self.arrays:
+            array[:, row, :, sinks : length - 1] = self.backend.copy(array[:, row, :, sinks + 1 : length])
+        self.lengths[row] = length - 1
+        self.mask[row, length - 1] = 0
+        if sinks and self.rotary_inv_freq is not None:
+            keys = (slice(0, None, 2), row, slice(None), slice(None, sinks))
+            if policy.anchor is None:  # as stored (INT8: dequantized), before the first move
+                policy.anchor = self.backend.copy(self.storage.read(keys))
+            self._put(keys, self._rotate(policy.anchor, policy.evicted + 1))
+        policy.evicted += 1
+        return True
+
     def _evict_full_rows(self) -> bool:
         """Make room for one token in every bounded row that holds its budget. True if any did."""
         full = [row for row, policy in enumerate(self.policies) if policy.budget and self.lengths[row] >= policy.budget]
         for row in full:
-            policy, length = self.policies[row], int(self.lengths[row])
-            sinks = policy.sinks
-            for array in self.arrays:
-                array[:, row, :, sinks : length - 1] = self.backend.copy(array[:, row, :, sinks + 1 : length])
-            self.lengths[row] = length - 1
-            if sinks and self.rotary_inv_freq is not None:
-                keys = (slice(0, None, 2), row, slice(None), slice(None, sinks))
-                if policy.anchor is None:  # as stored (INT8: dequantized), before the first move
-                    policy.anchor = self.backend.copy(self.storage.read(keys))
-                self._put(keys, self._rotate(policy.anchor, policy.evicted + 1))
-            policy.evicted += 1
+            self._evict_row(row)
         if full:
             self._update_uniform()
         return bool(full)
