@@ -46,8 +46,9 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture()
-def server(repository: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(repository, "--models", "alibi", "--max-new-tokens-limit", str(LONG)).wait_serving()
+def server(repository: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    flags = getattr(request, "param", ())  # extra server flags, where a test parametrizes them
+    process = ServerProcess(repository, "--models", "alibi", "--max-new-tokens-limit", str(LONG), *flags).wait_serving()
     yield process
     process.stop()
 
@@ -101,6 +102,7 @@ def stream_logprobs(chunks: list[pb.GenerateStreamResponse]) -> tuple[list[int],
     return [e.token_id for e in entries], np.array([[e.logprob, *e.top_logprobs] for e in entries])
 
 
+@pytest.mark.parametrize("server", [(), ("--speculative-tokens", "8")], indirect=True, ids=["plain", "speculative"])
 def test_streams_resume_on_the_restarted_core_with_the_text_of_an_uninterrupted_run(
     server: ServerProcess, repository: Path
 ) -> None:
