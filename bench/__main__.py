@@ -17,6 +17,7 @@ from bench.mixed import print_mixed_lengths
 from bench.policies import print_int8_ratio, print_policy_steps
 from bench.prefill import print_prefill
 from bench.share import print_cache_share
+from bench.speculative import print_speculative
 from bench.steps import print_step_table
 from bench.throughput import print_throughput
 from contract.cli import HelpFormatter
@@ -25,7 +26,7 @@ from contract.paths import REPOSITORY_ROOT
 from service.engine import denormals
 from service.engine.model_session import default_threads
 
-SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill")
+SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill", "speculative")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         print_fused_steps(folders, args, steps)
     if "prefill" in args.sections:
         print_prefill(args, repository, server_threads, device_flags)
+    if "speculative" in args.sections:
+        print_speculative(args, repository, server_threads, device_flags)
     return 0
 
 

@@ -37,7 +37,7 @@ from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.sampler import Sampler, all_greedy, token_logprobs
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.segments import SegmentAssembly, SegmentReuser
-from service.engine.speculative import NgramProposer, draft_room
+from service.engine.speculative import MODEL_ACCEPTANCE_DECAY, NgramProposer, draft_room
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class ModelEngine:
         # Speculative decoding (service.engine.speculative): on when the server or a request asks.
         self.proposer = NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
         self._speculative = config.speculative_tokens > 0  # some request may guess (set by `submit` too)
+        self._acceptance = 1.0  # running share of this model's guesses kept: where a new request starts
         # What the current step produced (tokens, finishes, observations), published when the step ends.
         self._batch = OutputBatch()
         self._publish = publish or (lambda deliver, batch: deliver(batch))
@@ -182,7 +183,9 @@ class ModelEngine:
                     self.metrics.shed["ttft_slo", request.cache_policy.form].inc()
                     raise
             self._inbox.append(request)
-            self._speculative = self._speculative or request.draft is not None
+            if request.draft is not None:  # it starts from how well this model's guesses fared lately
+                self._speculative = True
+                request.draft.acceptance = self._acceptance
             self._changed = True
             self._wake.notify()
 
@@ -479,7 +482,8 @@ class ModelEngine:
                     draft.paused -= 1
                 else:
                     remaining = request.params.max_new_tokens - len(request.output_ids)
-                    room = draft_room(request.cache_policy, request.num_tokens, remaining, request.lookahead)
+                    wanted = draft.budget(request.lookahead)
+                    room = draft_room(request.cache_policy, request.num_tokens, remaining, wanted)
                     if room and self.store.kind_of.get(request.request_id) != INT8_CHANNEL:
                         draft.sync(request.output_ids, request.prompt_ids)
                         guesses = self.proposer.propose(draft.history, room)
@@ -547,6 +551,7 @@ class ModelEngine:
     def _record_speculation(self, request: Request, guesses: int, accepted: int) -> None:
         assert request.draft is not None
         request.draft.record(guesses, accepted)
+        self._acceptance = MODEL_ACCEPTANCE_DECAY * self._acceptance + (1 - MODEL_ACCEPTANCE_DECAY) * accepted / guesses
         form = request.cache_policy.form
         self.metrics.speculative_proposed[form].inc(guesses)
         self.metrics.speculative_steps(guesses).inc()

@@ -1,0 +1,98 @@
+"""What speculative decoding buys each scheme: tokens/s with and without it and how many guesses are
+kept, on code that repeats itself and on plain held-out code, at one stream and at many. Shared by
+`python -m bench --sections speculative` and the comparison's `speculative` section.
+
+The two workloads, from the corpus's test split:
+- "repeats": a held-out piece of code followed by its first third again, so the text that follows
+  is a copy of what came after that third (as code repeats a block, a signature, an import list);
+  how much a scheme gains here follows how well it copies (the report's copy probe).
+- "held-out": a held-out piece of code alone; its continuation repeats only what code repeats.
+
+Each figure times the same prompts through one server with the request field `speculative_tokens`
+at 0 and at K, alternated prompt by prompt, so the machine's drift falls on both alike; greedy,
+`ignore_eos`, a fixed number of new tokens. Acceptance is read from the server's own counters
+(`posenc_speculative_accepted_tokens_total` over `..._proposed_...`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from service.api import generation_pb2 as pb
+from service.process import ServerProcess
+
+WORKLOADS = ("repeats", "held-out")
+
+
+@dataclass(frozen=True)
+class SpeculativeFigure:
+    """One scheme, workload and concurrency: tokens/s without and with speculation, and the share of
+    guesses kept (with the mean number kept per verification)."""
+
+    model: str
+    workload: str
+    streams: int
+    plain_tokens_per_second: float
+    speculative_tokens_per_second: float
+    acceptance: float  # guesses kept / guesses verified
+    proposed: float  # guesses verified
+
+    @property
+    def speedup(self) -> float:
+        return self.speculative_tokens_per_second / self.plain_tokens_per_second
+
+
+def sizes(limit: int) -> tuple[int, int]:
+    """(prompt bytes, new tokens) that fit a model's sequence limit (learned: 256 positions)."""
+    prompt = min(480, limit // 2)
+    return prompt, min(192, limit - prompt - 16)
+
+
+def prompts(data: bytes, workload: str, size: int, count: int, seed: int = 0) -> list[str]:
+    """`count` prompts of about `size` bytes of held-out code (see the module docstring)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        if workload == "repeats":
+            body = size * 3 // 4
+            start = rng.randrange(0, len(data) - body - 1)
+            chunk = data[start : start + body].decode("utf-8", errors="ignore")
+            out.append(chunk + chunk[: len(chunk) // 3])
+        else:
+            start = rng.randrange(0, len(data) - size - 1)
+            out.append(data[start : start + size].decode("utf-8", errors="ignore"))
+    return out
+
+
+def measure(
+    server: ServerProcess, model: str, workload_prompts: list[str], new_tokens: int, streams: int, guesses: int
+) -> SpeculativeFigure:
+    """The prompts run `streams` at a time, once without and once with `guesses` guesses a step,
+    alternated batch by batch; tokens/s is tokens generated over the wall time of the batches."""
+    seconds = {0: 0.0, guesses: 0.0}
+    tokens = {0: 0, guesses: 0}
+    accepted_before = server.metric("posenc_speculative_accepted_tokens_total", model=model)
+    proposed_before = server.metric("posenc_speculative_proposed_tokens_total", model=model)
+    batches = [workload_prompts[i : i + streams] for i in range(0, len(workload_prompts), streams)]
+    with ThreadPoolExecutor(streams) as pool:
+        for index, batch in enumerate(batches):
+            order = (0, guesses) if index % 2 == 0 else (guesses, 0)
+            for k in order:
+                requests = [
+                    pb.GenerateRequest(model=model, prompt=p, max_new_tokens=new_tokens, ignore_eos=True,
+                                       speculative_tokens=k)
+                    for p in batch
+                ]  # fmt: skip
+                started = time.perf_counter()
+                responses = list(pool.map(lambda r: server.stub.Generate(r, timeout=600), requests))
+                seconds[k] += time.perf_counter() - started
+                tokens[k] += sum(r.usage.completion_tokens for r in responses)
+    accepted = server.metric("posenc_speculative_accepted_tokens_total", model=model) - accepted_before
+    proposed = server.metric("posenc_speculative_proposed_tokens_total", model=model) - proposed_before
+    return SpeculativeFigure(
+        model, "", streams, tokens[0] / seconds[0], tokens[guesses] / seconds[guesses],
+        accepted / proposed if proposed else 0.0, proposed,
+    )  # fmt: skip
