@@ -10,11 +10,9 @@ import argparse
 from pathlib import Path
 
 from contract.manifest import Manifest
-from loadtest.speculative import SpeculativeFigure, measure, prompts, sizes
+from loadtest.speculative import GUESSES, SpeculativeFigure, measure, prompts, sizes
 from models.corpus import load_corpus
 from service.process import ServerProcess
-
-GUESSES = 8  # the request field's K in every figure here
 
 
 def print_speculative(args: argparse.Namespace, repository: Path, server_threads: int, device_flags: list[str]) -> None:
@@ -41,7 +39,7 @@ def print_speculative(args: argparse.Namespace, repository: Path, server_threads
         for model in models:
             prompt_bytes, new = sizes(limits[model])
             for workload in ("repeats", "held-out"):
-                texts = prompts(data, workload, prompt_bytes, 16 if not args.quick else 16, seed=1)
+                texts = prompts(data, workload, prompt_bytes, 16, seed=1)
                 cells = [
                     measure(server, model, texts[:count], new, 1, GUESSES),
                     measure(server, model, texts, new, 16, GUESSES),

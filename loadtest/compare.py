@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from contract.cli import HelpFormatter
 from contract.paths import REPOSITORY_ROOT
+from loadtest import speculative
 from loadtest.study import reuse, scored, timed
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
@@ -40,8 +41,8 @@ from models import emergence
 from models.checkpoints import WEIGHTS_DIR
 from models.positional import SCHEMES
 
-SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse")
-assert set(SECTIONS) == set(timed.SECTIONS) | set(scored.SECTIONS) | set(reuse.SECTIONS)
+SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse", "speculative")
+assert set(SECTIONS) == set(timed.SECTIONS) | set(scored.SECTIONS) | set(reuse.SECTIONS) | set(speculative.SECTIONS)
 
 
 def environment() -> Environment:
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> Path:
         + len(schemes) * len(untimed)
         + len(rope_variants) * ("quality" in sections)
         + 3 * len(schemes) * ("reuse" in sections)
+        + len(schemes) * ("speculative" in sections)
     )
     with tqdm(total=steps, desc="compare", unit="task") as progress:
         if sections & set(timed.SECTIONS):
@@ -121,6 +123,8 @@ def run(args: argparse.Namespace) -> Path:
             )
         if "reuse" in sections:
             reuse.measure_reuse(repository, threads, schemes, held_out, budget, results, progress)
+        if "speculative" in sections:
+            speculative.measure_speculative(repository, threads, schemes, held_out.data, budget, results, progress)
     results.write(out / "results.json")
     from loadtest.report.document import write_report  # matplotlib, only once there is something to draw
 

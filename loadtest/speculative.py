@@ -20,11 +20,17 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
+from tqdm import tqdm
+
+from loadtest.study.budget import Budget
+from loadtest.study.results import Results
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
 
 WORKLOADS = ("repeats", "held-out")
+GUESSES = 8  # guesses a step, in every figure of the bench and the comparison
 
 
 @dataclass(frozen=True)
@@ -96,3 +102,43 @@ def measure(
         model, "", streams, tokens[0] / seconds[0], tokens[guesses] / seconds[guesses],
         accepted / proposed if proposed else 0.0, proposed,
     )  # fmt: skip
+
+
+SECTIONS = ("speculative",)
+STREAMS = (1, 16)
+
+
+def measure_speculative(
+    repository: Path, threads: int, schemes: list[str], data: bytes, budget: Budget, results: Results, progress: tqdm
+) -> None:
+    """The comparison's `speculative` section: every scheme, both workloads, 1 and 16 streams, on one
+    server that guesses at any batch size (`--speculative-max-batch` 64), so each cell says what
+    guessing does there; the server's own rule keeps it off above 8 streams."""
+    server = ServerProcess(
+        repository, "--models", *schemes, "--max-new-tokens-limit", "4096", "--speculative-max-batch", "64",
+        threads=threads,
+    )  # fmt: skip
+    try:
+        server.wait_serving()
+        models = server.stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+        limits = {info.name: info.max_positions or info.max_sequence_tokens for info in models}
+        for scheme in schemes:
+            prompt_bytes, new = sizes(limits[scheme])
+            new = min(new, budget.speculative_new_tokens)
+            cells: dict[str, dict[str, float]] = {}
+            for workload in WORKLOADS:
+                texts = prompts(data, workload, prompt_bytes, max(STREAMS) * max(1, budget.speculative_prompts // 4))
+                for streams in STREAMS:
+                    used = texts[: budget.speculative_prompts] if streams == 1 else texts
+                    figure = measure(server, scheme, used, new, streams, GUESSES)
+                    cells[f"{workload}@{streams}"] = {
+                        "plain_tokens_per_second": figure.plain_tokens_per_second,
+                        "speculative_tokens_per_second": figure.speculative_tokens_per_second,
+                        "speedup": figure.speedup,
+                        "acceptance": figure.acceptance,
+                        "proposed": figure.proposed,
+                    }
+            results.speculative[scheme] = cells
+            progress.update(1)
+    finally:
+        server.stop()

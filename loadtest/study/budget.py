@@ -42,6 +42,10 @@ class Budget:
     reuse_trials: int = 48
     reuse_forms: tuple[str, ...] = ("short", "long")
     reuse_repairs: tuple[int, ...] = (4, 16)
+    # Speculative decoding (loadtest/speculative.py): prompts per workload and stream count, and new
+    # tokens per request (at most what the model's positions leave).
+    speculative_prompts: int = 16
+    speculative_new_tokens: int = 192
 
     def cache_plan(self) -> CacheBudgetPlan:
         return CacheBudgetPlan(
@@ -65,7 +69,7 @@ class Budget:
             copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 4.0), passkey_contexts=(1.0, 8.0), repeats=1,
             cache_budgets=(256,), cache_multiples=(8.0,), cache_windows=1, cache_trials=2,
             cache_copy_distances=(512,), reuse_users=(1, 32), reuse_seconds=1.0, reuse_trials=4,
-            reuse_forms=("short",), reuse_repairs=(4,),
+            reuse_forms=("short",), reuse_repairs=(4,), speculative_prompts=4, speculative_new_tokens=64,
         )  # fmt: skip
 
     @classmethod
@@ -78,5 +82,5 @@ class Budget:
             passkey_contexts=(1.0, 2.0), natural_context=2.0, repeats=1, cache_budgets=(64,),
             cache_multiples=(2.0,), cache_windows=1, cache_trials=2, cache_copy_distances=(32,),
             cache_passkey_context=1.0, int8_multiples=(1.0,), reuse_users=(1, 2), reuse_seconds=0.5, reuse_trials=2,
-            reuse_repairs=(4,),
+            reuse_repairs=(4,), speculative_prompts=2, speculative_new_tokens=16,
         )  # fmt: skip
