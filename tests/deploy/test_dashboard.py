@@ -23,13 +23,14 @@ from service.process import ServerProcess, free_port
 
 PROMETHEUS_CONFIG = REPOSITORY_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 VARIABLES = ("scheme", "model", "instance", "policy")
-ROWS = ("Latency", "Memory", "Load and admission", "Replicas")
+ROWS = ("Latency", "Memory", "Load and admission", "Replicas", "Speculation")
 # Policies the test sends (one per form the label can take), and the form each is counted under.
 POLICIES = {"": "full", "window:64": "window", "sinks:4+window:60": "sinks", "int8": "int8",
             "window:64+int8": "window+int8", "sinks:4+window:60+int8": "sinks+int8"}  # fmt: skip
 # The series labelled by cache-policy form (service/metrics.py; the service tests check the labels).
 POLICY_METRICS = ("posenc_time_to_first_token", "posenc_inter_token_latency", "posenc_generated_tokens",
-                  "posenc_prompt_tokens", "posenc_kv_cache_used", "posenc_requests_shed")  # fmt: skip
+                  "posenc_prompt_tokens", "posenc_kv_cache_used", "posenc_requests_shed",
+                  "posenc_speculative_proposed_tokens", "posenc_speculative_accepted_tokens")  # fmt: skip
 Tool = Callable[[str], str]
 
 
