@@ -32,8 +32,11 @@ from service.metrics import ServiceMetrics
 from service.process import ServerProcess
 
 
-def decode_tokens_per_second_grpc(server: ServerProcess, model: str, new_tokens: int) -> float:
-    request = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=new_tokens)
+def decode_tokens_per_second_grpc(
+    server: ServerProcess, model: str, new_tokens: int, logprobs: int | None = None
+) -> float:
+    """One stream's decode rate; `logprobs`: each token's log-probability and that many alternatives too."""
+    request = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=new_tokens, logprobs=logprobs)
     return decode_rate(token_arrivals(stream_texts(server.stub.GenerateStream(request, timeout=600))))
 
 

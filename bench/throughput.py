@@ -71,6 +71,7 @@ def print_throughput(
         ratios = [
             ("gRPC", "onnxruntime-genai", "(goal >= 0.8, same threads)"),
             ("HTTP", "gRPC", "(goal >= 0.9: /v1/completions streaming, ignore_eos)"),
+            (WITH_LOGPROBS, "gRPC", "(what each token's log-probability and 5 alternatives cost)"),
             (MISSES, UNCACHED, "(goal >= 0.97: a prefix-cache miss costs no more than no cache)"),
             ("engine core", "runner", "(goal >= 0.9)"),
             ("in-process engine", "runner", ""),
@@ -167,6 +168,10 @@ def print_throughput(
         server.stop()
 
 
+LOGPROBS = 5
+WITH_LOGPROBS = f"gRPC, logprobs {LOGPROBS}"
+
+
 def single_stream_figures(
     args: argparse.Namespace, repository: Path, server: ServerProcess, server_threads: int, uncached: ServerProcess
 ) -> dict[str, float]:
@@ -179,10 +184,17 @@ def single_stream_figures(
         order = [(MISSES, server), (UNCACHED, uncached)]
         for name, target in order if pair % 2 == 0 else order[::-1]:
             rates[name].append(unique_prompt_tokens_per_second(target, args.model, args.new_tokens // 4, next(_SALTS)))
+    # What asking for log-probabilities costs: plain and `logprobs: 5` streams alternated, three each.
+    plain, scored = [], []
+    for pair in range(3):
+        for logprobs in (None, LOGPROBS) if pair % 2 == 0 else (LOGPROBS, None):
+            rate = decode_tokens_per_second_grpc(server, args.model, args.new_tokens, logprobs)
+            (plain if logprobs is None else scored).append(rate)
     figures = {
         MISSES: statistics.median(rates[MISSES]),
         UNCACHED: statistics.median(rates[UNCACHED]),
-        "gRPC": median_of(lambda: decode_tokens_per_second_grpc(server, args.model, args.new_tokens)),
+        "gRPC": statistics.median(plain),
+        WITH_LOGPROBS: statistics.median(scored),
         "HTTP": median_of(lambda: decode_tokens_per_second_http(server, args.model, args.new_tokens)),
         "engine core": decode_tokens_per_second_core(repository, args.model, args.new_tokens, server_threads),
         "in-process engine": decode_tokens_per_second_engine(repository, args.model, args.new_tokens, server_threads),

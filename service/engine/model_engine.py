@@ -580,7 +580,8 @@ class ModelEngine:
         rows = [row for row in asking if not isinstance(tokens[row], Exception)]
         chosen = [tokens[row] for row in rows]
         top = [requests[row].params.logprobs or 0 for row in rows]
-        return dict(zip(rows, token_logprobs(logits[rows], chosen, top), strict=True))  # type: ignore[arg-type]
+        picked = logits if len(rows) == len(logits) else logits[rows]
+        return dict(zip(rows, token_logprobs(picked, chosen, top), strict=True))  # type: ignore[arg-type]
 
     def _observe_decode_step(self, step: tuple[float, int]) -> None:
         seconds, batch = step
