@@ -25,7 +25,6 @@ from contract.manifest import Manifest
 from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.decode_plan import DecodePlan
 from service.engine.input_processor import InputLimits, InputProcessor
-from service.engine.kv import INT8_CHANNEL
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus, TokenLogprob
 from service.engine.model_limits import default_cache_policy, sequence_limit
 from service.engine.model_metrics import ModelMetrics
@@ -37,7 +36,7 @@ from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.sampler import Sampler, all_greedy, token_logprobs
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.segments import SegmentAssembly, SegmentReuser
-from service.engine.speculative import MODEL_ACCEPTANCE_DECAY, NgramProposer, draft_room
+from service.engine.speculative import NgramProposer, Speculator, accepted_prefix
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -118,9 +117,9 @@ class ModelEngine:
         self._wake = threading.Condition()
         self.sampler = Sampler()
         # Speculative decoding (service.engine.speculative): on when the server or a request asks.
-        self.proposer = NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+        proposer = NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+        self.speculator = Speculator(proposer, self.sampler, self.metrics, config.speculative_max_batch)
         self._speculative = config.speculative_tokens > 0  # some request may guess (set by `submit` too)
-        self._acceptance = 1.0  # running share of this model's guesses kept: where a new request starts
         # What the current step produced (tokens, finishes, observations), published when the step ends.
         self._batch = OutputBatch()
         self._publish = publish or (lambda deliver, batch: deliver(batch))
@@ -185,7 +184,7 @@ class ModelEngine:
             self._inbox.append(request)
             if request.draft is not None:  # it starts from how well this model's guesses fared lately
                 self._speculative = True
-                request.draft.acceptance = self._acceptance
+                request.draft.acceptance = self.speculator.acceptance
             self._changed = True
             self._wake.notify()
 
@@ -448,7 +447,7 @@ class ModelEngine:
         one is, known beforehand), and those it ends (or whose sampling failed) are finished. A step
         where some request guesses its next tokens verifies them instead (`_decode_speculative`)."""
         if self._speculative and any(request.draft is not None for request in requests):
-            fed = self._drafts(requests)
+            fed = self.speculator.drafts(requests, self.store.kind_of)
             if fed is not None:
                 self._decode_speculative(requests, fed)
                 return
@@ -466,31 +465,6 @@ class ModelEngine:
             request.num_computed_tokens = request.num_tokens
         self._sample(requests, logits, now, greedy)
 
-    def _drafts(self, requests: list[Request]) -> list[list[int]] | None:
-        """What each request feeds this step: its last token and its proposer's guesses (None when
-        none guesses: a plain step). No request guesses in a batch larger than
-        `speculative_max_batch` (there the graph's time grows with the tokens fed, so guesses cost
-        more than they save), in a row whose graph takes one token, or while its drafting pauses."""
-        if len(requests) > self.config.speculative_max_batch:
-            return None
-        fed, guessed = [], False
-        for request in requests:
-            guesses: list[int] = []
-            draft = request.draft
-            if draft is not None:
-                if draft.paused:
-                    draft.paused -= 1
-                else:
-                    remaining = request.params.max_new_tokens - len(request.output_ids)
-                    wanted = draft.budget(request.lookahead)
-                    room = draft_room(request.cache_policy, request.num_tokens, remaining, wanted)
-                    if room and self.store.kind_of.get(request.request_id) != INT8_CHANNEL:
-                        draft.sync(request.output_ids, request.prompt_ids)
-                        guesses = self.proposer.propose(draft.history, room)
-                        guessed = guessed or bool(guesses)
-            fed.append([request.output_ids[-1], *guesses])
-        return fed if guessed else None
-
     def _decode_speculative(self, requests: list[Request], fed: list[list[int]]) -> None:
         """One verification call for the batch, then each request keeps its guesses up to the first
         that differs from the token the model itself gives there (sampled as without speculation),
@@ -502,7 +476,7 @@ class ModelEngine:
             self._fail(requests, error)
             return
         now = time.monotonic()
-        tokens = self._target_tokens(requests, logits)
+        tokens = self.speculator.target_tokens(requests, logits)
         kept: dict[str, int] = {}
         flat_requests: list[Request] = []
         flat_tokens: list[int | Exception] = []
@@ -515,7 +489,7 @@ class ModelEngine:
             flat_logits.append(rows[:keep])
             guesses = len(fed_tokens) - 1
             if guesses:
-                self._record_speculation(request, guesses, keep - 1)
+                self.speculator.record(request, guesses, keep - 1)
         self.runner.commit(kept)
         self._batch.records.append((self._observe_decode_step, (now - started, len(requests))))
         asking = [row for row, request in enumerate(flat_requests) if request.logprobs is not None]
@@ -524,41 +498,6 @@ class ModelEngine:
         self._finish_all(self.outputs.accept(flat_requests, flat_tokens, now, self._batch, logprobs))
         for request in requests:
             request.num_computed_tokens = request.num_tokens - 1
-
-    def _target_tokens(self, requests: list[Request], logits: list[np.ndarray]) -> list[list[int | Exception]]:
-        """The model's own token after each fed token, as the sampler draws it without speculation:
-        at token index len(output) + j, EOS masked where the request may not end yet."""
-        ids, params, indices, banned = [], [], [], []
-        for request, rows in zip(requests, logits, strict=True):
-            done = len(request.output_ids)
-            for j in range(rows.shape[0]):
-                if not request.params.eos_allowed(done + j):
-                    banned.append((len(ids), request.eos_token_id))
-                ids.append(request.request_id)
-                params.append(request.params)
-                indices.append(done + j)
-        stacked = np.concatenate(logits)
-        if banned:
-            stacked = np.array(stacked, copy=True)
-            stacked[[row for row, _ in banned], [eos for _, eos in banned]] = -np.inf
-        flat = self.sampler.sample_rows(ids, params, stacked, indices)
-        out, start = [], 0
-        for rows in logits:
-            out.append(flat[start : start + rows.shape[0]])
-            start += rows.shape[0]
-        return out
-
-    def _record_speculation(self, request: Request, guesses: int, accepted: int) -> None:
-        assert request.draft is not None
-        request.draft.record(guesses, accepted)
-        self._acceptance = MODEL_ACCEPTANCE_DECAY * self._acceptance + (1 - MODEL_ACCEPTANCE_DECAY) * accepted / guesses
-        form = request.cache_policy.form
-        self.metrics.speculative_proposed[form].inc(guesses)
-        self.metrics.speculative_steps(guesses).inc()
-        if accepted:
-            self.metrics.speculative_accepted[form].inc(accepted)
-        for position in range(1, accepted + 1):
-            self.metrics.speculative_accepted_at(position).inc()
 
     def _sample(
         self, requests: list[Request], logits: np.ndarray, now: float | None = None, greedy: bool = False
@@ -575,8 +514,8 @@ class ModelEngine:
     def _logprobs(
         requests: list[Request], logits: np.ndarray, tokens: list[int | Exception], asking: list[int]
     ) -> dict[int, TokenLogprob]:
-        # (rows of `logits` align with `requests`; a request may hold several rows in a speculative step)
-        """The log-probabilities of the rows that ask for them (and sampled a token), by row."""
+        """The log-probabilities of the rows that ask for them (and sampled a token), by row (rows of
+        `logits` align with `requests`; a request holds several rows in a speculative step)."""
         rows = [row for row in asking if not isinstance(tokens[row], Exception)]
         chosen = [tokens[row] for row in rows]
         top = [requests[row].params.logprobs or 0 for row in rows]
@@ -618,19 +557,3 @@ class ModelEngine:
         scheduler = self.scheduler
         queued = len(scheduler.waiting) + len(self._inbox)
         self.metrics.set_gauges(self.store, self.prefix, scheduler.requests(), len(scheduler.running), queued)
-
-
-def accepted_prefix(request: Request, fed: list[int], targets: list[int | Exception]) -> int:
-    """How many of a speculative step's tokens a request keeps: the model's token after each fed
-    token while it equals the next guess, then the first that differs (or none past one that ends
-    the request: an EOS it may end at, its last allowed token, a failed sample)."""
-    done, limit = len(request.output_ids), request.params.max_new_tokens
-    for j, token in enumerate(targets):
-        ends = (
-            isinstance(token, Exception)
-            or (token == request.eos_token_id and request.params.eos_allowed(done + j))
-            or done + j + 1 >= limit
-        )
-        if ends or j + 1 >= len(fed) or token != fed[j + 1]:
-            return j + 1
-    return len(targets)
