@@ -67,7 +67,7 @@ def speculative_section(results: Results) -> str:
 Tokens/s with 8 n-gram (prompt-lookup) guesses a step over tokens/s without, and the share of guesses
 kept, through the service (greedy, ignore_eos, the same prompts with and without, alternated). "repeats":
 held-out code followed by its first third again, so what follows is a copy; "held-out": held-out code
-alone. 16 streams: a server that guesses at any batch size (the default `--speculative-max-batch 8`
+alone. 16 streams: a server that guesses at any batch size (the default `--speculative-max-batch 1`
 keeps it off there). The output is the same with and without: only its speed changes.
 
 | scheme | repeats, 1 stream | held-out, 1 stream | repeats, 16 streams | held-out, 16 streams | copy {COPY_FILLER} B |

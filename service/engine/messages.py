@@ -179,11 +179,12 @@ class EngineConfig:
     prefix_cache: bool = True  # keep prompts' full blocks and reuse them for prompts that start alike
     # Speculative decoding (service.engine.speculative): guesses per step of a request that names
     # none (0: off), the n-gram proposer's shortest and longest lookup, and the running batch above
-    # which no request guesses (measured: docs, the benchmark's speculative section).
+    # which no request guesses: on 2 CPU cores guessing already costs at 2 streams (0.88-0.93x of not
+    # guessing, `python -m bench --sections speculative`), so by default only a lone stream guesses.
     speculative_tokens: int = 0
     ngram_prompt_lookup_min: int = 3
     ngram_prompt_lookup_max: int = 12
-    speculative_max_batch: int = 8
+    speculative_max_batch: int = 1
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,10 @@ def stream_logprobs(chunks: list[pb.GenerateStreamResponse]) -> tuple[list[int],
     return [e.token_id for e in entries], np.array([[e.logprob, *e.top_logprobs] for e in entries])
 
 
-@pytest.mark.parametrize("server", [(), ("--speculative-tokens", "8")], indirect=True, ids=["plain", "speculative"])
+@pytest.mark.parametrize(
+    "server", [(), ("--speculative-tokens", "8", "--speculative-max-batch", "8")], indirect=True,
+    ids=["plain", "speculative"],
+)  # fmt: skip
 def test_streams_resume_on_the_restarted_core_with_the_text_of_an_uninterrupted_run(
     server: ServerProcess, repository: Path
 ) -> None:

@@ -262,8 +262,8 @@ def decode(runner: ModelRunner, ids: list[int], policy: object, new: int, guesse
 
 @pytest.fixture(scope="module")
 def server(repository: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(repository, "--models", "alibi", "rope", "--speculative-tokens", "8",
-                            "--max-new-tokens-limit", "2048").wait_serving()  # fmt: skip
+    flags = ["--speculative-tokens", "8", "--speculative-max-batch", "64", "--max-new-tokens-limit", "2048"]
+    process = ServerProcess(repository, "--models", "alibi", "rope", *flags).wait_serving()
     yield process
     process.stop()
 
