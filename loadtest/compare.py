@@ -32,6 +32,7 @@ from tqdm import tqdm
 from contract.cli import HelpFormatter
 from contract.paths import REPOSITORY_ROOT
 from loadtest import speculative
+from loadtest.evaluation import evaluate
 from loadtest.study import reuse, scored, timed
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
@@ -43,6 +44,8 @@ from models.positional import SCHEMES
 
 SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse", "speculative")
 assert set(SECTIONS) == set(timed.SECTIONS) | set(scored.SECTIONS) | set(reuse.SECTIONS) | set(speculative.SECTIONS)
+# Run only when named: lm-evaluation-harness from its own virtual environment (made on first use).
+OPT_IN = ("evaluation",)
 
 
 def environment() -> Environment:
@@ -73,7 +76,7 @@ def start_results(
 ) -> Results:
     """A full run's new results; fewer sections update the run's existing ones (which sections ran,
     and when, is recorded in them)."""
-    if sections == set(SECTIONS):
+    if sections >= set(SECTIONS):
         config: RunConfig = {
             "budget": run["budget"], "threads": threads, "schemes": schemes,
             "goodput_targets": {"ttft_s": timed.TTFT_TARGET_S, "itl_s": timed.ITL_TARGET_S},
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> Path:
         + len(rope_variants) * ("quality" in sections)
         + 3 * len(schemes) * ("reuse" in sections)
         + len(schemes) * ("speculative" in sections)
+        + len(schemes) * ("evaluation" in sections)
     )
     with tqdm(total=steps, desc="compare", unit="task") as progress:
         if sections & set(timed.SECTIONS):
@@ -125,6 +129,10 @@ def run(args: argparse.Namespace) -> Path:
             reuse.measure_reuse(repository, threads, schemes, held_out, budget, results, progress)
         if "speculative" in sections:
             speculative.measure_speculative(repository, threads, schemes, held_out.data, budget, results, progress)
+        if "evaluation" in sections:
+            results.evaluation = evaluate(repository, schemes, budget.score_windows, budget.evaluation_choices,
+                                          threads=threads)  # fmt: skip
+            progress.update(len(schemes))
     results.write(out / "results.json")
     from loadtest.report.document import write_report  # matplotlib, only once there is something to draw
 
@@ -152,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{Budget.quick().retrieval_trials} with --quick)",
     )  # fmt: skip
     parser.add_argument(
-        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
-        help=f"what to measure, from {' '.join(SECTIONS)}; fewer than all updates those parts of the run's "
+        "--sections", nargs="+", choices=SECTIONS + OPT_IN, default=list(SECTIONS), metavar="SECTION",
+        help=f"what to measure, from {' '.join(SECTIONS)} (all by default) and {' '.join(OPT_IN)} (only when "
+        "named: lm-evaluation-harness against the service, python -m loadtest.evaluation); fewer than all "
+        "updates those parts of the run's "
         "existing results.json (which sections ran, when and at which commit is recorded there)",
     )  # fmt: skip
     parser.add_argument("--run-id", default=None, help="names the report folder (default: the start time)")

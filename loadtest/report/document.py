@@ -7,6 +7,7 @@ from pathlib import Path
 
 from loadtest.report.analysis import chance_fraction
 from loadtest.report.cache_tables import cache_budget_section, memory_section
+from loadtest.report.evaluation_tables import evaluation_section
 from loadtest.report.figures import plot
 from loadtest.report.reuse_tables import reuse_section
 from loadtest.report.speculative_tables import speculative_section
@@ -122,7 +123,7 @@ standard error over windows). Chance for a digit is 0.1, for a span character {c
 ## Cache budgets: what each scheme keeps when its cache is bounded
 
 {cache_budget_section(results)}
-{reuse_section(results)}{speculative_section(results)}## Config
+{reuse_section(results)}{speculative_section(results)}{evaluation_section(results)}## Config
 
 ```json
 {json.dumps(results.config, indent=2)}

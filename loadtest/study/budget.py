@@ -46,6 +46,8 @@ class Budget:
     # tokens per request (at most what the model's positions leave).
     speculative_prompts: int = 16
     speculative_new_tokens: int = 192
+    # lm-evaluation-harness's multiple-choice questions (its rolling task scores the quality windows).
+    evaluation_choices: int = 100
 
     def cache_plan(self) -> CacheBudgetPlan:
         return CacheBudgetPlan(
@@ -70,6 +72,7 @@ class Budget:
             cache_budgets=(256,), cache_multiples=(8.0,), cache_windows=1, cache_trials=2,
             cache_copy_distances=(512,), reuse_users=(1, 32), reuse_seconds=1.0, reuse_trials=4,
             reuse_forms=("short",), reuse_repairs=(4,), speculative_prompts=4, speculative_new_tokens=64,
+            evaluation_choices=20,
         )  # fmt: skip
 
     @classmethod
@@ -83,4 +86,5 @@ class Budget:
             cache_multiples=(2.0,), cache_windows=1, cache_trials=2, cache_copy_distances=(32,),
             cache_passkey_context=1.0, int8_multiples=(1.0,), reuse_users=(1, 2), reuse_seconds=0.5, reuse_trials=2,
             reuse_repairs=(4,), speculative_prompts=2, speculative_new_tokens=16,
+            evaluation_choices=4,
         )  # fmt: skip

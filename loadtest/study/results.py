@@ -159,6 +159,8 @@ class Results:
     reuse: dict[str, Reuse] = field(default_factory=dict)  # KV reuse (loadtest/study/reuse.py)
     # Speculative decoding (loadtest/speculative.py): scheme -> "workload@streams" -> figures.
     speculative: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # lm-evaluation-harness against the service (loadtest/evaluation.py): scheme -> figures.
+    evaluation: dict[str, dict[str, float]] = field(default_factory=dict)
     # The served weights' copy-emergence curves, from their training logs (models/emergence.py).
     training: dict[str, TrainingCurve] = field(default_factory=dict)
     # The characters the retrieval section's copy spans were drawn from (models.spans.SPAN_ALPHABET).
