@@ -100,41 +100,23 @@ def _lines(text: str) -> list[tuple[int, str]]:
 
 
 def write_tasks(folder: Path, rolling: list[str], choices: list[dict[str, Any]]) -> None:
-    """Both tasks' YAML and their JSONL data into `folder` (lm-eval's --include_path)."""
-    (folder / "rolling.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rolling))
-    (folder / "choice.jsonl").write_text("".join(json.dumps(d) + "\n" for d in choices))
-    (folder / f"{ROLLING}.yaml").write_text(
-        f"""task: {ROLLING}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / "rolling.jsonl"}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-"""
-    )
-    (folder / f"{CHOICE}.yaml").write_text(
-        f"""task: {CHOICE}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / "choice.jsonl"}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-"""
-    )
+    """Both tasks' YAML (lm-eval's task config, as YAML's JSON subset) and their JSONL data into
+    `folder` (lm-eval's --include_path)."""
+    tasks = {
+        ROLLING: ([{"text": t} for t in rolling], {
+            "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
+            "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")],
+        }),
+        CHOICE: (choices, {
+            "output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}",
+            "doc_to_target": "{{label}}", "target_delimiter": "", "metric_list": [{"metric": "acc"}],
+        }),
+    }  # fmt: skip
+    for name, (documents, config) in tasks.items():
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in documents))
+        dataset = {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test"}
+        (folder / f"{name}.yaml").write_text(json.dumps({"task": name, **dataset, **config}, indent=2))
 
 
 def run_lm_eval(python: Path, folder: Path, server: ServerProcess, model: str, max_length: int) -> dict[str, Any]:
