@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from loadtest.palette import HEATMAP, REFERENCE, TEXT_ON_DARK, TEXT_ON_LIGHT, style
 from loadtest.report.cache_figures import figure_cache_budget, figure_kv_bytes
-from loadtest.report.reuse_figures import figure_reuse
+from loadtest.report.reuse_figures import figure_repair_curve, figure_reuse
 from loadtest.report.titles import PLOTS
 from loadtest.study.results import ByLength, Cells, LoadFigures, Probe, Results, TrainingCurve
 from models import emergence
@@ -218,6 +218,7 @@ def figures(results: Results) -> dict[str, Figure]:
         builders["cache_budget.png"] = lambda: figure_cache_budget(results)
     if results.reuse:
         builders["reuse.png"] = lambda: figure_reuse(results)
+        builders["reuse_repair.png"] = lambda: figure_repair_curve(results)
     return {name: build() for name, build in builders.items()}
 
 

@@ -10,7 +10,15 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from loadtest.palette import REFERENCE, style
-from loadtest.report.reuse_tables import REUSE_WITHIN, bpb_change, mode_name
+from loadtest.report.reuse_tables import (
+    REUSE_WITHIN,
+    bpb_change,
+    mode_changes,
+    mode_name,
+    repair_k,
+    repairs_of,
+    seeds_of,
+)
 from loadtest.report.titles import PLOTS
 from loadtest.study.results import Results
 
@@ -44,8 +52,8 @@ def figure_reuse(results: Results) -> Figure:
         ax.axis("off")
     for ax, form in zip(axes[1], forms, strict=False):
         schemes = [s for s in results.schemes if s in results.reuse]
-        repairs = sorted({m for r in results.reuse.values() for m in r["documents"].get(form, {"modes": {}})["modes"]
-                          if m.startswith("repair:")}, key=lambda m: int(m.split(":")[1]))  # fmt: skip
+        measured = {m for r in results.reuse.values() for m in r["documents"].get(form, {"modes": {}})["modes"]}
+        repairs = [m for m in repairs_of(dict.fromkeys(measured)) if m != "repair:all"]
         modes = [*REUSE_MODES, *repairs]
         width = 0.8 / len(modes)
         for index, scheme in enumerate(schemes):
@@ -69,4 +77,44 @@ def figure_reuse(results: Results) -> Figure:
                title=f"{form} form, bars left to right: " + ", ".join(mode_name(m) for m in modes))  # fmt: skip
         ax.title.set_fontsize(8)
     fig.suptitle(PLOTS["reuse.png"])
+    return fig
+
+
+def figure_repair_curve(results: Results) -> Figure:
+    """Per form: the answer's bpb change from the full recompute against the repair's k (0: as placed;
+    the whole document last; the sink-kept precompute apart at the right), one line per scheme, solid
+    for the served prompt sample and dashed for the others, with the paired 95% intervals."""
+    reusing = {s: r for s, r in results.reuse.items() if r["segment_reuse"] != "recompute"}
+    forms = sorted({f for r in reusing.values() for f in r["documents"]}, key=["short", "long"].index)
+    fig, axes = plt.subplots(1, max(1, len(forms)), figsize=(6.5 * max(1, len(forms)), 4.8), squeeze=False)
+    for ax, form in zip(axes[0], forms, strict=False):
+        columns = sorted({m for r in reusing.values() for seed in seeds_of(r)
+                          for m in repairs_of(mode_changes(r, form, seed) or {})}, key=repair_k)  # fmt: skip
+        labels = ["0", *("whole" if m == "repair:all" else str(repair_k(m)) for m in columns), "sink"]
+        for scheme, reuse in reusing.items():
+            for index, seed in enumerate(seeds_of(reuse)):
+                changes = mode_changes(reuse, form, seed)
+                if changes is None:
+                    continue
+                points = [(x, changes.get(m)) for x, m in enumerate([reuse["segment_reuse"], *columns])]
+                xs = [x + 0.06 * index for x, c in points if c is not None]
+                cells = [c for _, c in points if c is not None]
+                values = [c["value"] * 100 for c in cells]
+                errors = [[(c["value"] - c["low"]) * 100 for c in cells],
+                          [(c["high"] - c["value"]) * 100 for c in cells]]  # fmt: skip
+                label = f"{scheme}, prompt seed {seed}"
+                ax.errorbar(xs, values, yerr=errors, linestyle="-" if index == 0 else "--", capsize=2, label=label,
+                            color=style(scheme).color, marker="o", markersize=3)  # fmt: skip
+                sink = changes.get("sink")
+                if sink is not None:
+                    ax.errorbar([len(columns) + 1 + 0.06 * index], [sink["value"] * 100],
+                                yerr=[[(sink["value"] - sink["low"]) * 100], [(sink["high"] - sink["value"]) * 100]],
+                                color=style(scheme).color, marker="s", capsize=2)  # fmt: skip
+        ax.axhspan(-REUSE_WITHIN * 100, REUSE_WITHIN * 100, color=REFERENCE, alpha=0.15, label="within +-1%")
+        ax.axhline(0, color=REFERENCE, linewidth=0.6)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set(xlabel="repaired tokens per document, k (then the sink-kept precompute)",
+               ylabel="answer bpb vs full recompute (%)", title=f"{form} form")  # fmt: skip
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(PLOTS["reuse_repair.png"])
     return fig

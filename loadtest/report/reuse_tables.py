@@ -8,7 +8,7 @@ import math
 
 from contract.manifest import REUSE_RECOMPUTE
 from loadtest.report.formatting import cell, fmt
-from loadtest.study.results import Results, Reuse, ReuseMode, SharedPrefix
+from loadtest.study.results import Cell, Results, Reuse, ReuseMode, SharedPrefix
 
 TTFT_RATIO_GOAL = 0.1  # issue 31: TTFT p50 at one user with the cache over without
 GOODPUT_GAIN_GOAL = 3.0  # issue 31: goodput at the most users with the cache over without
@@ -19,11 +19,41 @@ MODE_NAMES = {
     "prefix": "exact prefix cache",
     "as_is": "reuse as is",
     "rotate": "reuse, rope re-rotated",
+    "sink": "sink-kept precompute (EPIC)",
+    "repair:all": "repair, whole document",
 }
+WHOLE = 1 << 30  # where `repair:all` sorts among the repairs
 
 
 def mode_name(mode: str) -> str:
     return MODE_NAMES.get(mode) or f"repair k = {mode.split(':')[1]}"
+
+
+def repair_k(mode: str) -> int:
+    """A `repair:K` mode's K (`repair:all`: past every document)."""
+    k = mode.split(":")[1]
+    return WHOLE if k == "all" else int(k)
+
+
+def repairs_of(modes: dict[str, ReuseMode | None] | dict[str, Cell | None]) -> list[str]:
+    """The repair modes in order of k, the whole document last."""
+    return sorted((m for m in modes if m.startswith("repair:")), key=repair_k)
+
+
+def verdict(change: Cell | None) -> str | None:
+    """`within` when the paired interval lies inside +-1%, `cannot` when it lies wholly outside,
+    `undecided` otherwise (None: no interval)."""
+    if change is None or "low" not in change:
+        return None
+    if -REUSE_WITHIN <= change["low"] and change["high"] <= REUSE_WITHIN:
+        return "within"
+    if change["low"] > REUSE_WITHIN or change["high"] < -REUSE_WITHIN:
+        return "cannot"
+    return "undecided"
+
+
+def change_text(change: Cell) -> str:
+    return f"{change['value']:+.1%} [{change['low']:+.1%}, {change['high']:+.1%}]"
 
 
 def prefix_ratios(shared: SharedPrefix) -> tuple[float | None, float | None]:
@@ -45,32 +75,59 @@ def bpb_change(mode: ReuseMode | None, full: ReuseMode | None) -> float | None:
     return mode["bpb"]["value"] / full["bpb"]["value"] - 1
 
 
-def finding(reuse: Reuse, form: str) -> str:
+def mode_changes(reuse: Reuse, form: str, seed: str | None = None) -> dict[str, Cell | None] | None:
+    """Each mode's paired change from the full recompute on one prompt sample (None: not measured)."""
+    if seed is not None and seed != str(reuse.get("seed", 32)):
+        return reuse.get("samples", {}).get(seed, {}).get(form)
+    figures = reuse["documents"].get(form)
+    if figures is None or figures["modes"].get("full") is None:
+        return None
+    return {name: None if mode is None else mode.get("change") for name, mode in figures["modes"].items()}
+
+
+def finding(reuse: Reuse, form: str, seed: str | None = None) -> str:
     """Whether the scheme reuses a document at any offset within 1% bpb of the full recompute, needs
-    the repair (the smallest k that does), or cannot."""
+    the repair or the sink-kept precompute (the smallest k that does), cannot, or is undecided: each
+    from the paired 95% interval of the answer's change, never from a point estimate."""
     if reuse["segment_reuse"] == REUSE_RECOMPUTE:
         return "cannot: positions enter every layer's input, so the server recomputes each document (`recompute`)"
     figures = reuse["documents"].get(form)
-    if figures is None or figures["modes"].get("full") is None:
+    changes = mode_changes(reuse, form, seed)
+    if figures is None or figures["modes"].get("full") is None or changes is None:
         return "not measured (the prompts do not fit the model)"
-    modes, placement = figures["modes"], reuse["segment_reuse"]
-    full = modes["full"]["bpb"]
+    full = figures["modes"]["full"]["bpb"]  # type: ignore[index]
     if full is not None and full["value"] > GUESSING_BPB:
         return f"no baseline: the full recompute does not retrieve here (answer {full['value']:.2f} bpb, guessing 3.32)"
-    change = bpb_change(modes.get(placement), modes["full"])
-    if change is None:
-        return "not measured"
+    placement = reuse["segment_reuse"]
+    change = changes.get(placement)
+    said = verdict(change)
+    if change is None or said is None:
+        return "not measured (no paired interval: a run before issue 48)"
     how = "as is" if placement == "as_is" else "re-rotated"
-    if change <= REUSE_WITHIN:
-        return f"reuses a document at any offset {how}, within 1% ({change:+.1%} bpb)"
-    repairs = sorted((int(m.split(":")[1]), m) for m in modes if m.startswith("repair:"))
-    for k, name in repairs:
-        repaired = bpb_change(modes[name], modes["full"])
-        if repaired is not None and repaired <= REUSE_WITHIN:
-            return f"needs the repair: {how} {change:+.1%} bpb, with k = {k} {repaired:+.1%}"
-    worst = bpb_change(modes[repairs[-1][1]], modes["full"]) if repairs else None
-    tail = f", k = {repairs[-1][0]} still {worst:+.1%}" if worst is not None else ""
-    return f"cannot within 1%: {how} {change:+.1%} bpb{tail}"
+    n = int(change["n"])
+    if said == "within":
+        return f"reuses a document at any offset {how}, within 1% ({change_text(change)} bpb)"
+    fixes = [(mode_name(m), changes[m]) for m in ["sink", *repairs_of(changes)] if m in changes and m != "repair:all"]
+    for name, fixed in fixes:
+        if verdict(fixed) == "within":
+            return f"needs {name}: {how} {change_text(change)} bpb, with it {change_text(fixed)}"  # type: ignore[arg-type]
+    if said == "undecided":
+        return f"undecided at {n} prompts: {how} {change_text(change)} bpb"
+    if any(verdict(fixed) == "undecided" for _, fixed in fixes):
+        return f"cannot as placed ({how} {change_text(change)} bpb); a repair or the sink is undecided at {n} prompts"
+    return f"cannot within 1%: {how} {change_text(change)} bpb, no repair short of the whole document or sink helps"
+
+
+def scheme_verdict(results: Results, scheme: str) -> str | None:
+    """The scheme's reuse verdict on every form, with its paired interval: for the report's Findings
+    (None: the run has no reuse figures for the scheme)."""
+    reuse = results.reuse.get(scheme)
+    if reuse is None:
+        return None
+    forms = list(reuse["documents"])
+    if reuse["segment_reuse"] == REUSE_RECOMPUTE:
+        return finding(reuse, forms[0]) if forms else None
+    return "; ".join(f"{form} documents: {finding(reuse, form)}" for form in forms)
 
 
 def shared_prefix_table(results: Results) -> str:
@@ -106,8 +163,8 @@ def shared_prefix_table(results: Results) -> str:
 
 def documents_table(results: Results, form: str) -> str:
     rows = [
-        "| scheme | mode | accuracy (served, greedy) | answer bpb | bpb vs full | accuracy (teacher-forced) | "
-        "TTFT ms p50 | prompt cached | prompt reused |",
+        "| scheme | mode | accuracy (served, greedy) | answer bpb | bpb vs full, paired 95% | "
+        "accuracy (teacher-forced) | TTFT ms p50 | prompt cached | prompt reused |",
         "|" + "---|" * 9,
     ]
     for scheme in results.schemes:
@@ -116,24 +173,91 @@ def documents_table(results: Results, form: str) -> str:
         if reuse is None or figures is None:
             continue
         modes = figures["modes"]
-        order = ["full", "prefix", "as_is", "rotate", *sorted((m for m in modes if m.startswith("repair:")),
-                                                              key=lambda m: int(m.split(":")[1]))]  # fmt: skip
+        order = ["full", "prefix", "as_is", "rotate", "sink", *repairs_of(modes)]
         for name in (m for m in order if m in modes):
             mode = modes[name]
             if mode is None:
                 rows.append(f"| {scheme} | {mode_name(name)} | not servable | | | | | | |")
                 continue
-            change = bpb_change(mode, modes.get("full"))
+            paired = mode.get("change")
+            if paired is not None and name != "full":
+                change = change_text(paired)
+            else:
+                point = bpb_change(mode, modes.get("full"))
+                change = "-" if point is None else f"{point:+.1%}"
             served = mode["ttft_s"] is not None
             rows.append(
                 f"| {scheme} | {mode_name(name)} | {cell(mode['accuracy']) if served else 'not served'} | "
-                f"{cell(mode['bpb'], 3) if mode['bpb'] else '-'} | {'-' if change is None else f'{change:+.1%}'} | "
+                f"{cell(mode['bpb'], 3) if mode['bpb'] else '-'} | {change} | "
                 f"{cell(mode['teacher_forced']) if mode['teacher_forced'] else '-'} | "
                 f"{fmt(mode['ttft_s'], 1, 1000, '-')} | {fmt(mode['cached_share'], 2, missing='-')} | "
                 f"{fmt(mode['reused_share'], 2, missing='-')} |"
             )
         if reuse["segment_reuse"] == REUSE_RECOMPUTE:
             rows.append(f"| {scheme} | reuse, repairs | `recompute` (ListModels): nothing reused | | | | | | |")
+    return "\n".join(rows) + "\n"
+
+
+def seeds_of(reuse: Reuse) -> list[str]:
+    """The prompt samples a scheme was scored on, the served one first."""
+    return [str(reuse.get("seed", 32)), *reuse.get("samples", {})]
+
+
+def repair_curve_table(results: Results, form: str) -> str:
+    """Per scheme and prompt sample: the change from the full recompute as placed (k = 0), at each
+    repair's k, with the whole document repaired, and with the sink-kept precompute."""
+    reusing = {s: r for s, r in results.reuse.items() if r["segment_reuse"] != REUSE_RECOMPUTE}
+    columns: list[str] = []
+    for reuse in reusing.values():
+        for seed in seeds_of(reuse):
+            for mode in repairs_of(mode_changes(reuse, form, seed) or {}):
+                columns += [mode] if mode not in columns else []
+    columns.sort(key=repair_k)
+    if not columns:
+        return ""
+    names = ["k = 0 (as placed)", *(("whole document" if m == "repair:all" else f"k = {repair_k(m)}") for m in columns),
+             "sink-kept precompute"]  # fmt: skip
+    rows = ["| scheme | prompt seed | " + " | ".join(names) + " |", "|" + "---|" * (2 + len(names))]
+    for scheme, reuse in reusing.items():
+        for seed in seeds_of(reuse):
+            changes = mode_changes(reuse, form, seed)
+            if changes is None:
+                continue
+            row = [changes.get(m) for m in [reuse["segment_reuse"], *columns, "sink"]]
+            figures = " | ".join("-" if c is None else change_text(c) for c in row)
+            rows.append(f"| {scheme} | {seed} | {figures} |")
+    return "\n".join(rows) + "\n"
+
+
+def contradictions(reuse: Reuse, form: str) -> tuple[list[str], list[str]]:
+    """Modes whose verdicts contradict across prompt samples (`within` on one, `cannot` on another),
+    and modes undecided on some sample."""
+    found = [changes for seed in seeds_of(reuse) if (changes := mode_changes(reuse, form, seed)) is not None]
+    clash, open_ = [], []
+    for mode in sorted({m for changes in found for m in changes} - {"full", "prefix"}):
+        said = {verdict(changes.get(mode)) for changes in found} - {None}
+        if {"within", "cannot"} <= said:
+            clash.append(mode)
+        elif "undecided" in said:
+            open_.append(mode)
+    return clash, open_
+
+
+def samples_table(results: Results, forms: list[str]) -> str:
+    """Each scheme's verdict on every prompt sample, and whether the samples agree."""
+    seeds = list(dict.fromkeys(seed for r in results.reuse.values() for seed in seeds_of(r)))
+    rows = ["| scheme | form | " + " | ".join(f"prompt seed {s}" for s in seeds) + " | samples agree? |",
+            "|" + "---|" * (3 + len(seeds))]  # fmt: skip
+    for scheme, reuse in results.reuse.items():
+        if reuse["segment_reuse"] == REUSE_RECOMPUTE:
+            continue
+        for form in forms:
+            said = [finding(reuse, form, seed) for seed in seeds]
+            clash, open_ = contradictions(reuse, form)
+            undecided = f" (undecided: {', '.join(mode_name(m) for m in open_)})" if open_ else ""
+            clashing = ", ".join(mode_name(m) for m in clash)
+            agree = f"**no**: {clashing} within 1% on one, cannot on another" if clash else "yes" + undecided
+            rows.append(f"| {scheme} | {form} | " + " | ".join(said) + f" | {agree} |")
     return "\n".join(rows) + "\n"
 
 
@@ -169,7 +293,32 @@ def reuse_section(results: Results) -> str:
         parts.append(f"### {form.capitalize()} form: documents of about {document_bytes[form]} bytes, "
                      f"{trials[form]} prompts\n")  # fmt: skip
         parts.append(documents_table(results, form))
+    curves = {form: repair_curve_table(results, form) for form in forms}
+    if any(curves.values()):
+        parts.append("### The repair curve and EPIC's sink-kept precompute\n")
+        parts.append(
+            "The answer's bits per byte against the full recompute of the same prompts (paired 95% bootstrap "
+            "interval over prompts, in-process), on every prompt sample: the documents as the scheme places them "
+            "(k = 0), the first k tokens of each document recomputed in context, every token of it recomputed "
+            "(which must read +0.0%: a check, not a mode worth serving), and EPIC's precompute, each document "
+            "computed after a BOS of its own (a sink) that is dropped when the document is placed. Why the curve "
+            "is not monotone: a repair recomputes a document's first k tokens in context, but its later tokens "
+            "keep the K/V they got attending to the document alone, so the repaired head and the stale tail "
+            "disagree; the planted key's line sits at a random place in its document, so only a k that reaches "
+            "past it changes what the answer reads, and only the whole document removes the mismatch.\n"
+        )
+        for form in forms:
+            if curves[form]:
+                parts.append(f"**{form.capitalize()} form**\n")
+                parts.append(curves[form])
+        parts.append("![repair curve](reuse_repair.png)\n")
     parts.append("### What reuse buys each scheme (the answer's bpb within 1% of the full recompute)\n")
+    parts.append(
+        'Each verdict comes from the paired 95% interval of the change from the full recompute: "within 1%" '
+        'only when the interval lies inside +-1%, "cannot" only when it lies wholly outside, otherwise '
+        '"undecided" at that many prompts. Every prompt sample\'s verdict, and whether they agree:\n'
+    )
+    parts.append(samples_table(results, forms))
     header = "| scheme | declared (ListModels) | " + " | ".join(f"{form} form" for form in forms) + " |"
     lines = [header, "|" + "---|" * (2 + len(forms))]
     for scheme in results.schemes:

@@ -14,4 +14,5 @@ PLOTS = {
     "cache_budget.png": "Quality against KV bytes per sequence, per cache policy",
     "copy_emergence.png": "Copy accuracy and validation bits per byte against training tokens",
     "reuse.png": "KV reuse: a shared prefix with and without the prefix cache, documents reused per scheme",
+    "reuse_repair.png": "KV reuse: the repair curve and EPIC's sink-kept precompute, paired 95% intervals",
 }

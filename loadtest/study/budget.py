@@ -36,12 +36,15 @@ class Budget:
     cache_passkey_context: float = 2.0
     int8_multiples: tuple[float, ...] = (1.0, 4.0)
     # KV reuse (loadtest/study/reuse.py): shared-prefix users and seconds per level, document prompts per
-    # form (short: the training context; long: 256-byte documents), the repairs' k.
+    # form (short: the training context; long: 256-byte documents), the repairs' k (the curve; the whole
+    # document is always scored), the prompt samples' seeds (the first served and scored, the rest scored:
+    # issue 48, verdicts that survive another sample).
     reuse_users: tuple[int, ...] = (1, 8, 32)
     reuse_seconds: float = 8.0
     reuse_trials: int = 48
     reuse_forms: tuple[str, ...] = ("short", "long")
-    reuse_repairs: tuple[int, ...] = (4, 16)
+    reuse_repairs: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    reuse_seeds: tuple[int, ...] = (32, 7)
     # Speculative decoding (loadtest/speculative.py): prompts per workload and stream count, and new
     # tokens per request (at most what the model's positions leave).
     speculative_prompts: int = 16
@@ -71,7 +74,8 @@ class Budget:
             copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 4.0), passkey_contexts=(1.0, 8.0), repeats=1,
             cache_budgets=(256,), cache_multiples=(8.0,), cache_windows=1, cache_trials=2,
             cache_copy_distances=(512,), reuse_users=(1, 32), reuse_seconds=1.0, reuse_trials=4,
-            reuse_forms=("short",), reuse_repairs=(4,), speculative_prompts=4, speculative_new_tokens=64,
+            reuse_forms=("short",), reuse_repairs=(4,), reuse_seeds=(32,), speculative_prompts=4,
+            speculative_new_tokens=64,
             evaluation_choices=20,
         )  # fmt: skip
 

@@ -11,7 +11,7 @@ import json
 import string
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 # A graded figure with its 95% interval (loadtest/probes.py, `Interval.as_dict()`): value, low, high, n.
 Cell = dict[str, float]
@@ -66,6 +66,9 @@ class ReuseMode(TypedDict):
     ttft_s: float | None  # the server's time to first token, median (None: not served)
     cached_share: float | None  # prompt tokens the prefix cache held, mean share
     reused_share: float | None  # prompt tokens of reused segments, mean share
+    # The answer's bits over the full recompute's on the same prompts, less one, with a paired 95%
+    # bootstrap interval over prompts (loadtest/study/reuse_scoring.py; absent in older runs).
+    change: NotRequired[Cell | None]
 
 
 class DocumentsForm(TypedDict):
@@ -74,7 +77,7 @@ class DocumentsForm(TypedDict):
     document_bytes: int
     prompt_bytes: float  # mean
     trials: int
-    # Mode ("full", "prefix", "as_is", "rotate", "repair:K") -> figures; absent: not applicable to
+    # Mode ("full", "prefix", "as_is", "rotate", "sink", "repair:K", "repair:all") -> figures; absent: not applicable to
     # the scheme; None: the prompts do not fit the model.
     modes: dict[str, ReuseMode | None]
 
@@ -95,6 +98,9 @@ class Reuse(TypedDict):
     segment_reuse: str  # as_is, rotate or recompute
     shared_prefix: SharedPrefix
     documents: dict[str, DocumentsForm]  # "short", "long"
+    seed: NotRequired[int]  # the documents' prompt sample (absent in older runs: 32)
+    # Other prompt samples, scored in-process only: seed -> form -> mode -> paired change (None: does not fit).
+    samples: NotRequired[dict[str, dict[str, dict[str, Cell | None]]]]
 
 
 class TrainingCurve(TypedDict):

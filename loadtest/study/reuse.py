@@ -10,14 +10,18 @@ one with --no-prefix-cache, one with the prefix cache (the default). Each runs
   answer's digits compared with the planted key. Without the cache: `full` (every prompt computed
   in full). With it: `prefix` (the same plain prompts; the prefix cache holds whatever leading text
   an earlier prompt shared), then the prompts as reusable segments, placed as the scheme's
-  ListModels `segment_reuse` says (`as_is` or `rotate`), and with the repair at each k. A scheme
+  ListModels `segment_reuse` says (`as_is` or `rotate`), and with the repair at each of the budget's
+  served k (the rest of the repair curve, the whole-document repair and EPIC's sink-kept precompute
+  are scored in-process only). A scheme
   whose declaration is `recompute` reuses nothing: its reuse modes are not requested (the report
   gives the declaration). The documents are sent once as segments before the timed requests, so
   the timings are those of documents already cached; the planted key makes the carrier document
   new each time, computed on its own and placed.
 
 Then, with the servers stopped, the answer's bits per byte under each mode are computed in-process
-(loadtest/study/reuse_scoring.py).
+(loadtest/study/reuse_scoring.py), each mode's change from the full recompute with a paired
+bootstrap interval; and the same on each further prompt sample (`budget.reuse_seeds` after the
+first), scored only, so that the report can say where two samples' verdicts agree.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from contract.manifest import REUSE_RECOMPUTE
 from loadtest.probes import wilson
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
-from loadtest.study.results import DocumentsForm, LoadFigures, Results, ReuseMode
-from loadtest.study.reuse_scoring import AnswerScorer, scored_modes
+from loadtest.study.results import Cell, DocumentsForm, LoadFigures, Results, ReuseMode
+from loadtest.study.reuse_scoring import AnswerScorer, cells, paired_change, scored_modes
 from loadtest.study.serving import COMPUTED, model_info, serving
 from loadtest.study.timed import ADMISSION_TTFT_SLO_S, measure_load, rotated
 from loadtest.workloads import (
@@ -67,8 +71,8 @@ class Workloads:
     document_bytes: dict[str, int]
 
     @classmethod
-    def build(cls, held_out: HeldOut, budget: Budget, train_context: int) -> Workloads:
-        rng = random.Random(32)
+    def build(cls, held_out: HeldOut, budget: Budget, train_context: int, seed: int) -> Workloads:
+        rng = random.Random(seed)
         sizes = {"short": short_document_bytes(train_context), "long": LONG_DOCUMENT_BYTES}
         forms = {}
         for form in budget.reuse_forms:
@@ -156,13 +160,18 @@ def scored_form(
     scorer: AnswerScorer, declared: str, prompts: list[DocumentPrompt], document_bytes: int,
     served: dict[str, ReuseMode], repairs: tuple[int, ...],
 ) -> DocumentsForm:  # fmt: skip
-    """One form's modes: what the servers measured, with the answers' bits per byte in-process
-    (every mode None where the prompts do not fit the model: nothing was served)."""
+    """One form's modes: what the servers measured, with the answers' bits per byte in-process and
+    their paired change from the full recompute (every mode None where the prompts do not fit the
+    model: nothing was served)."""
     modes: dict[str, ReuseMode | None] = {}
+    full_bits: list[float] = []
     for name, placement, k in scored_modes(declared, repairs):
         mode = served.get(name, unserved()) if served else None
         if mode is not None:
-            mode["bpb"], mode["teacher_forced"] = scorer.cells(prompts, placement, k)
+            scores = scorer.scores(prompts, placement, k)
+            full_bits = full_bits or [s.bits for s in scores]  # "full" comes first
+            mode["bpb"], mode["teacher_forced"] = cells(scores)
+            mode["change"] = paired_change([s.bits for s in scores], full_bits)
         modes[name] = mode
     full = modes["full"]
     prefix = served.get("prefix")
@@ -171,6 +180,19 @@ def scored_form(
     modes["prefix"] = prefix
     mean_bytes = statistics.mean(len(p.text.encode()) for p in prompts)
     return {"document_bytes": document_bytes, "prompt_bytes": mean_bytes, "trials": len(prompts), "modes": modes}
+
+
+def scored_sample(scorer: AnswerScorer, declared: str, prompts: list[DocumentPrompt], limit: int,
+                  repairs: tuple[int, ...]) -> dict[str, Cell | None] | None:  # fmt: skip
+    """Another prompt sample's paired changes from the full recompute, every mode in-process (None:
+    the prompts do not fit the model)."""
+    if not fits(limit, prompts):
+        return None
+    full_bits = [s.bits for s in scorer.scores(prompts, "full")]
+    return {
+        name: paired_change([s.bits for s in scorer.scores(prompts, placement, k)], full_bits)
+        for name, placement, k in scored_modes(declared, repairs)
+    }
 
 
 def measure_reuse(
@@ -193,7 +215,8 @@ def measure_reuse(
         sets = {False: uncached, True: cached}
         progress.set_postfix(part="reuse, shared prefix, prefix cache off and on")
         infos = {scheme: model_info(server, scheme, results) for scheme, server in cached.items()}
-        workloads = Workloads.build(held_out, budget, next(iter(infos.values())).train_context)
+        train_context = next(iter(infos.values())).train_context
+        workloads = Workloads.build(held_out, budget, train_context, budget.reuse_seeds[0])
         prompts = {scheme: workloads.shared_prompt(infos[scheme].max_positions) for scheme in schemes}
         for scheme, (prefix_bytes, tail_bytes, prompt) in prompts.items():
             sizes[scheme] = (prefix_bytes, tail_bytes)
@@ -231,11 +254,23 @@ def measure_reuse(
             )
             for form, prompts in workloads.forms.items()
         }
+        samples: dict[str, dict[str, dict[str, Cell | None]]] = {}
+        for seed in budget.reuse_seeds[1:]:
+            progress.set_postfix(part=f"reuse, answers' bits per byte, prompt seed {seed}", scheme=scheme)
+            other = Workloads.build(held_out, budget, train_context, seed)
+            samples[str(seed)] = {
+                form: found
+                for form, prompts in other.forms.items()
+                if (found := scored_sample(scorer, declared[scheme], prompts, infos[scheme].max_positions,
+                                           budget.reuse_repairs)) is not None
+            }  # fmt: skip
         prefix_bytes, tail_bytes = sizes[scheme]
         results.reuse[scheme] = {
             "segment_reuse": declared[scheme],
             "shared_prefix": {"prefix_bytes": prefix_bytes, "tail_bytes": tail_bytes, "new_tokens": SHARED_NEW_TOKENS,
                               "no_cache": loads[False][scheme], "cache": loads[True][scheme]},
             "documents": documents,
+            "seed": budget.reuse_seeds[0],
+            "samples": samples,
         }  # fmt: skip
         progress.update()

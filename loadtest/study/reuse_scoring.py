@@ -10,7 +10,14 @@ cache copies a fresh prefill's K/V, so its figures are the full recompute's.
 
 Modes: `full` (the prompt computed in one pass), `as_is` (documents' K/V placed unchanged: the
 declaration of alibi, relative and none; for rope, the naive reuse its declaration avoids),
-`rotate` (rope's keys turned by the offset), and `repair:K` on top of the scheme's own placement.
+`rotate` (rope's keys turned by the offset), `sink` (EPIC's precompute: each document computed
+after a BOS, a sink of its own, whose K/V is dropped when the document is placed the scheme's way),
+and `repair:K` on top of the scheme's own placement (`repair:all`: every token of every document
+recomputed in context, which must equal `full`).
+
+Each mode's verdict is about its difference from `full` on the same prompts, so its interval is a
+paired one: a bootstrap over prompts of the ratio of the mode's answer bits to full's, less one
+(`paired_change`); the intervals on each mode's own bits per byte are several times wider.
 """
 
 from __future__ import annotations
@@ -27,12 +34,37 @@ from loadtest.probes import ratio_interval, wilson
 from loadtest.study.results import Cell
 from loadtest.workloads import DocumentPrompt
 from models.tokenizer import TOKENIZER
+from service.engine.kv import Array
+from service.engine.kv.classes import rotate_keys
 from service.engine.messages import PromptSegment
 from service.engine.prompts import PrefilledPrompt
 from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.segments import SegmentAssembly, segment_spans
 
 CHUNK_TOKENS = 512
+SINK = "sink"  # EPIC's precompute: a document's K/V computed after a BOS that is dropped when placed
+REPAIR_WHOLE = "all"  # `repair:all`: every token of every reused document recomputed in context
+WHOLE_TOKENS = 1 << 30  # a repair longer than any document
+BOOTSTRAP_RESAMPLES = 4000
+BOOTSTRAP_SEED = 0
+
+
+def repair_tokens(k: int | str) -> int:
+    """The repair's token count for a `repair:K` mode's K (`all`: the whole document)."""
+    return WHOLE_TOKENS if k == REPAIR_WHOLE else int(k)
+
+
+def paired_change(bits: list[float], full_bits: list[float], resamples: int = BOOTSTRAP_RESAMPLES,
+                  seed: int = BOOTSTRAP_SEED) -> Cell:  # fmt: skip
+    """sum(bits) / sum(full_bits) - 1 (the answer's bits per byte against the full recompute's: the
+    same answers, so the bytes cancel) with a 95% percentile bootstrap over prompts, resampling the
+    pairs together: the verdict is about the difference, so the prompts' own spread cancels."""
+    mode, full = np.asarray(bits, dtype=np.float64), np.asarray(full_bits, dtype=np.float64)
+    value = float(mode.sum() / full.sum() - 1)
+    picks = np.random.default_rng(seed).integers(0, len(mode), size=(resamples, len(mode)))
+    changes = mode[picks].sum(axis=1) / full[picks].sum(axis=1) - 1
+    low, high = np.percentile(changes, [2.5, 97.5])
+    return {"value": value, "low": float(low), "high": float(high), "n": len(mode)}
 
 
 def placements(declared: str) -> list[str]:
@@ -59,6 +91,23 @@ class AnswerScorer:
         reuse = self.declared if mode == self.declared.mode else SegmentReuse(mode)
         return SegmentAssembly(self.runner, reuse, CHUNK_TOKENS)
 
+    def _sink_kept(self, token_ids: list[int], spans: tuple[tuple[int, int], ...]) -> list[Array | None]:
+        """Each document's K/V computed after the BOS (its sink, EPIC's per-chunk BOS), the BOS's
+        column dropped: as if computed from position 0, except rope's keys sit one position later and
+        are turned back one, so that the placement's rotation by the offset lands them right."""
+        kept: list[Array | None] = []
+        for start, end in spans:
+            *_, computed = self.runner.prefill_chunks("score", token_ids[:1] + token_ids[start:end], CHUNK_TOKENS)
+            assert computed is not None
+            kv = computed.cache[:, :, 1:]
+            if self.declared.mode == REUSE_ROTATE:
+                assert self.declared.rotary_inv_freq is not None
+                kv = self.runner.backend.copy(kv)
+                kv[0::2] = rotate_keys(self.runner.backend, kv[0::2], -1, self.declared.rotary_inv_freq,
+                                       self.runner.dtype)  # fmt: skip
+            kept.append(kv)
+        return kept
+
     def _prompt(self, prompt: DocumentPrompt, mode: str, repair: int) -> PrefilledPrompt:
         token_ids = TOKENIZER.encode(prompt.text)
         if mode == "full":
@@ -67,6 +116,9 @@ class AnswerScorer:
             return last
         segments = tuple(PromptSegment(text, reusable) for text, reusable in prompt.segments())
         spans = segment_spans(segments, add_bos=True)
+        if mode == SINK:
+            cached = self._sink_kept(token_ids, spans)
+            return self._assembly(self.declared.mode).run("score", token_ids, spans, cached, repair, None)
         return self._assembly(mode).run("score", token_ids, spans, [None] * len(spans), repair, None)
 
     def score(self, prompt: DocumentPrompt, mode: str, repair: int = 0) -> AnswerScore:
@@ -84,17 +136,23 @@ class AnswerScorer:
         hits = int((np.asarray(logits).argmax(-1) == np.asarray(answer)).sum())
         return AnswerScore(float(-logprobs.sum() / math.log(2)), hits, len(answer))
 
-    def cells(self, prompts: list[DocumentPrompt], mode: str, repair: int = 0) -> tuple[Cell | None, Cell]:
-        """Bits per byte of the answers (95% interval over prompts) and the greedy hit rate (Wilson)."""
-        scores = [self.score(p, mode, repair) for p in prompts]
-        bpb = ratio_interval((s.bits, s.length) for s in scores)
-        hit_rate = sum(s.hits / s.length for s in scores) / len(scores)
-        return None if bpb is None else bpb.as_dict(), wilson(hit_rate, len(scores)).as_dict()
+    def scores(self, prompts: list[DocumentPrompt], mode: str, repair: int = 0) -> list[AnswerScore]:
+        return [self.score(p, mode, repair) for p in prompts]
+
+
+def cells(scores: list[AnswerScore]) -> tuple[Cell | None, Cell]:
+    """Bits per byte of the answers (95% interval over prompts) and the greedy hit rate (Wilson)."""
+    bpb = ratio_interval((s.bits, s.length) for s in scores)
+    hit_rate = sum(s.hits / s.length for s in scores) / len(scores)
+    return None if bpb is None else bpb.as_dict(), wilson(hit_rate, len(scores)).as_dict()
 
 
 def scored_modes(declared: str, repairs: tuple[int, ...]) -> list[tuple[str, str, int]]:
-    """(name, placement, k) of every mode scored for a scheme: full, its placements, its repairs."""
+    """(name, placement, k) of every mode scored for a scheme: full, its placements, the sink-kept
+    precompute, its repairs and the whole-document repair (which must come back to full)."""
     modes = [("full", "full", 0)] + [(m, m, 0) for m in placements(declared)]
     if declared != REUSE_RECOMPUTE:
+        modes += [(SINK, SINK, 0)]
         modes += [(f"repair:{k}", declared, k) for k in repairs]
+        modes += [(f"repair:{REPAIR_WHOLE}", declared, WHOLE_TOKENS)]
     return modes

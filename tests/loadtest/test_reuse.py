@@ -18,12 +18,12 @@ import pytest
 from contract.paths import REPOSITORY_ROOT
 from loadtest.compare import environment
 from loadtest.compare import main as compare_main
-from loadtest.report.reuse_tables import finding, prefix_ratios
+from loadtest.report.reuse_tables import finding, prefix_ratios, scheme_verdict, verdict
 from loadtest.study import timed
 from loadtest.study.budget import Budget
 from loadtest.study.results import Results, Reuse, ReuseMode
-from loadtest.study.reuse_scoring import AnswerScorer
-from loadtest.workloads import document_prompt, document_set, short_document_bytes
+from loadtest.study.reuse_scoring import WHOLE_TOKENS, AnswerScorer, paired_change
+from loadtest.workloads import DocumentPrompt, document_prompt, document_set, short_document_bytes
 from models.corpus import load_corpus
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
@@ -46,10 +46,13 @@ def prompts():  # type: ignore[no-untyped-def]
     return [document_prompt(documents, rng) for _ in range(3)]
 
 
-def mode(bpb: float | None, ttft: float | None = 0.01) -> ReuseMode:
+def mode(bpb: float | None, ttft: float | None = 0.01, spread: float = 0.002) -> ReuseMode:
+    """A mode at `bpb` against a full recompute at 2.0, its paired change +-`spread`."""
     cell = None if bpb is None else {"value": bpb, "low": bpb, "high": bpb, "n": 8}
+    change = None if bpb is None else {"value": bpb / 2.0 - 1, "low": bpb / 2.0 - 1 - spread,
+                                       "high": bpb / 2.0 - 1 + spread, "n": 8}  # fmt: skip
     return {"accuracy": None, "bpb": cell, "teacher_forced": None, "ttft_s": ttft, "cached_share": 0.0,
-            "reused_share": 0.0}  # fmt: skip
+            "reused_share": 0.0, "change": change}  # fmt: skip
 
 
 def reuse(declared: str, modes: dict[str, ReuseMode | None]) -> Reuse:
@@ -62,14 +65,42 @@ def reuse(declared: str, modes: dict[str, ReuseMode | None]) -> Reuse:
     }
 
 
+def test_paired_bootstrap_gives_the_known_interval() -> None:
+    """Every prompt 2% worse: the interval is the point. Half the prompts 2% worse, half unchanged:
+    the change is the mean of a fair coin times 2%, so its 95% interval is 1% +- 1.96 x 1% / sqrt(n)."""
+    full = [1.0 + 0.1 * (i % 7) for i in range(400)]
+    same = paired_change([1.02 * f for f in full], full)
+    assert (same["value"], same["low"], same["high"], same["n"]) == pytest.approx((0.02, 0.02, 0.02, 400))
+    ones = [1.0] * 400
+    half = paired_change([1.02 if i % 2 else 1.0 for i in range(400)], ones)
+    assert half["value"] == pytest.approx(0.01)
+    assert half["low"] == pytest.approx(0.01 - 1.96 * 0.01 / 20, abs=1e-4)
+    assert half["high"] == pytest.approx(0.01 + 1.96 * 0.01 / 20, abs=1e-4)
+    assert half == paired_change([1.02 if i % 2 else 1.0 for i in range(400)], ones)  # fixed seed
+
+
+def test_verdicts_come_from_the_paired_interval() -> None:
+    assert verdict({"value": 0.005, "low": -0.004, "high": 0.009, "n": 96}) == "within"
+    assert verdict({"value": 0.005, "low": -0.004, "high": 0.011, "n": 96}) == "undecided"
+    assert verdict({"value": 0.02, "low": 0.011, "high": 0.03, "n": 96}) == "cannot"
+    assert verdict({"value": -0.02, "low": -0.03, "high": -0.011, "n": 96}) == "cannot"
+
+
 def test_findings_say_within_one_percent_needs_the_repair_or_cannot() -> None:
     assert "within 1%" in finding(reuse("as_is", {"full": mode(2.0), "as_is": mode(2.01)}), "short")
+    undecided = finding(reuse("as_is", {"full": mode(2.0), "as_is": mode(2.01, spread=0.01)}), "short")
+    assert undecided.startswith("undecided at 8 prompts")
     repaired = finding(reuse("rotate", {"full": mode(2.0), "rotate": mode(2.2), "repair:4": mode(2.1),
-                                        "repair:16": mode(2.01)}), "short")  # fmt: skip
-    assert repaired.startswith("needs the repair") and "k = 16" in repaired
-    assert finding(reuse("as_is", {"full": mode(2.0), "as_is": mode(2.5), "repair:16": mode(2.4)}), "short").startswith(
-        "cannot within 1%"
-    )
+                                        "repair:16": mode(2.01), "repair:all": mode(2.0)}), "short")  # fmt: skip
+    assert repaired.startswith("needs repair k = 16")
+    sink = finding(reuse("as_is", {"full": mode(2.0), "as_is": mode(2.2), "sink": mode(2.005), "repair:4": mode(2.1)}),
+                   "short")  # fmt: skip
+    assert sink.startswith("needs sink-kept precompute")
+    assert finding(reuse("as_is", {"full": mode(2.0), "as_is": mode(2.5), "repair:16": mode(2.4),
+                                   "repair:all": mode(2.0)}), "short").startswith("cannot within 1%")  # fmt: skip
+    results = Results("t", {}, {}, ["alibi"])  # type: ignore[arg-type]
+    results.reuse["alibi"] = reuse("as_is", {"full": mode(2.0), "as_is": mode(2.01)})
+    assert scheme_verdict(results, "alibi") == "short documents: " + finding(results.reuse["alibi"], "short")
     assert finding(reuse("recompute", {"full": mode(2.0)}), "short").startswith("cannot: positions")
     assert finding(reuse("rotate", {"full": mode(9.0), "rotate": mode(9.0)}), "short").startswith("no baseline")
     assert finding(reuse("as_is", {"full": None, "as_is": None}), "short").startswith("not measured")
@@ -94,6 +125,29 @@ def test_reuse_modes_change_the_answers_bits_and_a_whole_repair_restores_them(re
         assert rotated != pytest.approx(full, rel=1e-4) and naive != pytest.approx(rotated, rel=1e-4)
         whole = max(len(d.encode()) for d in prompt.documents)  # every token of every document recomputed
         assert scorer.score(prompt, "rotate", whole).bits == pytest.approx(full, rel=1e-3, abs=1e-3)
+
+
+REUSING = ["relative", "rope", "alibi", "none"]
+
+
+def test_whole_document_repair_is_the_full_recompute_for_every_scheme(repository: Path, prompts) -> None:  # type: ignore[no-untyped-def]
+    """The repair curve's last point: every token of every document recomputed in context."""
+    for scheme in REUSING:
+        scorer = AnswerScorer(repository, scheme, threads=1)
+        for prompt in prompts:
+            full, whole = scorer.score(prompt, "full"), scorer.score(prompt, scorer.declared.mode, WHOLE_TOKENS)
+            assert abs(whole.bits - full.bits) / full.length < 1e-4, scheme
+
+
+def test_a_sink_kept_first_document_is_the_full_recompute(repository: Path, prompts) -> None:  # type: ignore[no-untyped-def]
+    """A lone document right after the prompt's BOS, precomputed after a BOS of its own: its K/V is
+    the full prefill's (rope's keys turned back one position, then by the offset), unlike plain reuse."""
+    for scheme in REUSING:
+        scorer = AnswerScorer(repository, scheme, threads=1)
+        lone = DocumentPrompt((prompts[0].documents[prompts[0].carrier],), 0, prompts[0].answer)
+        full = scorer.score(lone, "full")
+        assert abs(scorer.score(lone, "sink").bits - full.bits) / full.length < 1e-4, scheme
+        assert abs(scorer.score(lone, scorer.declared.mode).bits - full.bits) / full.length > 1e-2, scheme
 
 
 def base_run(out: Path) -> None:
@@ -124,8 +178,11 @@ def test_sections_reuse_measures_both_workloads_and_reports_them(repository: Pat
             assert all(v["requests"] + v["refused"] > 0 and v["errors"] == 0 for v in shared[series].values())
     assert found["learned"]["shared_prefix"]["prefix_bytes"] < 256 < found["alibi"]["shared_prefix"]["prefix_bytes"]
     alibi, rope, learned = (found[s]["documents"] for s in SCHEMES)
-    assert set(alibi["short"]["modes"]) == {"full", "prefix", "as_is", "repair:4"}
-    assert set(rope["short"]["modes"]) == {"full", "prefix", "as_is", "rotate", "repair:4"}
+    assert set(alibi["short"]["modes"]) == {"full", "prefix", "as_is", "sink", "repair:4", "repair:all"}
+    assert set(rope["short"]["modes"]) == {"full", "prefix", "as_is", "rotate", "sink", "repair:4", "repair:all"}
+    assert alibi["short"]["modes"]["repair:all"]["change"]["value"] == pytest.approx(0, abs=1e-4)
+    assert set(found["alibi"]["samples"]["7"]["short"]) == set(alibi["short"]["modes"]) - {"prefix"}
+    assert set(found["learned"]["samples"]["7"]) == {"short"}  # the long form is past its positions
     assert set(learned["short"]["modes"]) == {"full", "prefix"}  # recompute: nothing else is asked of it
     assert learned["long"]["modes"]["full"] is None  # 4 x 256 bytes: past its positions
     for form in ("short", "long"):
@@ -135,7 +192,7 @@ def test_sections_reuse_measures_both_workloads_and_reports_them(repository: Pat
         assert modes["prefix"]["bpb"] == modes["full"]["bpb"]
     naive = rope["short"]["modes"]["as_is"]
     assert naive["ttft_s"] is None and naive["bpb"] is not None  # in-process only: the server rotates rope
-    assert (out / "reuse.png").stat().st_size > 0
+    assert (out / "reuse.png").stat().st_size > 0 and (out / "reuse_repair.png").stat().st_size > 0
     report = (out / "report.md").read_text()
     assert "## KV reuse" in report and "reuse, rope re-rotated" in report and "What reuse buys each scheme" in report
 
