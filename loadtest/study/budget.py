@@ -41,7 +41,7 @@ class Budget:
     # issue 48, verdicts that survive another sample).
     reuse_users: tuple[int, ...] = (1, 8, 32)
     reuse_seconds: float = 8.0
-    reuse_trials: int = 48
+    reuse_trials: int = 192  # issue 48: the paired intervals decide at 192 prompts where 48 left them open
     reuse_forms: tuple[str, ...] = ("short", "long")
     reuse_repairs: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     reuse_seeds: tuple[int, ...] = (32, 7)
