@@ -9,6 +9,7 @@ from loadtest.report.analysis import chance_fraction
 from loadtest.report.cache_tables import cache_budget_section, memory_section
 from loadtest.report.evaluation_tables import evaluation_section
 from loadtest.report.figures import plot
+from loadtest.report.html import write_html
 from loadtest.report.reuse_tables import reuse_section
 from loadtest.report.speculative_tables import speculative_section
 from loadtest.report.tables import (
@@ -130,4 +131,5 @@ standard error over windows). Chance for a digit is 0.1, for a span character {c
 ```
 """
     (out / "report.md").write_text(text)
+    write_html(out / "report.md")  # report.html beside it, figures embedded
     return out / "report.md"
