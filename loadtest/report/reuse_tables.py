@@ -301,11 +301,13 @@ def reuse_section(results: Results) -> str:
             "interval over prompts, in-process), on every prompt sample: the documents as the scheme places them "
             "(k = 0), the first k tokens of each document recomputed in context, every token of it recomputed "
             "(which must read +0.0%: a check, not a mode worth serving), and EPIC's precompute, each document "
-            "computed after a BOS of its own (a sink) that is dropped when the document is placed. Why the curve "
-            "is not monotone: a repair recomputes a document's first k tokens in context, but its later tokens "
-            "keep the K/V they got attending to the document alone, so the repaired head and the stale tail "
-            "disagree; the planted key's line sits at a random place in its document, so only a k that reaches "
-            "past it changes what the answer reads, and only the whole document removes the mismatch.\n"
+            "computed after a BOS of its own (a sink) that is dropped when the document is placed. Why more "
+            "repair can read worse until the whole document is repaired: a repair recomputes each document's first "
+            "k tokens in context, but the rest of the document keeps K/V that were computed attending to the "
+            "isolated versions of those tokens, so the repaired head and the stale tail no longer agree, and the "
+            "mismatch grows with k until no stale token is left. Computed alone, a document's first token is "
+            "its own attention sink (the BOS's role): where the sink-kept precompute removes most of a scheme's "
+            "cost, that false sink placed in the middle of the prompt is what the cost was.\n"
         )
         for form in forms:
             if curves[form]:
@@ -316,7 +318,10 @@ def reuse_section(results: Results) -> str:
     parts.append(
         'Each verdict comes from the paired 95% interval of the change from the full recompute: "within 1%" '
         'only when the interval lies inside +-1%, "cannot" only when it lies wholly outside, otherwise '
-        '"undecided" at that many prompts. Every prompt sample\'s verdict, and whether they agree:\n'
+        '"undecided" at that many prompts. Each prompt sample draws its own 8 documents, and the interval is '
+        "over prompts given them: two samples can differ by more than their intervals (the documents are a "
+        "second source of variation the interval does not hold), which is why the verdict is asked of both. "
+        "Every prompt sample's verdict, and whether they agree:\n"
     )
     parts.append(samples_table(results, forms))
     header = "| scheme | declared (ListModels) | " + " | ".join(f"{form} form" for form in forms) + " |"

@@ -15,6 +15,12 @@ after a BOS, a sink of its own, whose K/V is dropped when the document is placed
 and `repair:K` on top of the scheme's own placement (`repair:all`: every token of every document
 recomputed in context, which must equal `full`).
 
+The sink-kept precompute is a study placement, not one the server offers (no manifest declaration):
+on the shipped weights it brings no scheme's reuse within 1% of the full recompute (ALiBi's and
+NoPE's cost falls from about 20% and 35% to 2-6%, relative's and rope's rises to about 6%), and a
+sink-kept document's K/V differs from a plain one's, so offering it would split the segment cache's
+entries by placement for no verdict a client could rely on.
+
 Each mode's verdict is about its difference from `full` on the same prompts, so its interval is a
 paired one: a bootstrap over prompts of the ratio of the mode's answer bits to full's, less one
 (`paired_change`); the intervals on each mode's own bits per byte are several times wider.
