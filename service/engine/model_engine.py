@@ -36,7 +36,8 @@ from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.sampler import Sampler, all_greedy, token_logprobs
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.segments import SegmentAssembly, SegmentReuser
-from service.engine.speculative import NgramProposer, Speculator, accepted_prefix
+from service.engine.speculative import NgramProposer
+from service.engine.speculator import Speculator, accepted_prefix
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from service.engine.kv import INT8_CHANNEL
 from service.engine.messages import EngineConfig, GenerateInput
 from service.engine.request import Request, SamplingParams
 from service.engine.runner import ModelRunner, StoreConfig
-from service.engine.speculative import DraftState, NgramProposer, accepted_prefix, draft_room
+from service.engine.speculative import DraftState, NgramProposer, draft_room
+from service.engine.speculator import accepted_prefix
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
 
