@@ -9,6 +9,7 @@ from loadtest.report.analysis import chance_fraction
 from loadtest.report.cache_tables import cache_budget_section, memory_section
 from loadtest.report.evaluation_tables import evaluation_section
 from loadtest.report.figures import plot
+from loadtest.report.findings import compact_headline, findings_section
 from loadtest.report.html import write_html
 from loadtest.report.reuse_tables import reuse_section
 from loadtest.report.speculative_tables import speculative_section
@@ -58,11 +59,12 @@ def write_report(out: Path) -> Path:
 Measured through the gRPC service (`python -m loadtest.compare`); every raw figure is in
 `results.json`. Machine: {env["cpus"]} CPUs, {env["machine"]}, {env["memory"]}; {env["platform"]}.
 Versions: Python {env["python"]}, onnxruntime {env["onnxruntime"]}, torch {env["torch"]}, grpcio {env["grpcio"]}.
-Commit: `{env["commit"]}`.{runs_line(results)}
+Commit: `{env["commit"]}` (later reruns of single sections: the appendix).
 
+{findings_section(results)}
 ## Headline
 
-{headline_table(results)}
+{compact_headline(results)}
 
 bpb: bits per byte on held-out text (the stdlib test split) through the `Score` RPC at multiples
 of the {train_context}-byte training context; "not servable" where the scheme has no positions for that length. Goodput
@@ -124,7 +126,12 @@ standard error over windows). Chance for a digit is 0.1, for a span character {c
 ## Cache budgets: what each scheme keeps when its cache is bounded
 
 {cache_budget_section(results)}
-{reuse_section(results)}{speculative_section(results)}{evaluation_section(results)}## Config
+{reuse_section(results)}{speculative_section(results)}{evaluation_section(results)}## Appendix
+
+Every headline column, the sections measured again since the first run, and the config.
+
+{headline_table(results)}
+{runs_line(results).strip()}
 
 ```json
 {json.dumps(results.config, indent=2)}

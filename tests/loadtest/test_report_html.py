@@ -74,3 +74,12 @@ def test_write_html_embeds_what_the_markdown_shows_and_leaves_broken_links_visib
     html = page.read_text()
     assert "<table>" in html and "data:image/png;base64," in html and 'src="gone.png"' in html
     assert loaded_images(page, tmp_path / "profile") == [True, False]
+
+
+def test_the_reference_report_opens_with_its_findings_and_a_narrow_headline() -> None:
+    text = (REFERENCE / "report.md").read_text()
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings[:2] == ["## Findings", "## Headline"]
+    headline = text.split("## Headline", 1)[1].strip().splitlines()[0]
+    assert headline.count("|") - 1 <= 8  # columns
+    assert "Rerun:" not in text.split("## Appendix", 1)[0]  # the rerun history is in the appendix
