@@ -104,7 +104,7 @@ def figure_repair_curve(results: Results) -> Figure:
                           [(c["high"] - c["value"]) * 100 for c in cells]]  # fmt: skip
                 label = f"{scheme}, prompt seed {seed}"
                 ax.errorbar(xs, values, yerr=errors, linestyle="-" if index == 0 else "--", capsize=2, label=label,
-                            color=style(scheme).color, marker="o", markersize=3)  # fmt: skip
+                            color=style(scheme).color, marker=style(scheme).marker, markersize=3)  # fmt: skip
                 sink = changes.get("sink")
                 if sink is not None:
                     ax.errorbar([len(columns) + 1 + 0.06 * index], [sink["value"] * 100],
