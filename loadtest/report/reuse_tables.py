@@ -115,7 +115,8 @@ def finding(reuse: Reuse, form: str, seed: str | None = None) -> str:
         return f"undecided at {n} prompts: {how} {change_text(change)} bpb"
     if any(verdict(fixed) == "undecided" for _, fixed in fixes):
         return f"cannot as placed ({how} {change_text(change)} bpb); a repair or the sink is undecided at {n} prompts"
-    return f"cannot within 1%: {how} {change_text(change)} bpb, no repair short of the whole document or sink helps"
+    return (f"cannot within 1%: {how} {change_text(change)} bpb; no repair short of the whole document, nor the "
+            "sink-kept precompute, brings it within 1%")  # fmt: skip
 
 
 def scheme_verdict(results: Results, scheme: str) -> str | None:
@@ -234,7 +235,8 @@ def contradictions(reuse: Reuse, form: str) -> tuple[list[str], list[str]]:
     and modes undecided on some sample."""
     found = [changes for seed in seeds_of(reuse) if (changes := mode_changes(reuse, form, seed)) is not None]
     clash, open_ = [], []
-    for mode in sorted({m for changes in found for m in changes} - {"full", "prefix"}):
+    measured = {m for changes in found for m in changes} - {"full", "prefix"}
+    for mode in sorted(measured, key=lambda m: (m.startswith("repair:"), repair_k(m) if ":" in m else 0, m)):
         said = {verdict(changes.get(mode)) for changes in found} - {None}
         if {"within", "cannot"} <= said:
             clash.append(mode)
