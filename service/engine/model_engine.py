@@ -25,7 +25,7 @@ from contract.manifest import Manifest
 from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.decode_plan import DecodePlan
 from service.engine.input_processor import InputLimits, InputProcessor
-from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus, TokenLogprob
+from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
 from service.engine.model_limits import default_cache_policy, sequence_limit
 from service.engine.model_metrics import ModelMetrics
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor
@@ -33,11 +33,11 @@ from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, Tai
 from service.engine.prefix_cache import PrefixMetrics, PrefixReuse
 from service.engine.request import Request
 from service.engine.runner import ModelRunner, StoreConfig
-from service.engine.sampler import Sampler, all_greedy, token_logprobs
+from service.engine.sampler import Sampler, all_greedy, logprobs_by_row
 from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.segments import SegmentAssembly, SegmentReuser
 from service.engine.speculative import NgramProposer
-from service.engine.speculator import Speculator, accepted_prefix
+from service.engine.speculator import Speculator
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -472,30 +472,16 @@ class ModelEngine:
         plus that token: 1 to len(guesses) + 1 tokens, whose K/V alone are written into the store."""
         started = time.monotonic()
         try:
-            logits = self.runner.verify([r.request_id for r in requests], fed)
+            logits = self.runner.verifier.verify([r.request_id for r in requests], fed)
         except Exception as error:  # fail only the sequences of this call
             self._fail(requests, error)
             return
         now = time.monotonic()
-        tokens = self.speculator.target_tokens(requests, logits)
-        kept: dict[str, int] = {}
-        flat_requests: list[Request] = []
-        flat_tokens: list[int | Exception] = []
-        flat_logits: list[np.ndarray] = []
-        for request, fed_tokens, targets, rows in zip(requests, fed, tokens, logits, strict=True):
-            keep = accepted_prefix(request, fed_tokens, targets)
-            kept[request.request_id] = keep
-            flat_requests += [request] * keep
-            flat_tokens += targets[:keep]
-            flat_logits.append(rows[:keep])
-            guesses = len(fed_tokens) - 1
-            if guesses:
-                self.speculator.record(request, guesses, keep - 1)
-        self.runner.commit(kept)
+        kept, flat_requests, flat_tokens, flat_logits = self.speculator.keep(requests, fed, logits)
+        self.runner.verifier.commit(kept)
         self._batch.records.append((self._observe_decode_step, (now - started, len(requests))))
         asking = [row for row, request in enumerate(flat_requests) if request.logprobs is not None]
-        stacked = np.concatenate(flat_logits) if asking else None
-        logprobs = self._logprobs(flat_requests, stacked, flat_tokens, asking) if stacked is not None else None
+        logprobs = logprobs_by_row(flat_requests, np.concatenate(flat_logits), flat_tokens, asking) if asking else None
         self._finish_all(self.outputs.accept(flat_requests, flat_tokens, now, self._batch, logprobs))
         for request in requests:
             request.num_computed_tokens = request.num_tokens - 1
@@ -508,20 +494,8 @@ class ModelEngine:
         tokens = self.sampler.sample_batch(requests, logits, greedy)
         now = time.monotonic() if now is None else now
         asking = [row for row, request in enumerate(requests) if request.logprobs is not None]
-        logprobs = self._logprobs(requests, logits, tokens, asking) if asking else None
+        logprobs = logprobs_by_row(requests, logits, tokens, asking) if asking else None
         self._finish_all(self.outputs.accept(requests, tokens, now, self._batch, logprobs))
-
-    @staticmethod
-    def _logprobs(
-        requests: list[Request], logits: np.ndarray, tokens: list[int | Exception], asking: list[int]
-    ) -> dict[int, TokenLogprob]:
-        """The log-probabilities of the rows that ask for them (and sampled a token), by row (rows of
-        `logits` align with `requests`; a request holds several rows in a speculative step)."""
-        rows = [row for row in asking if not isinstance(tokens[row], Exception)]
-        chosen = [tokens[row] for row in rows]
-        top = [requests[row].params.logprobs or 0 for row in rows]
-        picked = logits if len(rows) == len(logits) else logits[rows]
-        return dict(zip(rows, token_logprobs(picked, chosen, top), strict=True))  # type: ignore[arg-type]
 
     def _observe_decode_step(self, step: tuple[float, int]) -> None:
         seconds, batch = step

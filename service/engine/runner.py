@@ -31,7 +31,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -57,6 +56,7 @@ from service.engine.model_session import (
 )
 from service.engine.prompts import PrefilledPrompt, StreamedPrompt, chunk_inputs
 from service.engine.sampler import log_softmax, top_logprobs
+from service.engine.verify import BlockVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -66,22 +66,6 @@ class StoreConfig:
     budget_bytes: int
     block_size: int
     max_tokens: int
-
-
-@dataclass
-class VerifyCall:
-    """A class's speculative verification call: the explicit serving graph over `width` tokens a
-    row, bound to the class's arrays in place and to its own inputs and outputs."""
-
-    version: int
-    width: int
-    session: ModelSession
-    binding: Any
-    ids: Array  # (B, width)
-    mask: Array  # (B, capacity + width)
-    positions: Array  # (B, width)
-    logits: Array  # (B, width, vocab)
-    new_kv: Array  # (2 x layers, B, heads, width, head_dim)
 
 
 @dataclass
@@ -152,8 +136,9 @@ class ModelRunner:
         self.timings = RunnerTimings()
         fused_dtype = self.fused.dtype if self.fused else None
         self.calls = DecodeCalls(self.binder, self.sessions, self.fused_session, fused_dtype)
-        self._verify_calls: dict[tuple[int, str], VerifyCall] = {}  # by class key
-        self._pending: list[tuple[CapacityClass, Array]] = []  # a verification's new K/V, until commit
+        self.verifier = BlockVerifier(
+            self.store, self.binder, self.calls, self.sessions, self.pad_token_id, self.timings
+        )
         # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
@@ -504,86 +489,7 @@ class ModelRunner:
         stacked = np.concatenate(parts)
         return stacked if plan.order is None else stacked[plan.order]
 
-    # ------------------------------------------------------------------ speculative steps (engine thread)
-
-    def verify(self, ids: list[str], fed: list[list[int]]) -> list[np.ndarray]:
-        """One speculative step of every member of the store (`ids`, each fed `fed[i]`: its last token
-        and its guesses): per class one call of the serving graph over all its rows' tokens at once
-        (right-padded to the class's longest), reading the class's cache in place. Returns each
-        sequence's logits after each token it was fed, (len(fed[i]), vocab). Nothing is written into
-        the store until `commit` says how many of each row's tokens are kept. A class whose rows all
-        feed one token (or whose graph takes one token a row: the fused int8 graph's) decodes as a
-        plain step, its tokens written at once (each keeps its one)."""
-        index = {sequence: position for position, sequence in enumerate(ids)}
-        out: list[np.ndarray | None] = [None] * len(ids)
-        self._pending = []
-        for klass in self.store.batches():
-            picks = [index[member] for member in klass.members]
-            widths = [len(fed[pick]) for pick in picks]
-            width = max(widths)
-            started = time.perf_counter()
-            if width == 1 or not self.verifies(klass):
-                assert width == 1, f"class of kind {klass.kind} takes one token a row"
-                call = self.calls.get(klass)
-                self.binder.set_ids(klass.input_ids[: len(picks), 0], [fed[pick][0] for pick in picks])
-                call.session.run(call.binding)
-                after_graph = time.perf_counter()
-                klass.append_step(call.new_kv)
-                logits = self.backend.download(call.logits).astype(np.float32, copy=False)
-            else:
-                verify = self._verify_call(klass, width)
-                tokens = np.full((len(picks), width), self.pad_token_id, dtype=np.int64)
-                for row, pick in enumerate(picks):
-                    tokens[row, : widths[row]] = fed[pick]
-                verify.ids[...] = self.backend.upload(tokens)
-                verify.mask[:, : klass.capacity] = klass.mask[: len(picks), : klass.capacity]
-                verify.positions[...] = klass.positions[: len(picks)] + self.backend.arange(width)[None]
-                verify.session.run(verify.binding)
-                after_graph = time.perf_counter()
-                logits = self.backend.download(verify.logits).astype(np.float32, copy=False)
-                self._pending.append((klass, verify.new_kv))
-            for row, pick in enumerate(picks):
-                out[pick] = logits[row, : widths[row]]
-            self.timings.cache += time.perf_counter() - after_graph
-            self.timings.graph += after_graph - started
-        assert all(logits is not None for logits in out), "a speculative step feeds every member of the store"
-        return out  # type: ignore[return-value]
-
-    def commit(self, kept: dict[str, int]) -> None:
-        """After `verify`: the K/V of the first `kept[sequence]` tokens each row was fed enter its row
-        (those of rejected guesses are never written anywhere)."""
-        started = time.perf_counter()
-        for klass, new_kv in self._pending:
-            for row, member in enumerate(list(klass.members)):
-                klass.append_tokens(row, new_kv[:, row, :, : kept[member]])
-        self._pending = []
-        self.timings.cache += time.perf_counter() - started
-
-    def verifies(self, klass: CapacityClass) -> bool:
-        """Whether a class's rows can verify several tokens in one call: every kind the explicit
-        serving graphs read (float, per-token int8); the int8-channel rows' fused graph takes one."""
-        return klass.kind != INT8_CHANNEL
-
-    def _verify_call(self, klass: CapacityClass, width: int) -> VerifyCall:
-        """The class's verification call for `width` tokens a row, bound once to its arrays (re-made
-        when the class changes, or the width does)."""
-        call = self._verify_calls.get(klass.key)
-        if call is not None and call.version == klass.version and call.width == width:
-            return call
-        batch, backend = len(klass.members), self.backend
-        ids = backend.zeros((batch, width), "int64")
-        mask = backend.zeros((batch, klass.capacity + width), "int64")
-        mask[:, klass.capacity :] = 1
-        positions = backend.zeros((batch, width), "int64")
-        session = self.sessions[klass.kind]
-        past = [array[:, :batch] for array in klass.arrays]
-        binding, logits, new_kv = self.binder.bind(session, ids, mask, positions, past, klass.kind)
-        call = VerifyCall(klass.version, width, session, binding, ids, mask, positions, logits, new_kv)
-        self._verify_calls[klass.key] = call
-        return call
-
     def forget_calls(self, everything: bool = False) -> None:
         """Drop the bindings (and output buffers) of classes that no longer exist, or all of them."""
         self.calls.forget(self.store.has_class, everything)
-        for key in [key for key in self._verify_calls if everything or not self.store.has_class(key)]:
-            del self._verify_calls[key]
+        self.verifier.forget(self.store.has_class, everything)

@@ -161,6 +161,18 @@ def token_logprobs(logits: np.ndarray, tokens: list[int], top: list[int]) -> lis
     ]
 
 
+def logprobs_by_row(
+    requests: list[Request], logits: np.ndarray, tokens: list[int | Exception], asking: list[int]
+) -> dict[int, TokenLogprob]:
+    """The log-probabilities of the rows that ask for them (and sampled a token), by row (rows of
+    `logits` align with `requests`; a request holds several rows in a speculative step)."""
+    rows = [row for row in asking if not isinstance(tokens[row], Exception)]
+    chosen = [tokens[row] for row in rows]
+    top = [requests[row].params.logprobs or 0 for row in rows]
+    picked = logits if len(rows) == len(logits) else logits[rows]
+    return dict(zip(rows, token_logprobs(picked, chosen, top), strict=True))  # type: ignore[arg-type]
+
+
 def token_generator(seed: int, index: int) -> np.random.Generator:
     """The generator whose next uniform is the one for token `index` of a request seeded `seed`:
     PCG64(seed) advanced by `index` draws (one 64-bit draw per uniform), in O(log index)."""

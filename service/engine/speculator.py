@@ -69,6 +69,26 @@ class Speculator:
             start += rows.shape[0]
         return out
 
+    def keep(
+        self, requests: list[Request], fed: list[list[int]], logits: list[np.ndarray]
+    ) -> tuple[dict[str, int], list[Request], list[int | Exception], list[np.ndarray]]:
+        """After a verification: how many fed tokens each request keeps (by id), and the kept tokens
+        flat (each with its request and its logits row), the guesses' outcomes recorded."""
+        tokens = self.target_tokens(requests, logits)
+        kept: dict[str, int] = {}
+        flat_requests: list[Request] = []
+        flat_tokens: list[int | Exception] = []
+        flat_logits: list[np.ndarray] = []
+        for request, fed_tokens, targets, rows in zip(requests, fed, tokens, logits, strict=True):
+            count = accepted_prefix(request, fed_tokens, targets)
+            kept[request.request_id] = count
+            flat_requests += [request] * count
+            flat_tokens += targets[:count]
+            flat_logits.append(rows[:count])
+            if len(fed_tokens) > 1:
+                self.record(request, len(fed_tokens) - 1, count - 1)
+        return kept, flat_requests, flat_tokens, flat_logits
+
     def record(self, request: Request, guesses: int, accepted: int) -> None:
         """One request's verification: its own and its model's acceptance, and the counters."""
         assert request.draft is not None

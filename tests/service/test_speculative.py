@@ -251,12 +251,12 @@ def decode(runner: ModelRunner, ids: list[int], policy: object, new: int, guesse
             continue
         fed = [output[-1], *draft]
         verified += len(draft)
-        (logits,) = runner.verify(["r"], [fed])
+        (logits,) = runner.verifier.verify(["r"], [fed])
         targets = logits.argmax(axis=1).tolist()
         keep = 1
         while keep < len(fed) and targets[keep - 1] == fed[keep]:
             keep += 1
-        runner.commit({"r": keep})
+        runner.verifier.commit({"r": keep})
         output += targets[:keep]
     return output, verified
 
