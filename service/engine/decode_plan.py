@@ -60,7 +60,7 @@ class DecodeCalls:
         batch = len(klass.members)
         past = [array[:, :batch] for array in klass.arrays]
         inputs = (klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch])
-        if self._fused(klass):
+        if self.fused(klass):
             fused = self._sessions[klass.kind] if klass.kind == INT8_CHANNEL else self._fused_session
             assert fused is not None
             binding, logits = self._binder.bind_in_place(fused, *inputs, past[0])
@@ -72,7 +72,7 @@ class DecodeCalls:
         self.by_class[klass.key] = call
         return call
 
-    def _fused(self, klass: CapacityClass) -> bool:
+    def fused(self, klass: CapacityClass) -> bool:
         """The fused graph takes a class of full rows in its own dtype (it cannot shift a bounded
         row by one token, nor read int8 rows' per-token scales); the fused int8 graph takes the
         int8-channel classes (unbounded rows only)."""

@@ -112,6 +112,14 @@ class ModelSession:
                 bind_fn(name, device, ort_element_type(array.dtype), list(array.shape), pointer(array))
         return binding
 
+    def rebind(self, binding: ort.IOBinding, inputs: dict[str, Array], outputs: dict[str, Array]) -> None:
+        """Bind these names of an existing binding anew (a shape or pointer that changed); the rest
+        stay bound as they were."""
+        raw, device, pointer = binding._iobinding, self._device, self.backend.pointer
+        for names, bind_fn in ((inputs, raw.bind_input), (outputs, raw.bind_output)):
+            for name, array in names.items():
+                bind_fn(name, device, ort_element_type(array.dtype), list(array.shape), pointer(array))
+
     def run(self, binding: ort.IOBinding, release_arena: bool = False) -> None:
         """One call; `release_arena`: free the arena's unused regions after it."""
         flush_denormals_on_this_thread()
@@ -228,6 +236,14 @@ class GraphBinder:
         inputs.update(zip(self.fused_cache_names, cache, strict=True))
         outputs = {LOGITS: logits, **dict(zip(self.present_names, cache, strict=True))}
         return session.bind(inputs, outputs), logits
+
+    def rebind_prompt(
+        self, session: ModelSession, binding: ort.IOBinding, ids: Array, mask: Array, positions: Array, logits: Array
+    ) -> None:
+        """A fused prompt call bound in place (`bind_prompt_in_place`) for another number of new
+        tokens or past: its token inputs and logits bound anew, its cache as it was."""
+        inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
+        session.rebind(binding, inputs, {LOGITS: logits})
 
     def set_ids(self, target: Array, values: np.ndarray | list[int]) -> None:
         """Token ids into a bound input array, on its device."""

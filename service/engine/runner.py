@@ -137,8 +137,9 @@ class ModelRunner:
         fused_dtype = self.fused.dtype if self.fused else None
         self.calls = DecodeCalls(self.binder, self.sessions, self.fused_session, fused_dtype)
         self.verifier = BlockVerifier(
-            self.store, self.binder, self.calls, self.sessions, self.pad_token_id, self.timings
-        )
+            self.store, self.binder, self.calls, self.sessions, self.pad_token_id, self.timings,
+            self._verify_session,
+        )  # fmt: skip
         # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
@@ -154,6 +155,10 @@ class ModelRunner:
             if self.prompt_variant
             else self.prefill_sessions[self.dtype]
         )
+
+    def _verify_session(self) -> ModelSession | None:
+        """The fused prompt graph's session for fused rows' speculative blocks (verify.py), or None."""
+        return self._session(self.threads, True, self.prompt_variant) if self.fused and self.prompt_variant else None
 
     def open_tail_session(self) -> bool:
         """Fused prompt sessions for prefix-cache hits' short tails (service.engine.prefill.TailWorker):

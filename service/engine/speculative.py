@@ -27,9 +27,9 @@ from service.engine.messages import MAX_SPECULATIVE_TOKENS
 
 __all__ = ["MAX_SPECULATIVE_TOKENS", "DraftState", "NgramProposer", "Proposer", "draft_room"]
 
-# A verification call of T tokens costs about a plain step plus a fifth of one per token here (the
-# explicit graph, one thread: 0.65 ms for 9 tokens at 700 of context against 0.25 ms a plain token,
-# `python -m bench --sections speculative`), so guesses pay only while most are kept: a request
+# A verification call of T tokens costs about a plain step plus a quarter of one per token here (the
+# fused prompt graph in place, one thread: 0.62 ms for 9 tokens at 640 of context against 0.21 ms a
+# plain step of the fused decode graph; docs/measurements.md), so guesses pay only while most are kept: a request
 # whose guesses are kept less than HALF_ACCEPTANCE of the time guesses half as many, and below
 # MIN_ACCEPTANCE stops guessing for PAUSE_STEPS steps.
 HALF_ACCEPTANCE = 0.75
@@ -57,11 +57,18 @@ class NgramProposer:
     max_n: int = 12
 
     def propose(self, history: bytearray, limit: int) -> list[int]:
+        """Where the occurrence found ends less than `limit` tokens before the end (a run of spaces,
+        a repeated short line), the copy runs on over its own guesses, as an LZ77 copy overlaps
+        itself: the period it found repeats, where vLLM's lookup would stop at the end (one guess)."""
         end = len(history)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             start = history.rfind(history[end - n :], 0, end - 1)
             if start >= 0:
-                return list(history[start + n : start + n + limit])
+                follows = history[start + n : start + n + limit]
+                period = end - start - n  # the distance the copy looks back, once past the end
+                while len(follows) < limit:  # (only once all `period` tokens after it are in)
+                    follows.append(follows[len(follows) - period])
+                return list(follows)
         return []
 
 

@@ -41,7 +41,9 @@ def test_ngram_proposer_guesses_what_followed_the_latest_earlier_occurrence() ->
     history = bytearray(b"abcdXabcdYabc")
     assert bytes(proposer.propose(history, 3)) == b"dYa"  # "abc" last seen before the end at 5: "dYa" follows
     assert proposer.propose(bytearray(b"abcdefg"), 3) == []  # no suffix occurred before
-    assert bytes(proposer.propose(bytearray(b"xyxyxy"), 8)) == b"xy"  # as many as there are
+    assert bytes(proposer.propose(bytearray(b"xyxyxy"), 8)) == b"xyxyxyxy"  # the period found runs on
+    assert bytes(proposer.propose(bytearray(b"ab    "), 3)) == b"   "  # a run of spaces goes on
+    assert bytes(proposer.propose(bytearray(b"abcab"), 4)) == b"cabc"  # "ab" seen at 0: "c" then "ab" again
     state = DraftState()
     state.sync([ord("c")], [TOKENIZER.bos_token_id, ord("a"), ord("b")])
     assert bytes(state.history) == b"\x00abc"
@@ -219,6 +221,9 @@ def test_after_rejected_guesses_the_store_equals_a_plain_runs_at_the_same_token(
     )
     assert spec.positions[0, 0] == plain.positions[0, 0]
     assert spec.policies[0].evicted == plain.policies[0].evicted
+    # Full float rows of the default engine verify through the fused prompt graph, in place.
+    in_place = bool(runners[1].verifier._in_place_calls)
+    assert in_place == (attention == "auto" and policy == "full"), (attention, policy)
     assert spec.kind == plain.kind
     # Bytes: what each holds is its tokens in whole blocks; the speculative one had room for its guesses.
     token_bytes = plain_store.layout.kind_token_bytes(plain.kind)
@@ -258,6 +263,10 @@ def decode(runner: ModelRunner, ids: list[int], policy: object, new: int, guesse
             keep += 1
         runner.verifier.commit({"r": keep})
         output += targets[:keep]
+        if not policy.bounded:  # type: ignore[attr-defined]  # the rejected guesses' columns hold nothing
+            (klass,) = [c for c in store.batches() if c.members]
+            beyond = (slice(None), 0, slice(None), slice(int(klass.lengths[0]), klass.capacity))
+            assert all(np.count_nonzero(array[beyond]) == 0 for array in klass.arrays)
     return output, verified
 
 

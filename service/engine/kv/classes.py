@@ -242,6 +242,20 @@ class CapacityClass:
             self.positions[row, 0] += count
         self._update_uniform()
 
+    def keep_written(self, row: int, count: int, written: int) -> None:
+        """A fused call wrote `written` tokens' K/V after full row `row`'s last, in place (a
+        speculative block verified there): the first `count` become the row's; the others' columns
+        are cleared, so the row holds what a plain run's holds at the same token."""
+        assert not self.policies[row].budget, "the fused graph takes full rows only"
+        column = int(self.lengths[row])
+        if written > count:
+            for array in self.arrays:
+                array[:, row, :, column + count : column + written] = 0
+        self.mask[row, column : column + count] = 1
+        self.lengths[row] += count
+        self.positions[row, 0] += count
+        self._update_uniform()
+
     def _evict_row(self, row: int) -> bool:
         """Make room for one token in bounded row `row` (its budget is full)."""
         policy, length = self.policies[row], int(self.lengths[row])
