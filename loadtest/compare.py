@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> Path:
     untimed = [section for section in SECTIONS if section in sections and section in scored.SECTIONS]
     steps = (
         len(schemes) * ("latency" in sections)
-        + 2 * len(budget.concurrency) * len(schemes) * ("load" in sections)
+        + 2 * budget.load_rounds * len(budget.concurrency) * len(schemes) * ("load" in sections)
         + len(schemes) * len(untimed)
         + len(rope_variants) * ("quality" in sections)
         + 3 * len(schemes) * ("reuse" in sections)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from contract.cache_policy import CachePolicy, parse_cache_policy
 from loadtest.probes import wilson
 from loadtest.study.cache_budget import policy_budget
-from loadtest.study.results import ByLength, CacheBudget, Cell, Cells, LoadFigures
+from loadtest.study.results import ByLength, CacheBudget, Cell, Cells, LoadFigures, Results
+from loadtest.study.rounds import Spread
 
 GOODPUT_RATIO_GOAL = 0.8  # issue 22: goodput at the most users over the best at fewer, with admission
 REFUSALS_PER_GOOD_GOAL = 3.0  # issue 22: refusals/s at the most users over goodput/s there
@@ -28,6 +29,24 @@ def refusals_per_good(load: LoadFigures) -> float | None:
     """Refusals per second over goodput per second at one load (None without goodput)."""
     good = load.get("goodput_per_s")
     return load.get("refused_per_s", 0.0) / good if good else None
+
+
+def load_spreads(results: Results, series: str, users: str, key: str) -> dict[str, Spread]:
+    """Each scheme's rounds of one load figure at one level (`series`: "load" or "load_admission");
+    empty for a run measured before rounds."""
+    rounds = results.load_rounds.get(series, {})
+    return {
+        scheme: Spread.of([figures[key] for figures in rounds[scheme][users]])
+        for scheme in results.schemes
+        if rounds.get(scheme, {}).get(users)
+    }
+
+
+def latency_spreads(results: Results, name: str, length: str) -> dict[str, Spread]:
+    """Each scheme's rounds of time to first token (`name` "ttft") or inter-token latency ("itl") at one
+    prompt or context length; empty for a run measured before rounds were kept."""
+    rounds = results.latency_rounds.get(name, {})
+    return {s: Spread.of(rounds[s][length]) for s in results.schemes if rounds.get(s, {}).get(length)}
 
 
 def goodput_ratio(load: dict[str, LoadFigures]) -> float | None:

@@ -21,6 +21,7 @@ from loadtest.report.tables import (
     load_table,
     memory_table,
     probe_table,
+    rounds_note,
     runs_line,
     training_section,
     what_each_scheme_buys,
@@ -81,9 +82,27 @@ sections send the same prompts again); what reuse buys is the KV reuse section's
 
 ![inter-token latency](itl_vs_context.png) ![time to first token](ttft_vs_prompt.png)
 
-{grid_table("Time to first token (ms, median) versus prompt bytes", results.ttft, 1000.0, 1)}
-{grid_table("Inter-token latency (ms, median) versus context bytes", results.itl, 1000.0, 2)}
+{
+        grid_table(
+            "Time to first token (ms, median [min-max] of the rounds) versus prompt bytes",
+            results.ttft,
+            1000.0,
+            1,
+            results.latency_rounds.get("ttft"),
+        )
+    }
+{
+        grid_table(
+            "Inter-token latency (ms, median [min-max] of the rounds) versus context bytes",
+            results.itl,
+            1000.0,
+            2,
+            results.latency_rounds.get("itl"),
+        )
+    }
 ### Under load (closed loop, {budget["load_seconds"]} s per level, {budget["load_new_tokens"]} new tokens, sampling)
+
+{rounds_note(results)}
 
 ![throughput](throughput_vs_concurrency.png)
 

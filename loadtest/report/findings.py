@@ -4,10 +4,18 @@ for a laptop screen. Everything else in the report is the evidence, after it."""
 
 from __future__ import annotations
 
-from loadtest.report.analysis import goodput_ratio, largest, pooled
+from loadtest.report.analysis import (
+    GOODPUT_RATIO_GOAL,
+    goodput_ratio,
+    largest,
+    latency_spreads,
+    load_spreads,
+    pooled,
+)
 from loadtest.report.formatting import cell, fmt
 from loadtest.report.reuse_tables import scheme_verdict
 from loadtest.study.results import Results
+from loadtest.study.rounds import compared, goodput_ratio_rounds
 
 EXTRAPOLATES = 1.15  # bits per byte at the longest servable multiple within 15% of 1x (the report's rule)
 # Links into the sections that hold each verdict's table and figure (their headings' anchors).
@@ -59,17 +67,37 @@ def memory_verdict(results: Results, scheme: str) -> str:
 
 
 def load_verdict(results: Results, scheme: str) -> str:
+    """Goodput with admission at the most users and its ratio to the best at fewer users (on the rounds'
+    medians, with the rounds' range), and inter-token latency at the longest context, each against
+    the best scheme's: "within noise" where the rounds' ranges overlap."""
     shed = results.load_admission.get(scheme, {})
     users = max(shed, key=int, default=None)
     if users is None:
         return "not measured"
-    ratio = goodput_ratio(shed)
-    top = shed[users]
-    ratio_text = "" if ratio is None else f", {ratio:.2f} of its best at fewer users"
-    return (
-        f"{top['goodput_per_s']:.2f} good req/s at {users} users with admission{ratio_text} "
-        f"(p99 {top['p99_s']:.2f} s; one sample per level)"
-    )
+    rounds = results.load_rounds.get("load_admission", {}).get(scheme)
+    if not rounds:  # a run from before rounds: one sample per level
+        ratio = goodput_ratio(shed)
+        ratio_text = "" if ratio is None else f", {ratio:.2f} of its best at fewer users"
+        top = shed[users]
+        return (
+            f"{top['goodput_per_s']:.2f} good req/s at {users} users with admission{ratio_text} "
+            f"(p99 {top['p99_s']:.2f} s; one sample per level)"
+        )
+    goodput = load_spreads(results, "load_admission", users, "goodput_per_s")
+    ratio, ratio_rounds = goodput_ratio_rounds(rounds)
+    text = f"{goodput[scheme].text()} good req/s at {users} users with admission ({compared(goodput, True)[scheme]})"
+    if ratio is not None:
+        text += f", {ratio:.2f} of its best at fewer users"
+        if ratio_rounds is not None and ratio_rounds.rounds > 1:
+            text += f" (rounds {ratio_rounds.low:.2f}-{ratio_rounds.high:.2f})"
+        if ratio < GOODPUT_RATIO_GOAL:
+            text += f", short of the {GOODPUT_RATIO_GOAL:g} goal by {GOODPUT_RATIO_GOAL - ratio:.2f}"
+    contexts = {c for s in results.schemes for c in results.latency_rounds.get("itl", {}).get(s, {})}
+    longest = max(contexts, key=int, default=None)
+    itl = latency_spreads(results, "itl", longest) if longest else {}
+    if scheme in itl:
+        text += f"; ITL {itl[scheme].text(2, 1000)} ms at {longest} bytes ({compared(itl, False)[scheme]})"
+    return f"{text}; medians of {goodput[scheme].rounds} rounds [min-max]"
 
 
 def reuse_verdict(results: Results, scheme: str) -> str:

@@ -9,6 +9,7 @@ import math
 from contract.manifest import REUSE_RECOMPUTE
 from loadtest.report.formatting import cell, fmt
 from loadtest.study.results import Cell, Results, Reuse, ReuseMode, SharedPrefix
+from loadtest.study.rounds import Spread
 
 TTFT_RATIO_GOAL = 0.1  # issue 31: TTFT p50 at one user with the cache over without
 GOODPUT_GAIN_GOAL = 3.0  # issue 31: goodput at the most users with the cache over without
@@ -149,17 +150,25 @@ def shared_prefix_table(results: Results) -> str:
             continue
         shared = reuse["shared_prefix"]
         for users in sorted(shared["cache"], key=int):
-            off, on = shared["no_cache"].get(users, {}), shared["cache"][users]
             pairs = [("ttft_p50_s", 0, 1000), ("ttft_p99_s", 0, 1000), ("goodput_per_s", 2, 1), ("tokens_per_s", 0, 1),
                      ("refused_per_s", 1, 1)]  # fmt: skip
             figures = " | ".join(
-                f"{fmt(off.get(key), digits, scale, '-')} | {fmt(on.get(key), digits, scale, '-')}"
+                f"{shown(shared, 'no_cache', users, key, digits, scale)} | "
+                f"{shown(shared, 'cache', users, key, digits, scale)}"
                 for key, digits, scale in pairs
             )
             rows.append(f"| {scheme} | {shared['prefix_bytes']} + {shared['tail_bytes']} | {users} | {figures} |")
         ttft, gain = prefix_ratios(shared)
         summary.append(f"| {scheme} | {fmt(ttft, 3, missing='-')} | {fmt(gain, 1, missing='-')} |")
     return "\n".join(rows) + "\n\n" + "\n".join(summary) + "\n"
+
+
+def shown(shared: SharedPrefix, side: str, users: str, key: str, digits: int, scale: float) -> str:
+    """One shared-prefix figure: its rounds' `median [min-max]`, or the one figure of older runs."""
+    values = [figures[key] for figures in shared.get("rounds", {}).get(side, {}).get(users, [])]
+    if len(values) > 1:
+        return Spread.of(values).text(digits, scale)
+    return fmt(shared[side].get(users, {}).get(key), digits, scale, "-")  # type: ignore[literal-required]
 
 
 def documents_table(results: Results, form: str) -> str:

@@ -10,20 +10,36 @@ from loadtest.report.analysis import (
     chance_fraction,
     goodput_ratio,
     largest,
+    load_spreads,
     pooled,
     refusals_per_good,
     verdict,
 )
 from loadtest.report.formatting import cell, fmt
 from loadtest.study.results import ByLength, Probe, Results, TrainingCurve
+from loadtest.study.rounds import Spread, goodput_ratio_rounds
 from models import emergence
 
 
-def grid_table(title: str, data: dict[str, ByLength], scale: float, digits: int) -> str:
+def grid_table(
+    title: str,
+    data: dict[str, ByLength],
+    scale: float,
+    digits: int,
+    rounds: dict[str, dict[str, list[float]]] | None = None,
+) -> str:
+    """One row per scheme, one column per length; with `rounds` (each cell's values, a round each),
+    a cell measured more than once reads `median [min-max]`."""
     keys = sorted({k for v in data.values() for k in v}, key=float)
     lines = [f"### {title}", "", "| scheme | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for scheme, row in data.items():
-        lines.append(f"| {scheme} | " + " | ".join(fmt(row.get(k), digits, scale) for k in keys) + " |")
+        values = (rounds or {}).get(scheme, {})
+        cells = [
+            Spread.of(values[k]).text(digits, scale) if values.get(k) and row.get(k) is not None
+            else fmt(row.get(k), digits, scale)
+            for k in keys
+        ]  # fmt: skip
+        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -79,13 +95,31 @@ def load_table(results: Results) -> str:
             "| goodput req/s | KV peak MB | pool use |", "|" + "---|" * 13]  # fmt: skip
     for scheme, by_users in results.load.items():
         for users, f in sorted(by_users.items(), key=lambda kv: int(kv[0])):
+            goodput = load_spreads(results, "load", users, "goodput_per_s").get(scheme)
             rows.append(
-                f"| {scheme} | {users} | {f['requests']} | {f['errors']} | {f['p50_s']:.3f} | {f['p95_s']:.3f} | "
+                f"| {scheme} | {users} | {f['requests']:.0f} | {f['errors']:.0f} | {f['p50_s']:.3f} | "
+                f"{f['p95_s']:.3f} | "
                 f"{f['p99_s']:.3f} | {f['ttft_p50_s'] * 1000:.1f} | {f['itl_p50_s'] * 1000:.2f} | "
-                f"{f['tokens_per_s']:.0f} | {f['goodput_per_s']:.2f} | {f['kv_peak_bytes'] / 1e6:.2f} | "
-                f"{f['pool_utilisation'] * 100:.2f}% |"
+                f"{f['tokens_per_s']:.0f} | {fmt(f['goodput_per_s'], 2) if goodput is None else goodput.text()} | "
+                f"{f['kv_peak_bytes'] / 1e6:.2f} | {f['pool_utilisation'] * 100:.2f}% |"
             )
     return "\n".join(rows)
+
+
+def rounds_note(results: Results) -> str:
+    """How many rounds stand behind the load figures, and how to read them."""
+    rounds = results.load_rounds.get("load", {})
+    counts = {len(figures) for by_users in rounds.values() for figures in by_users.values()}
+    if not counts or max(counts) < 2:
+        return (
+            "One sample per level: two schemes' figures closer than about a quarter may be the shared "
+            "machine's drift, not the schemes."
+        )
+    return (
+        f"Each level was measured in {min(counts)} rounds, every scheme once a round in an order rotated by "
+        "level and round; a cell is the rounds' median (goodput: `median [min-max]`). A finding that "
+        "compares schemes calls them within noise where their rounds' ranges overlap."
+    )
 
 
 def memory_table(results: Results) -> str:
@@ -110,24 +144,31 @@ def goodput_section(results: Results) -> str:
             "with admission |", "|" + "---|" * 7]  # fmt: skip
     top = max((u for load in admission.values() for u in load), key=int, default="?")
     ratios = [f"| scheme | goodput ratio without admission | with admission (goal >= {GOODPUT_RATIO_GOAL:g}) | "
-              f"goodput req/s @{top} | refused/s @{top} | refusals per good request @{top} "
-              f"(goal <= {REFUSALS_PER_GOOD_GOAL:g}) |", "|" + "---|" * 6]  # fmt: skip
+              f"with admission, each round's | goodput req/s @{top} | refused/s @{top} | refusals per good "
+              f"request @{top} (goal <= {REFUSALS_PER_GOOD_GOAL:g}) |", "|" + "---|" * 7]  # fmt: skip
+    short = []
     for scheme in results.schemes:
         plain, shed = results.load.get(scheme, {}), admission.get(scheme, {})
         users = sorted(set(plain) | set(shed), key=int)
         for u in users:
             a, b = plain.get(u, {}), shed.get(u, {})
             rows.append(
-                f"| {scheme} | {u} | {fmt(a.get('goodput_per_s'), 2, missing='-')} | "
-                f"{fmt(b.get('goodput_per_s'), 2, missing='-')} | {fmt(b.get('refused_per_s'), 1, missing='-')} | "
+                f"| {scheme} | {u} | {goodput_text(results, 'load', scheme, u, a)} | "
+                f"{goodput_text(results, 'load_admission', scheme, u, b)} | "
+                f"{fmt(b.get('refused_per_s'), 1, missing='-')} | "
                 f"{fmt(a.get('ttft_p50_s'), 0, 1000, '-')} | {fmt(b.get('ttft_p50_s'), 0, 1000, '-')} |"
             )
         last = shed.get(top, {})
+        ratio, spread = goodput_ratio_rounds(results.load_rounds.get("load_admission", {}).get(scheme, {}))
+        ratio = goodput_ratio(shed) if ratio is None else ratio
+        in_rounds = "-" if spread is None or spread.rounds < 2 else f"{spread.low:.2f}-{spread.high:.2f}"
         ratios.append(f"| {scheme} | {fmt(goodput_ratio(plain), 2, missing='-')} | "
-                      f"{fmt(goodput_ratio(shed), 2, missing='-')} | "
+                      f"{fmt(ratio, 2, missing='-')} | {in_rounds} | "
                       f"{fmt(last.get('goodput_per_s'), 2, missing='-')} | "
                       f"{fmt(last.get('refused_per_s'), 1, missing='-')} | "
                       f"{fmt(refusals_per_good(last), 2, missing='-')} |")  # fmt: skip
+        if ratio is not None and ratio < GOODPUT_RATIO_GOAL:
+            short.append(f"{scheme} by {GOODPUT_RATIO_GOAL - ratio:.2f} (rounds {in_rounds})")
     slo = results.config.get("admission_ttft_slo_s")
     return (
         f"The same closed-loop load against a server started with `--ttft-slo-seconds {slo}`: a request\n"
@@ -136,10 +177,18 @@ def goodput_section(results: Results) -> str:
         "so the requests it admits stay within the goodput targets.\n\n"
         "![goodput](goodput_vs_users.png)\n\n" + "\n".join(rows) + "\n\n"
         "Goodput at the most users over the best goodput at fewer users (1.0: no collapse), and refusals\n"
-        "per good request there (each refusal is a round trip of the CPU the admitted requests need):\n\n"
+        "per good request there (each refusal is a round trip of the CPU the admitted requests need); the\n"
+        "ratios are of the rounds' medians, each round's own ratio beside them:\n\n"
         + "\n".join(ratios)
         + "\n"
+        + (f"\nShort of the {GOODPUT_RATIO_GOAL:g} goal with admission: {'; '.join(short)}.\n" if short else "")
     )
+
+
+def goodput_text(results: Results, series: str, scheme: str, users: str, figures: dict[str, float]) -> str:
+    """A level's goodput: the rounds' `median [min-max]`, or the one figure (\"-\": not measured)."""
+    spread = load_spreads(results, series, users, "goodput_per_s").get(scheme)
+    return fmt(figures.get("goodput_per_s"), 2, missing="-") if spread is None else spread.text()
 
 
 def probe_table(title: str, results: Results, probe: Probe, column: str) -> str:

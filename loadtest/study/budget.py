@@ -16,6 +16,7 @@ class Budget:
     concurrency: tuple[int, ...] = (1, 8, 16, 32)
     load_seconds: float = 15.0
     load_new_tokens: int = 32
+    load_rounds: int = 3  # every level over every scheme, this many times (loadtest/study/rounds.py)
     context_multiples: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
     scaling_multiples: tuple[float, ...] = (2.0, 4.0, 8.0)
     score_windows: int = 24
@@ -65,13 +66,13 @@ class Budget:
         to 8x the training context (the headline's columns) on fewer trials, and its depth grid stops
         at 4x; the cache budgets score the headline's budget (256 tokens: window and sinks) at the
         headline's 8x on two trials and one copy distance; the load levels are shorter and only 1 and 32
-        users; quality scores fewer texts per length; reuse runs 1 s at 1 and 32 users and 4 short-form
-        document prompts with one repair (so that README command 1, with the reuse section, keeps its
-        ten minutes)."""
+        users (three rounds, as the full run's); quality scores fewer texts per length; reuse runs 1 s
+        at 1 and 32 users and 4 short-form document prompts with one repair (so that README command 1,
+        with the reuse section, keeps its ten minutes)."""
         return cls(
             prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 32),
             load_seconds=2.0, load_new_tokens=16, score_windows=2, retrieval_trials=4,
-            copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 4.0), passkey_contexts=(1.0, 8.0), repeats=1,
+            copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 4.0), passkey_contexts=(1.0, 8.0), repeats=3,
             cache_budgets=(256,), cache_multiples=(8.0,), cache_windows=1, cache_trials=2,
             cache_copy_distances=(512,), reuse_users=(1, 32), reuse_seconds=1.0, reuse_trials=4,
             reuse_forms=("short",), reuse_repairs=(4,), reuse_seeds=(32,), speculative_prompts=4,
@@ -86,7 +87,7 @@ class Budget:
             prompt_lengths=(64, 512), itl_contexts=(128, 512), concurrency=(1, 2), load_seconds=0.5,
             load_new_tokens=4, context_multiples=(0.5, 2.0), scaling_multiples=(2.0,), score_windows=1,
             retrieval_trials=2, copy_distances=(0.125, 2.0), depth_contexts=(1.0,), retrieval_depths=(0.5,),
-            passkey_contexts=(1.0, 2.0), natural_context=2.0, repeats=1, cache_budgets=(64,),
+            passkey_contexts=(1.0, 2.0), natural_context=2.0, repeats=2, load_rounds=2, cache_budgets=(64,),
             cache_multiples=(2.0,), cache_windows=1, cache_trials=2, cache_copy_distances=(32,),
             cache_passkey_context=1.0, int8_multiples=(1.0,), reuse_users=(1, 2), reuse_seconds=0.5, reuse_trials=2,
             reuse_repairs=(4,), speculative_prompts=2, speculative_new_tokens=16,

@@ -88,8 +88,10 @@ class SharedPrefix(TypedDict):
     prefix_bytes: int
     tail_bytes: int
     new_tokens: int
-    no_cache: dict[str, LoadFigures]  # users -> figures
+    no_cache: dict[str, LoadFigures]  # users -> figures (the rounds' medians)
     cache: dict[str, LoadFigures]
+    # Each round's figures (loadtest/study/rounds.py): "no_cache" / "cache" -> users -> figures a round.
+    rounds: NotRequired[dict[str, dict[str, list[LoadFigures]]]]
 
 
 class Reuse(TypedDict):
@@ -159,6 +161,10 @@ class Results:
     # The same load against a server with --ttft-slo-seconds (refused requests counted, not hidden).
     load_admission: dict[str, dict[str, LoadFigures]] = field(default_factory=dict)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Each round's figures behind the medians above (loadtest/study/rounds.py): "ttft" / "itl" ->
+    # scheme -> length -> one value a round; "load" / "load_admission" -> scheme -> users -> figures a round.
+    latency_rounds: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
+    load_rounds: dict[str, dict[str, dict[str, list[LoadFigures]]]] = field(default_factory=dict)
     quality: dict[str, ByLength] = field(default_factory=dict)  # model -> multiple -> bpb
     retrieval: dict[str, Retrieval] = field(default_factory=dict)
     cache_budget: dict[str, CacheBudget] = field(default_factory=dict)

@@ -42,6 +42,7 @@ from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Cell, DocumentsForm, LoadFigures, Results, ReuseMode
 from loadtest.study.reuse_scoring import AnswerScorer, cells, paired_change, scored_modes
+from loadtest.study.rounds import median_figures
 from loadtest.study.serving import COMPUTED, model_info, serving
 from loadtest.study.timed import ADMISSION_TTFT_SLO_S, measure_load, rotated
 from loadtest.workloads import (
@@ -195,12 +196,17 @@ def scored_sample(scorer: AnswerScorer, declared: str, prompts: list[DocumentPro
     }
 
 
+def medians(rounds: dict[str, list[LoadFigures]]) -> dict[str, LoadFigures]:
+    """Each level's figures: its rounds' medians."""
+    return {users: median_figures(figures) for users, figures in rounds.items()}
+
+
 def measure_reuse(
     repository: Path, threads: int, schemes: list[str], held_out: HeldOut, budget: Budget, results: Results,
     progress: tqdm,
 ) -> None:  # fmt: skip
     """Both workloads on both server sets, then the answers' bits per byte in-process."""
-    loads: dict[bool, dict[str, dict[str, LoadFigures]]] = {False: {}, True: {}}
+    loads: dict[bool, dict[str, dict[str, list[LoadFigures]]]] = {False: {}, True: {}}  # each round's
     served: dict[str, dict[str, dict[str, ReuseMode]]] = {s: {f: {} for f in budget.reuse_forms} for s in schemes}
     declared: dict[str, str] = {}
     sizes: dict[str, tuple[int, int]] = {}
@@ -224,12 +230,13 @@ def measure_reuse(
                 # The prefix once before the levels: with the cache, every level then measures it held.
                 request = pb.GenerateRequest(model=scheme, prompt=prompt(random.Random()), max_new_tokens=1)
                 generate(servers[scheme], request)
-        for turn, users in enumerate(budget.reuse_users):
-            for index, scheme in enumerate(rotated(schemes, turn)):
-                for cache in (False, True) if (turn + index) % 2 == 0 else (True, False):
-                    figures = measure_load(sets[cache][scheme], scheme, prompts[scheme][2], users,
-                                           budget.reuse_seconds, SHARED_NEW_TOKENS)  # fmt: skip
-                    loads[cache].setdefault(scheme, {})[str(users)] = figures
+        for round_index in range(budget.load_rounds):  # rounds as the load section's (loadtest/study/rounds.py)
+            for turn, users in enumerate(budget.reuse_users):
+                for index, scheme in enumerate(rotated(schemes, turn + round_index)):
+                    for cache in (False, True) if (turn + index + round_index) % 2 == 0 else (True, False):
+                        figures = measure_load(sets[cache][scheme], scheme, prompts[scheme][2], users,
+                                               budget.reuse_seconds, SHARED_NEW_TOKENS)  # fmt: skip
+                        loads[cache].setdefault(scheme, {}).setdefault(str(users), []).append(figures)
         for cache, servers in sets.items():
             progress.set_postfix(part=f"reuse, documents, prefix cache {'on' if cache else 'off'}")
             for scheme in rotated(schemes, int(cache)):
@@ -268,7 +275,8 @@ def measure_reuse(
         results.reuse[scheme] = {
             "segment_reuse": declared[scheme],
             "shared_prefix": {"prefix_bytes": prefix_bytes, "tail_bytes": tail_bytes, "new_tokens": SHARED_NEW_TOKENS,
-                              "no_cache": loads[False][scheme], "cache": loads[True][scheme]},
+                              "no_cache": medians(loads[False][scheme]), "cache": medians(loads[True][scheme]),
+                              "rounds": {"no_cache": loads[False][scheme], "cache": loads[True][scheme]}},
             "documents": documents,
             "seed": budget.reuse_seeds[0],
             "samples": samples,

@@ -31,6 +31,7 @@ from loadtest.streaming import timed_stream
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import LoadFigures, Results
+from loadtest.study.rounds import median_figures
 from loadtest.study.serving import COMPUTED, generate, servable, served_limits, serving
 from models.checkpoints import WEIGHTS_DIR
 from models.transformer import Transformer
@@ -89,6 +90,8 @@ def measure_latency(
     for scheme in schemes:
         results.ttft[scheme] = {k: statistics.median(v) if v else None for k, v in ttft[scheme].items()}
         results.itl[scheme] = {k: statistics.median(v) if v else None for k, v in itl[scheme].items()}
+    for name, rounds in (("ttft", ttft), ("itl", itl)):
+        results.latency_rounds.setdefault(name, {}).update(rounds)
 
 
 def load_prompt_bytes(limit: int) -> int:
@@ -179,30 +182,31 @@ def measure_load_series(
     repository: Path, threads: int, schemes: list[str], held_out: HeldOut, budget: Budget, results: Results,
     progress: tqdm,
 ) -> None:  # fmt: skip
-    """The load series (`budget.concurrency` users, each level a round over every scheme on the same
-    prompts), then memory at its end; then the series again against servers started with
-    --ttft-slo-seconds (the same limits), so refusals and goodput can be set beside it."""
+    """The load series (`budget.concurrency` users), `budget.load_rounds` rounds each measuring every
+    level for every scheme on the same prompts, in an order rotated by level and round; each level's
+    figures are its rounds' medians (every round kept in `results.load_rounds`). Then memory at its
+    end; then the series again against servers started with --ttft-slo-seconds (the same limits), so
+    refusals and goodput can be set beside it."""
     admission = ("--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S))
     prompts: dict[int, list[str]] = {}
     for series, flags in (("load", ()), ("load, admission control", admission)):
         progress.set_postfix(part=series)
-        loads: dict[str, dict[str, LoadFigures]] = {s: {} for s in schemes}
+        rounds: dict[str, dict[str, list[LoadFigures]]] = {s: {str(u): [] for u in budget.concurrency} for s in schemes}
         with serving(repository, threads, schemes, *COMPUTED, *flags) as servers:
             limits = served_limits(servers, results)
             for n in {load_prompt_bytes(limit) for limit in limits.values()} - set(prompts):
                 prompts[n] = [held_out.text(n) for _ in range(64)]
-            for turn, users in enumerate(budget.concurrency):
-                for scheme in rotated(schemes, turn):
-                    chosen = prompts[load_prompt_bytes(limits[scheme])]
-                    loads[scheme][str(users)] = measure_load(
-                        servers[scheme],
-                        scheme,
-                        lambda rng, c=chosen: rng.choice(c),
-                        users,
-                        budget.load_seconds,
-                        budget.load_new_tokens,
-                    )
-                    progress.update()
+            for round_index in range(budget.load_rounds):
+                for turn, users in enumerate(budget.concurrency):
+                    for scheme in rotated(schemes, turn + round_index):
+                        chosen = prompts[load_prompt_bytes(limits[scheme])]
+                        figures = measure_load(
+                            servers[scheme], scheme, lambda rng, c=chosen: rng.choice(c), users,
+                            budget.load_seconds, budget.load_new_tokens,
+                        )  # fmt: skip
+                        rounds[scheme][str(users)].append(figures)
+                        progress.update()
+            loads = {s: {u: median_figures(figures) for u, figures in rounds[s].items()} for s in schemes}
             if not flags:
                 for scheme, server in servers.items():
                     results.memory[scheme] = {
@@ -211,6 +215,7 @@ def measure_load_series(
                         **per_step_extra_bytes(scheme),
                     }
         (results.load_admission if flags else results.load).update(loads)
+        results.load_rounds.setdefault("load_admission" if flags else "load", {}).update(rounds)
 
 
 def measure_timed_sections(

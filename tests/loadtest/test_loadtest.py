@@ -162,6 +162,11 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
         assert all(v["requests"] + v["refused"] > 0 and v["errors"] == 0 for v in admission.values())
         assert results["memory"][scheme]["process_peak_bytes"] > 0
         assert results["models"][scheme]["kv_bytes_per_token"] > 0
+        # Every level in rounds (two in the tiny budget), each kept behind the medians above.
+        for series in ("load", "load_admission"):
+            assert all(len(r) == 2 for r in results["load_rounds"][series][scheme].values())
+        ttft_rounds = results["latency_rounds"]["ttft"][scheme]["64"]
+        assert len(ttft_rounds) == 2 and results["ttft"][scheme]["64"] == pytest.approx(sum(ttft_rounds) / 2)
         probes = results["retrieval"][scheme]
         assert set(probes) == {"copy", "copy_depth", "passkey", "natural"}
         assert set(probes["copy"]) == {"32", "512"} and set(probes["passkey"]) == {"256", "512"}
@@ -189,6 +194,7 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     report = (out / "report.md").read_text()
     assert "not servable" in report and all(scheme in report for scheme in SCHEMES)
     assert "## Cache budgets" in report and "window:64" in report
+    assert "Each level was measured in 2 rounds" in report and "medians of 2 rounds [min-max]" in report
     assert set(results["reuse"]) == set(SCHEMES) and "## KV reuse" in report  # every section in a full run
 
     # A rerun of the timed sections for some schemes updates those figures in place and records itself.
