@@ -30,7 +30,10 @@ from service.api import generation_pb2 as pb
 from service.process import ServerProcess
 
 WORKLOADS = ("repeats", "held-out")
-GUESSES = 8  # guesses a step, in every figure of the bench and the comparison
+# Guesses a step, in every figure of the bench and the comparison: the engine's most (16). Against 8,
+# learned went 1.87x -> 2.00-2.13x at one stream on code with repeats, alibi 2.37x -> 2.42-2.58x
+# (16 prompts, alternated; docs/measurements.md): a longer block costs little more per token.
+GUESSES = 16
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ def measure_speculative(
                         "speedup": figure.speedup,
                         "acceptance": figure.acceptance,
                         "proposed": figure.proposed,
+                        "guesses": GUESSES,
                     }
             results.speculative[scheme] = cells
             progress.update(1)

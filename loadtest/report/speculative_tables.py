@@ -62,9 +62,11 @@ def speculative_section(results: Results) -> str:
         else f"Spearman's rank correlation across schemes {rho:+.2f} ({len(pairs)} schemes)"
     )
     table = "\n".join(rows)
+    counts = {int(cell.get("guesses", 8)) for cells in results.speculative.values() for cell in cells.values()}
+    guesses = " or ".join(str(n) for n in sorted(counts)) or "8"  # runs before the count was kept: 8
     return f"""## Speculative decoding: what guessing buys each scheme
 
-Tokens/s with 8 n-gram (prompt-lookup) guesses a step over tokens/s without, and the share of guesses
+Tokens/s with {guesses} n-gram (prompt-lookup) guesses a step over tokens/s without, and the share of guesses
 kept, through the service (greedy, ignore_eos, the same prompts with and without, alternated). "repeats":
 held-out code followed by its first third again, so what follows is a copy; "held-out": held-out code
 alone. 16 streams: a server that guesses at any batch size (the default `--speculative-max-batch 1`
