@@ -42,7 +42,7 @@ from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Cell, DocumentsForm, LoadFigures, Results, ReuseMode
 from loadtest.study.reuse_scoring import AnswerScorer, cells, paired_change, scored_modes
-from loadtest.study.rounds import median_figures
+from loadtest.study.rounds import medians
 from loadtest.study.serving import COMPUTED, model_info, serving
 from loadtest.study.timed import ADMISSION_TTFT_SLO_S, measure_load, rotated
 from loadtest.workloads import (
@@ -194,11 +194,6 @@ def scored_sample(scorer: AnswerScorer, declared: str, prompts: list[DocumentPro
         name: paired_change([s.bits for s in scorer.scores(prompts, placement, k)], full_bits)
         for name, placement, k in scored_modes(declared, repairs)
     }
-
-
-def medians(rounds: dict[str, list[LoadFigures]]) -> dict[str, LoadFigures]:
-    """Each level's figures: its rounds' medians."""
-    return {users: median_figures(figures) for users, figures in rounds.items()}
 
 
 def measure_reuse(

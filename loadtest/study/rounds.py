@@ -53,6 +53,11 @@ def median_figures(rounds: Sequence[LoadFigures]) -> LoadFigures:
     return out
 
 
+def medians(by_users: dict[str, list[LoadFigures]]) -> dict[str, LoadFigures]:
+    """Each level's figures over its rounds (`median_figures`)."""
+    return {users: median_figures(rounds) for users, rounds in by_users.items()}
+
+
 def goodput_ratio_rounds(by_users: dict[str, list[LoadFigures]]) -> tuple[float | None, Spread | None]:
     """Goodput at the most users over the best at fewer users: on the medians of the rounds (the
     figure a goal is judged on), and each round's own ratio as a spread (None: fewer than two levels,

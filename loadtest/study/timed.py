@@ -31,7 +31,7 @@ from loadtest.streaming import timed_stream
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import LoadFigures, Results
-from loadtest.study.rounds import median_figures
+from loadtest.study.rounds import medians
 from loadtest.study.serving import COMPUTED, generate, servable, served_limits, serving
 from models.checkpoints import WEIGHTS_DIR
 from models.transformer import Transformer
@@ -206,7 +206,7 @@ def measure_load_series(
                         )  # fmt: skip
                         rounds[scheme][str(users)].append(figures)
                         progress.update()
-            loads = {s: {u: median_figures(figures) for u, figures in rounds[s].items()} for s in schemes}
+            loads = {scheme: medians(rounds[scheme]) for scheme in schemes}
             if not flags:
                 for scheme, server in servers.items():
                     results.memory[scheme] = {

@@ -57,6 +57,7 @@ from service.engine.messages import (
     Stopped,
     read_messages,
 )
+from service.engine.model_limits import eviction_positions, policy_syntax
 from service.engine.output_processor import OutputBatch
 from service.engine.request import Request
 from service.malloc import return_freed_memory_to_the_os
@@ -84,9 +85,9 @@ def model_infos(engine: Engine) -> list[ModelInfo]:
                 max_new_tokens_limit=model.config.max_new_tokens_limit,
                 max_sequence_tokens=model.max_sequence_tokens,
                 kv_cache_capacity_bytes=model.store.capacity_bytes,
-                cache_policies=model.cache_policy_forms,
+                cache_policies=policy_syntax(manifest),
                 default_cache_policy=str(model.inputs.default_policy),
-                eviction_positions=model.eviction_positions,
+                eviction_positions=eviction_positions(manifest),
                 segment_reuse=manifest.segment_reuse.mode,
                 vocab_size=manifest.vocab_size,
                 bos_token_id=model.inputs.bos_token_id,

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from contract.cache_policy import FORM_SYNTAX, CachePolicyError
+from contract.cache_policy import CachePolicyError
 from contract.manifest import Manifest
 from service.engine.admission import AdmissionControl, Backlog, open_trace
 from service.engine.decode_plan import DecodePlan
 from service.engine.input_processor import InputLimits, InputProcessor
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
-from service.engine.model_limits import default_cache_policy, sequence_limit
+from service.engine.model_limits import default_cache_policy, policy_forms, sequence_limit
 from service.engine.model_metrics import ModelMetrics
 from service.engine.output_processor import Finished, OutputBatch, OutputProcessor
 from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
@@ -38,6 +38,7 @@ from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.segments import SegmentAssembly, SegmentReuser
 from service.engine.speculative import NgramProposer
 from service.engine.speculator import Speculator
+from service.engine.step_observer import StepObserver
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ class ModelEngine:
         except RequestError as error:
             raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
+        self.policy_forms = policy_forms(manifest)
         self.metrics = ModelMetrics(metrics, manifest.name, manifest.scheme, self.policy_forms)
+        self.observer = StepObserver(self.metrics, self.admission)
         prefix_metrics = PrefixMetrics.of(metrics, self.labels)
         self.prefix = PrefixReuse(self.store, manifest.name, config.prefix_cache, prefix_metrics)
         self.scheduler.prefix_blocks = self.prefix.blocks_of
@@ -106,14 +109,14 @@ class ModelEngine:
         self._steady_steps = 0  # fast steps left before a sequence needs a wider row
         self._steady_until = 0.0
         self.prefill_worker = PrefillWorker(
-            self.runner, config.prefill_tokens, self._deliver_prefilled, self._observe_prefill, manifest.name,
+            self.runner, config.prefill_tokens, self._deliver_prefilled, self.observer.prefill, manifest.name,
             config.prefill_nice,
         )  # fmt: skip
         # Prefix-cache hits with a short tail left go to a thread of their own (TailWorker).
         tails = config.tail_prefill_tokens > 0 and config.prefix_cache and self.runner.open_tail_session()
         self._tail_tokens = config.tail_prefill_tokens if tails else 0
         self.tail_worker = TailWorker(
-            self.runner, self._deliver_prefilled, self._observe_prefill, manifest.name, self._nothing_decodes
+            self.runner, self._deliver_prefilled, self.observer.prefill, manifest.name, self._nothing_decodes
         )
         self._wake = threading.Condition()
         self.sampler = Sampler()
@@ -133,24 +136,6 @@ class ModelEngine:
     @property
     def max_sequence_tokens(self) -> int:
         return self.store.max_tokens
-
-    @property
-    def policy_forms(self) -> list[str]:
-        """The cache-policy forms this model accepts (CachePolicy.form: the `policy` metric label)."""
-        forms = ["full"] if self.manifest.cache_eviction is None else ["full", "window", "sinks"]
-        if self.manifest.has_int8_cache:
-            forms += ["int8", *(f"{form}+int8" for form in forms[1:])]
-        return forms
-
-    @property
-    def cache_policy_forms(self) -> list[str]:
-        """The policies this model accepts, as ListModels shows them."""
-        return [FORM_SYNTAX[form] for form in self.policy_forms]
-
-    @property
-    def eviction_positions(self) -> str:
-        eviction = self.manifest.cache_eviction
-        return "" if eviction is None else eviction.positions
 
     # ------------------------------------------------------------------ requests in
 
@@ -395,7 +380,7 @@ class ModelEngine:
         if fresh:
             logits = np.stack([ready[row].prompt.logits for row in fresh])  # type: ignore[union-attr]
             self._sample([requests[row] for row in fresh], logits)
-            self._observe_first_tokens([requests[row] for row in fresh])
+            self.observer.first_tokens([requests[row] for row in fresh])
         return ready
 
     def _keep_prompts(self, joined: list[PrefillResult]) -> None:
@@ -404,18 +389,6 @@ class ModelEngine:
             request = result.job.request
             self.prefix.keep(request, result.prompt, self.segments.exact_tokens(request))  # type: ignore[arg-type]
             self.segments.keep(request, result.prompt)  # type: ignore[arg-type]
-
-    def _observe_first_tokens(self, requests: list[Request]) -> None:
-        """Admission learns from each first token: the drain rate, and its estimate against what happened."""
-        for request in requests:
-            if request.first_token_time is None:
-                continue  # its sampling failed
-            realised = request.first_token_time - request.arrival_time
-            estimate = request.admission_estimate
-            self.admission.observe_first_token(request.request_id, estimate, realised)
-            if estimate is not None:
-                self.metrics.estimated_ttft.observe(estimate.seconds)
-                self.metrics.estimate_error.observe(realised - estimate.seconds)
 
     def _snapshot_backlog(self) -> None:
         """What is ahead of a new request as of this step, for admission control (when it is on)."""
@@ -461,7 +434,7 @@ class ModelEngine:
             return
         now = time.monotonic()
         # Observed where the step's outputs are delivered (the publisher, in the engine core).
-        self._batch.records.append((self._observe_decode_step, (now - started, len(requests))))
+        self._batch.records.append((self.observer.decode_step, (now - started, len(requests))))
         for request in requests:
             request.num_computed_tokens = request.num_tokens
         self._sample(requests, logits, now, greedy)
@@ -479,7 +452,7 @@ class ModelEngine:
         now = time.monotonic()
         kept, flat_requests, flat_tokens, flat_logits = self.speculator.keep(requests, fed, logits)
         self.runner.verifier.commit(kept)
-        self._batch.records.append((self._observe_decode_step, (now - started, len(requests))))
+        self._batch.records.append((self.observer.decode_step, (now - started, len(requests))))
         asking = [row for row, request in enumerate(flat_requests) if request.logprobs is not None]
         logprobs = logprobs_by_row(flat_requests, np.concatenate(flat_logits), flat_tokens, asking) if asking else None
         self._finish_all(self.outputs.accept(flat_requests, flat_tokens, now, self._batch, logprobs))
@@ -496,12 +469,6 @@ class ModelEngine:
         asking = [row for row, request in enumerate(requests) if request.logprobs is not None]
         logprobs = logprobs_by_row(requests, logits, tokens, asking) if asking else None
         self._finish_all(self.outputs.accept(requests, tokens, now, self._batch, logprobs))
-
-    def _observe_decode_step(self, step: tuple[float, int]) -> None:
-        seconds, batch = step
-        self.metrics.step_seconds["decode"].observe(seconds)
-        self.admission.observe_decode(seconds)
-        self.metrics.batch_size["decode"].observe(batch)
 
     def _finish_all(self, finished: list[Finished]) -> None:
         for done in finished:
@@ -521,11 +488,6 @@ class ModelEngine:
         if status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_DEADLINE) and request.cancel_time:
             self.metrics.cancel_latency.observe(time.monotonic() - request.cancel_time)
         self._batch.finishes.append(Finished(request, status, error))
-
-    def _observe_prefill(self, seconds: float, batch: int, tokens: int) -> None:
-        self.metrics.step_seconds["prefill"].observe(seconds)
-        self.metrics.batch_size["prefill"].observe(batch)
-        self.admission.observe_prefill(seconds, tokens)
 
     def _update_gauges(self, now: float) -> None:
         self._gauges_due = now + GAUGE_INTERVAL_SECONDS

@@ -3,6 +3,7 @@ a KV budget that can hold it, and the cache policy of requests that name none.""
 
 from __future__ import annotations
 
+from contract.cache_policy import FORM_SYNTAX
 from contract.manifest import Manifest
 from service.engine.kv import KVBudgetError, KVLayout, KVStore
 from service.engine.messages import EngineConfig
@@ -20,6 +21,25 @@ def default_cache_policy(manifest: Manifest, config: EngineConfig) -> str:
         if sep and name == manifest.folder.name:
             chosen = policy
     return chosen
+
+
+def policy_forms(manifest: Manifest) -> list[str]:
+    """The cache-policy forms a model accepts (CachePolicy.form: the `policy` metric label)."""
+    forms = ["full"] if manifest.cache_eviction is None else ["full", "window", "sinks"]
+    if manifest.has_int8_cache:
+        forms += ["int8", *(f"{form}+int8" for form in forms[1:])]
+    return forms
+
+
+def policy_syntax(manifest: Manifest) -> list[str]:
+    """The policies a model accepts, as ListModels shows them."""
+    return [FORM_SYNTAX[form] for form in policy_forms(manifest)]
+
+
+def eviction_positions(manifest: Manifest) -> str:
+    """Where a bounded row's keys sit after evictions (the export's cache_eviction), "" without one."""
+    eviction = manifest.cache_eviction
+    return "" if eviction is None else eviction.positions
 
 
 def sequence_limit(manifest: Manifest, config: EngineConfig) -> int:

@@ -106,10 +106,7 @@ class ModelSession:
 
     def bind(self, inputs: dict[str, Array], outputs: dict[str, Array]) -> ort.IOBinding:
         binding = self.session.io_binding()
-        raw, device, pointer = binding._iobinding, self._device, self.backend.pointer
-        for names, bind_fn in ((inputs, raw.bind_input), (outputs, raw.bind_output)):
-            for name, array in names.items():
-                bind_fn(name, device, ort_element_type(array.dtype), list(array.shape), pointer(array))
+        self.rebind(binding, inputs, outputs)
         return binding
 
     def rebind(self, binding: ort.IOBinding, inputs: dict[str, Array], outputs: dict[str, Array]) -> None:
