@@ -101,10 +101,29 @@ REUSE_RECOMPUTE = "recompute"  # impossible (absolute positions enter every laye
 @dataclass(frozen=True)
 class SegmentReuse:
     """A scheme's declaration for reusable prompt segments (manifest key `segment_reuse`): `mode` one of
-    the REUSE_* modes, and for `rotate` the inverse frequencies keys are turned with (no attention factor)."""
+    the REUSE_* modes, and for `rotate` the inverse frequencies keys are turned with (no attention factor)
+    and the layers whose keys carry a rotation (None: every layer; a hybrid's NoPE layer is left as is)."""
 
     mode: str
     rotary_inv_freq: np.ndarray | None = None
+    rotated_layers: tuple[int, ...] | None = None
+
+    def rotated_key_rows(self, n_layers: int) -> list[int]:
+        """Indices of the rotated layers' keys in a (2 x layers, ...) K/V array (K, V of layer 0, ...)."""
+        layers = range(n_layers) if self.rotated_layers is None else self.rotated_layers
+        return [2 * layer for layer in layers]
+
+
+@dataclass(frozen=True)
+class LayerGroupSpec:
+    """Layers that attend alike (manifest key `layer_groups`): `window` None for a global group (its
+    cache grows with the sequence), else the last `window` tokens a local layer sees (the most its
+    cache ever needs); `rotates_keys`: its cached keys carry their rotation."""
+
+    name: str
+    layers: tuple[int, ...]
+    window: int | None
+    rotates_keys: bool
 
 
 @dataclass(frozen=True)
@@ -194,7 +213,27 @@ class Manifest:
         if not isinstance(raw, dict):
             return SegmentReuse(REUSE_RECOMPUTE)
         inv_freq = raw.get("rotary_inv_freq")
-        return SegmentReuse(str(raw["mode"]), None if inv_freq is None else np.asarray(inv_freq, dtype=np.float64))
+        rotated = raw.get("rotated_layers")
+        return SegmentReuse(
+            str(raw["mode"]),
+            None if inv_freq is None else np.asarray(inv_freq, dtype=np.float64),
+            None if rotated is None else tuple(int(layer) for layer in rotated),  # type: ignore[union-attr]
+        )
+
+    @property
+    def layer_groups(self) -> tuple[LayerGroupSpec, ...]:
+        """The model's layer groups; an export from before hybrids: one global group of every layer."""
+        raw = self.data.get("layer_groups")
+        if not isinstance(raw, list):
+            return (LayerGroupSpec("global", tuple(range(self.n_layers)), None, False),)
+        return tuple(
+            LayerGroupSpec(str(g["name"]), tuple(g["layers"]), g["window"], bool(g["rotates_keys"])) for g in raw
+        )
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers attend within a sliding window (rnope-swa, rope-swa)."""
+        return any(group.window is not None for group in self.layer_groups)
 
     @property
     def fused_attention(self) -> FusedAttention | None:

@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
     parser.add_argument("--weights", type=Path, default=defaults.weights, help="folder of trained weights per scheme")
     parser.add_argument("--out", type=Path, default=defaults.out, help="model repository to write")
     parser.add_argument(
-        "--schemes", nargs="+", choices=SCHEMES, default=list(defaults.schemes), metavar="SCHEME",
-        help=f"schemes to export, from {', '.join(SCHEMES)}",
+        "--schemes", nargs="+", choices=SCHEMES, default=None, metavar="SCHEME",
+        help=f"schemes to export, from {', '.join(SCHEMES)} (default: every one with weights in --weights)",
     )  # fmt: skip
     graphs = parser.add_mutually_exclusive_group()
     graphs.add_argument(
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
     return ExportOptions(
         weights=args.weights,
         out=args.out,
-        schemes=tuple(args.schemes),
+        schemes=None if args.schemes is None else tuple(args.schemes),
         fp16=args.fp16,
         graphs=None if args.graphs is None else tuple(args.graphs),
         rope_scaling=tuple(args.rope_scaling),

@@ -160,6 +160,11 @@ class FusedPositions:
         """`rotary` for S new tokens per row (the prompt graph), or None: no rotation."""
         return None
 
+    def layer_attention(self, g: GraphBuilder, step: StepInputs) -> list[LayerAttention]:
+        """Every layer alike, over the whole past; hybrids split the layers into groups."""
+        rotary = self.prompt_rotary(g, step) if step.prompt else self.rotary(g, step)
+        return [LayerAttention(tuple(range(self.config.n_layers)), rotary, self.attention_bias(g, step))]
+
 
 class SinusoidalInput(FusedPositions):
     """`models.positional.sinusoid` in graph ops: interleaved sin/cos, divided by sqrt(d)."""
@@ -275,6 +280,34 @@ class RotaryInKernel(FusedPositions):
         return g.one("Cast", cos, to=TensorProto.FLOAT), g.one("Cast", sin, to=TensorProto.FLOAT)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one group of layers hands its GroupQueryAttention kernels: rotary inputs, a bias, and
+    `local_window_size` (-1: the whole past; W: the last W keys, the query's own included,
+    as `models.positional.LayerGroup.window` counts them)."""
+
+    layers: tuple[int, ...]
+    rotary: tuple[str, str, str] | None
+    bias: str | None
+    local_window_size: int = -1
+
+
+class LocalGlobalHybrid(FusedPositions):
+    """`models.positional.LocalGlobalHybrid`: the kernel's rotary and sliding window on the local
+    layers, the global unit's (rotary for rope-swa, nothing for rnope-swa) on the global ones.
+    The angles are computed once and shared where both groups rotate."""
+
+    def layer_attention(self, g: GraphBuilder, step: StepInputs) -> list[LayerAttention]:
+        rope = RotaryInKernel(self.model)
+        rotary = rope.prompt_rotary(g, step) if step.prompt else rope.rotary(g, step)
+        attention = []
+        for group in self.model.positional.layer_groups():
+            rotates = group.positional.rotates_keys
+            window = -1 if group.window is None else group.window
+            attention.append(LayerAttention(group.layers, rotary if rotates else None, None, window))
+        return attention
+
+
 # The one mapping of schemes to their fused units (every scheme of models.positional.SCHEMES).
 FUSED_POSITIONS: dict[str, type[FusedPositions]] = {
     "sinusoidal": SinusoidalInput,
@@ -283,6 +316,8 @@ FUSED_POSITIONS: dict[str, type[FusedPositions]] = {
     "rope": RotaryInKernel,
     "alibi": AlibiBias,
     "none": FusedPositions,
+    "rnope-swa": LocalGlobalHybrid,
+    "rope-swa": LocalGlobalHybrid,
 }
 
 
@@ -301,13 +336,14 @@ def fused_graph(model: Transformer, prompt: bool = False, int8_scales: np.ndarra
     lengths = g.one("Sub", g.one("ReduceSum", ATTENTION_MASK, g.const("axis_1", np.array([1])), keepdims=0), ONE)
     if prompt:  # T = the mask's width: P past columns then S new ones; rows are right-padded
         total = g.one("Squeeze", g.one("Slice", g.one("Shape", ATTENTION_MASK), ONE_1D, TWO_1D), ZERO_1D)
-        rotary = positional.prompt_rotary(g, StepInputs(POSITION_IDS, total, prompt))
     else:
         total = g.one("Add", g.one("ReduceMax", lengths, keepdims=0), ONE)  # scalar: longest row + 1
-        rotary = positional.rotary(g, StepInputs(POSITION_IDS, total))
     step = StepInputs(POSITION_IDS, total, prompt)
+    for name, value in ((ZERO_1D, 0), (ONE_1D, 1), (TWO_1D, 2)):
+        g.const(name, np.array([value]))
+    attention = positional.layer_attention(g, step)
     seqlens_k = g.one("Cast", lengths, to=TensorProto.INT32)  # (B,)
-    _layers(g, model, positional, step, seqlens_k, g.one("Cast", total, to=TensorProto.INT32), rotary, int8_scales)
+    _layers(g, model, positional, step, seqlens_k, g.one("Cast", total, to=TensorProto.INT32), attention, int8_scales)
     return _model(g, config, prompt, int8_scales is not None)
 
 
@@ -321,16 +357,14 @@ def _layers(
     step: StepInputs,
     seqlens_k: str,
     total_i32: str,
-    rotary: tuple[str, str, str] | None,
+    attention: list[LayerAttention],
     int8_scales: np.ndarray | None = None,
 ) -> None:
     """Embedding, the blocks (one GroupQueryAttention each) and the LM head, writing LOGITS and present.*
     (with `int8_scales`, the kernel reads and writes an int8 cache with those per-channel scales)."""
     config = model.config
     sd = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    for name, value in ((ZERO_1D, 0), (ONE_1D, 1), (TWO_1D, 2)):
-        g.const(name, np.array([value]))
-    bias = positional.attention_bias(g, step)
+    of_layer = {layer: group for group in attention for layer in group.layers}
     x = g.one("Gather", g.const("token_embedding", sd["token_embedding.weight"]), INPUT_IDS)  # (B, S, d)
     embedding = positional.input_embedding(g, step)
     if embedding is not None:
@@ -355,7 +389,6 @@ def _layers(
         )  # fmt: skip
         return normed, total
 
-    cos, sin, rotary_positions = rotary if rotary is not None else ("", "", "")
     past, present = past_names(config.n_layers), present_names(config.n_layers)
     normed = g.one("LayerNormalization", x, *norm_weights("blocks.0.attn_norm"), axis=-1, epsilon=config.layer_norm_eps)
     quantized: dict[str, object] = {}
@@ -364,6 +397,8 @@ def _layers(
     for i in range(config.n_layers):
         block = f"blocks.{i}"
         qkv = linear(normed, f"{block}.attn.qkv")  # packed (B, S, 3d)
+        layer = of_layer[i]
+        cos, sin, rotary_positions = layer.rotary or ("", "", "")
         scales = []
         if int8_scales is not None:  # (heads, 1, head_dim) each: K's, then V's
             k_scale, v_scale = int8_scales[2 * i], int8_scales[2 * i + 1]
@@ -371,10 +406,10 @@ def _layers(
         attended, _, _ = g.op(
             "GroupQueryAttention",
             qkv, "", "", past[2 * i], past[2 * i + 1], seqlens_k, total_i32, cos, sin,
-            rotary_positions, bias or "", *scales,
+            rotary_positions, layer.bias or "", *scales,
             outputs=3, domain="com.microsoft", num_heads=config.n_heads, kv_num_heads=config.n_heads,
-            do_rotary=int(rotary is not None), rotary_interleaved=0, scale=1.0 / math.sqrt(config.head_dim),
-            **quantized,
+            do_rotary=int(layer.rotary is not None), rotary_interleaved=0, scale=1.0 / math.sqrt(config.head_dim),
+            local_window_size=layer.local_window_size, **quantized,
         )  # fmt: skip
         g.nodes[-1].output[1:] = [present[2 * i], present[2 * i + 1]]
         out = f"{block}.attn.out_proj"

@@ -67,6 +67,7 @@ def build_manifest(
         "serving_outputs": [LOGITS, *_kv_patterns(NEW_KEY_VALUES, "{i}")],
         "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *_kv_patterns(PAST_KEY_VALUES, "{i}")],
         "outputs": [LOGITS, *_kv_patterns(PRESENT, "{i}")],
+        "layer_groups": layer_groups(config),
         "cache_eviction": cache_eviction(config),
         "segment_reuse": segment_reuse(config),
         **({"fused_attention": fused_attention()} if SERVING_FUSED in variants else {}),
@@ -76,9 +77,26 @@ def build_manifest(
     }
 
 
-def cache_eviction(config: ModelConfig) -> dict[str, object]:
-    """What the service needs to run cache policies for this scheme (contract.manifest.CacheEviction)."""
+def layer_groups(config: ModelConfig) -> list[dict[str, object]]:
+    """The layers that attend alike (contract.manifest.LayerGroupSpec): one global group, or a hybrid's
+    sliding-window local group and its global group."""
+    return [
+        {
+            "name": group.name,
+            "layers": list(group.layers),
+            "window": group.window,
+            "rotates_keys": group.positional.rotates_keys,
+        }
+        for group in build_positional(config).layer_groups()
+    ]
+
+
+def cache_eviction(config: ModelConfig) -> dict[str, object] | None:
+    """What the service needs to run cache policies for this scheme (contract.manifest.CacheEviction).
+    None where bounded policies do not apply (a hybrid: `PositionalScheme.bounded_policies`)."""
     scheme = build_positional(config)
+    if not scheme.bounded_policies:
+        return None
     inv_freq = None
     if scheme.rotates_keys:
         inv_freq = [float(f) for f in rope_rotation_frequencies(config)]
@@ -89,7 +107,9 @@ def segment_reuse(config: ModelConfig) -> dict[str, object]:
     """How K/V computed for a text at position 0 serves it at another offset (contract.manifest.SegmentReuse)."""
     scheme = build_positional(config)
     inv_freq = [float(f) for f in rope_rotation_frequencies(config)] if scheme.segment_reuse == "rotate" else None
-    return {"mode": scheme.segment_reuse, "rotary_inv_freq": inv_freq}
+    # Only layers whose keys carry a rotation are turned (a hybrid's global NoPE layer is reused as is).
+    rotated = [layer for group in scheme.layer_groups() if group.positional.rotates_keys for layer in group.layers]
+    return {"mode": scheme.segment_reuse, "rotary_inv_freq": inv_freq, "rotated_layers": rotated}
 
 
 def fused_attention() -> dict[str, object]:

@@ -60,11 +60,10 @@ from export.verify import (
     tolerance,
     torch_reference,
 )
-from models.checkpoints import WEIGHTS_DIR
+from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.config import ModelConfig, RopeScaling
 from models.corpus import load_corpus
 from models.evaluation import evaluation_sequences
-from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
@@ -97,7 +96,8 @@ def cuda_onnxruntime() -> bool:
 class ExportOptions:
     weights: Path = WEIGHTS_DIR
     out: Path = DEFAULT_OUT
-    schemes: tuple[str, ...] = SCHEMES
+    # None: every scheme of SCHEMES whose weights are in `weights` (a scheme still in training is skipped).
+    schemes: tuple[str, ...] | None = None
     # Float16 graphs: None = only where CUDA ONNX Runtime is present (CPUs serve float32).
     fp16: bool | None = None
     # Manifest variants to write (float32 always: the manifest's main graph); None = by `fp16`.
@@ -109,6 +109,10 @@ class ExportOptions:
     corpus: Path | None = None
     # Processes exporting models side by side: 0 = one per available core, at most one per model.
     workers: int = 0
+
+    def chosen_schemes(self) -> tuple[str, ...]:
+        """The schemes to export: those asked for, or every one with weights."""
+        return trained_schemes(self.weights) if self.schemes is None else self.schemes
 
     def graph_variants(self) -> tuple[str, ...]:
         """The variants every model gets, in GRAPH_FILES order."""
@@ -240,7 +244,8 @@ def load_weights(options: ExportOptions, scheme: str) -> tuple[Transformer, dict
 
 def model_variants(options: ExportOptions) -> list[tuple[str, str, RopeScaling | None]]:
     """(model name, scheme, rope scaling): one per scheme plus any rope scaling variants."""
-    variants: list[tuple[str, str, RopeScaling | None]] = [(scheme, scheme, None) for scheme in options.schemes]
+    schemes = options.chosen_schemes()
+    variants: list[tuple[str, str, RopeScaling | None]] = [(scheme, scheme, None) for scheme in schemes]
     for spec in options.rope_scaling:
         scaling = RopeScaling.parse(spec)
         variants.append((rope_scaled_name(scaling), ROPE_SCHEME, scaling))
@@ -396,7 +401,7 @@ def run(options: ExportOptions) -> list[ExportResult]:
         # Rope variants need a base rope model: this run's, the repository's, or one exported aside.
         scaled = [name for name, scaling in scaling_of.items() if scaling is not None]
         rope_base = options.out / ROPE_SCHEME
-        if scaled and ROPE_SCHEME not in options.schemes and not (rope_base / MANIFEST).is_file():
+        if scaled and ROPE_SCHEME not in options.chosen_schemes() and not (rope_base / MANIFEST).is_file():
             rope_base = Path(scratch) / ROPE_SCHEME
             jobs.append(_Job(ROPE_SCHEME, ROPE_SCHEME, replace(options, out=Path(scratch)), graphs))
         workers = options.workers or min(len(jobs), available_cores())

@@ -39,7 +39,7 @@ from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Environment, Results, RunConfig, RunRecord, TrainingCurve
 from loadtest.study.serving import ensure_repository
 from models import emergence
-from models.checkpoints import WEIGHTS_DIR
+from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.positional import SCHEMES
 
 SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse", "speculative")
@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         "--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository",
         help="model repository to serve from; missing schemes and rope scaling variants are exported into it",
     )  # fmt: skip
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES), help="schemes to compare")
+    parser.add_argument(
+        "--schemes", nargs="+", choices=SCHEMES, default=list(trained_schemes()),
+        help="schemes to compare (default: every one with shipped weights)",
+    )  # fmt: skip
     parser.add_argument(
         "--quick", action="store_true", help="a first look at every section in minutes (fewer lengths and trials)"
     )

@@ -30,7 +30,8 @@ class Style:
         return {"color": self.color, "marker": self.marker}
 
 
-# The six schemes in models.positional.SCHEMES order (a test checks the keys against it).
+# The schemes in models.positional.SCHEMES order (a test checks the keys against it): Okabe-Ito's
+# colour-blind-safe hues, then two more for the hybrids.
 SCHEMES: dict[str, Style] = {
     "sinusoidal": Style("#e69f00", "s"),  # orange
     "learned": Style("#56b4e9", "^"),  # sky blue
@@ -38,6 +39,8 @@ SCHEMES: dict[str, Style] = {
     "rope": Style("#cc79a7", "o"),  # reddish purple: its shades (variants) meet no other scheme's hue
     "alibi": Style("#0072b2", "v"),  # blue
     "none": Style("#d55e00", "P"),  # vermillion
+    "rnope-swa": Style("#000000", "X"),  # black
+    "rope-swa": Style("#8c564b", "h"),  # brown
 }
 # A scaled variant's marker, by scaling method (models.config.RopeScaling kinds).
 METHOD_MARKERS = {"linear": "<", "ntk": ">", "yarn": "*"}

@@ -19,8 +19,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.positional import SCHEMES
+
 # The shipped weights; POSENC_WEIGHTS_DIR points elsewhere (e.g. a fresh training run).
 WEIGHTS_DIR = Path(os.environ.get("POSENC_WEIGHTS_DIR", Path(__file__).resolve().parent / "weights"))
+
+
+def trained_schemes(weights: Path = WEIGHTS_DIR) -> tuple[str, ...]:
+    """The schemes, in SCHEMES order, whose weights lie in `weights`: what export and the comparison
+    take by default, so a scheme still in training is left out rather than failing them."""
+    return tuple(scheme for scheme in SCHEMES if (weights / scheme / "model.safetensors").is_file())
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "training.json"
 LOG = "train_log.jsonl"

@@ -49,6 +49,11 @@ class ModelConfig:
     # Rotated dimensions of each head (None = all); the rest pass through (GPT-NeoX's partial rotary).
     rope_rotary_dims: int | None = None
     rope_scaling: RopeScaling | None = None
+    # Hybrid local/global schemes (rnope-swa, rope-swa): each local layer sees only the last
+    # `sliding_window` tokens (itself included); every `global_every`-th layer sees everything
+    # (3 local : 1 global, as Command R7B and Llama 4's iRoPE).
+    sliding_window: int = 64
+    global_every: int = 4
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
     extra: dict[str, object] = field(default_factory=dict)

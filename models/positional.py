@@ -8,12 +8,17 @@ needs, computed once per forward and only *applied* inside attention:
 - an additive attention-logit bias (relative, alibi),
 - a rotation of queries and keys (rope),
 - or nothing at all (none / NoPE: the causal mask is the only source of order).
+
+A hybrid scheme (rnope-swa, rope-swa) splits the layers into groups (`LayerGroup`): local layers
+that attend within a sliding window with one unit, global layers that attend to everything with
+another. Every other scheme is one global group of all layers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 import numpy as np
@@ -250,6 +255,9 @@ class PositionalScheme(nn.Module):
     #: position ids, rope via `move_keys`); "original" = absolute schemes, whose positions are
     #: baked into cached keys and cannot be taken out.
     eviction_positions: ClassVar[str] = "cache"
+    #: Whether bounded cache policies (window, sinks) apply. A hybrid's local layers are bounded by
+    #: their window already; evicting from its global layer alone is not built (full and int8 only).
+    bounded_policies: ClassVar[bool] = True
     #: True when cached keys carry their position (rope), so re-indexing them means `move_keys`.
     rotates_keys: ClassVar[bool] = False
     #: What K/V computed for a text on its own, from position 0, needs to serve that text at another
@@ -279,6 +287,25 @@ class PositionalScheme(nn.Module):
         positions later. Only rotated keys carry a position; every other scheme keeps none in
         its keys (or, for absolute schemes, one that cannot be taken out), so: the identity."""
         return keys
+
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The layers that attend alike, each group with its unit and window. One global group of
+        every layer, unless the scheme is a hybrid."""
+        return (LayerGroup("global", tuple(range(self.config.n_layers)), self, None),)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that attend alike: the positional unit they apply and how far back they see.
+
+    `window` None: the whole past (a global layer); else the last `window` tokens, the query
+    itself included (a sliding-window layer, whose cache never needs more than `window` keys).
+    """
+
+    name: str  # "global" | "local"
+    layers: tuple[int, ...]
+    positional: PositionalScheme
+    window: int | None = None
 
 
 # The one list of schemes: name -> module. Registration order is the order every list shows.
@@ -398,6 +425,57 @@ class NoPositions(PositionalScheme):
     """NoPE: order comes only from the causal mask (Kazemnejad et al. 2023)."""
 
     name = "none"
+
+
+class LocalGlobalHybrid(PositionalScheme):
+    """Sliding-window RoPE layers with a global layer every `config.global_every` layers.
+
+    Local layers rotate q and k and see the last `config.sliding_window` tokens; the global layer
+    applies `global_unit` to everything. The pair of hybrids below differs only in that unit, which
+    separates what the windows buy from what the global layer's encoding buys.
+    """
+
+    #: The global layer's unit: NoPE (Command R7B, Llama 4's iRoPE) or RoPE (Gemma 2 and 3).
+    global_unit: ClassVar[type[PositionalScheme]]
+    bounded_policies = False
+    rotates_keys = True
+    segment_reuse = "rotate"
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        if config.sliding_window < 1 or config.global_every < 1:
+            raise ValueError(
+                f"sliding_window and global_every must be positive, got {config.sliding_window}, {config.global_every}"
+            )
+        self.local = RotaryPositions(config)
+        self.global_ = self.global_unit(config)
+
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        every = self.config.global_every
+        layers = range(self.config.n_layers)
+        local = tuple(i for i in layers if (i + 1) % every)
+        global_ = tuple(i for i in layers if not (i + 1) % every)
+        groups = (
+            LayerGroup("local", local, self.local, self.config.sliding_window),
+            LayerGroup("global", global_, self.global_, None),
+        )
+        return tuple(group for group in groups if group.layers)
+
+
+@register
+class RopeWindowsNopeGlobal(LocalGlobalHybrid):
+    """RNoPE-SWA: RoPE windows, a global layer without positions ("Rope to Nope and Back Again", 2025)."""
+
+    name = "rnope-swa"
+    global_unit = NoPositions
+
+
+@register
+class RopeWindowsRopeGlobal(LocalGlobalHybrid):
+    """RoPE windows and a global RoPE layer (Gemma 2 and 3's pattern)."""
+
+    name = "rope-swa"
+    global_unit = RotaryPositions
 
 
 # Every list of schemes (CLI choices, export, load tests, tests) is this one, in registration order.

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from models.config import ModelConfig
-from models.positional import QueryKeyRotation, build_positional
+from models.positional import LayerGroup, QueryKeyRotation, build_positional
 
 KeyValue = tuple[Tensor, Tensor]  # each (B, nh, T, hs)
 
@@ -87,11 +87,16 @@ class Transformer(nn.Module):
         position_embedding = self.positional.input_embedding(position_ids)
         if position_embedding is not None:
             x = x + position_embedding.to(dtype)
-        score_bias = self._score_bias(attention_mask, position_ids, key_positions, seq, dtype)
-        rotation = self.positional.rotation(position_ids)
+        # What each layer applies, computed once per group of layers that attend alike.
+        applied: list[tuple[Tensor, QueryKeyRotation]] = [None] * self.config.n_layers  # type: ignore[list-item]
+        for group in self.positional.layer_groups():
+            score_bias = self._score_bias(attention_mask, position_ids, key_positions, seq, dtype, group)
+            rotation = group.positional.rotation(position_ids)
+            for layer in group.layers:
+                applied[layer] = (score_bias, rotation)
 
         presents: list[KeyValue] = []
-        for block, layer_past in zip(self.blocks, past_key_values, strict=True):
+        for block, (score_bias, rotation), layer_past in zip(self.blocks, applied, past_key_values, strict=True):
             x, present = block(x, score_bias, rotation, layer_past)
             presents.append(present)
         x = self.final_norm(x)
@@ -99,20 +104,31 @@ class Transformer(nn.Module):
         return logits, presents
 
     def _score_bias(
-        self, attention_mask: Tensor, query_positions: Tensor, key_positions: Tensor, seq: int, dtype: torch.dtype
+        self,
+        attention_mask: Tensor,
+        query_positions: Tensor,
+        key_positions: Tensor,
+        seq: int,
+        dtype: torch.dtype,
+        group: LayerGroup,
     ) -> Tensor:
-        """Causal + padding mask merged with the scheme's logit bias: (B, H|1, Tq, Tk).
+        """Causal + padding (+ sliding-window) mask merged with the group's logit bias: (B, H|1, Tq, Tk).
 
         A query may also always see itself, so a padding query's row is never fully masked
-        (a fully masked row would turn into NaN and poison the cache).
+        (a fully masked row would turn into NaN and poison the cache). The window counts real
+        tokens (mask positions), so left padding does not shrink it.
         """
         total = attention_mask.shape[1]
         key_index = torch.arange(total, device=attention_mask.device)  # (Tk,)
         query_index = torch.arange(seq, device=attention_mask.device) + (total - seq)  # (Tq,)
         causal = key_index[None, :] <= query_index[:, None]  # (Tq, Tk)
         itself = key_index[None, :] == query_index[:, None]
-        allowed = (causal[None] & attention_mask[:, None, :].bool()) | itself[None]  # (B, Tq, Tk)
-        bias = self.positional.attention_bias(query_positions, key_positions)
+        allowed = causal[None] & attention_mask[:, None, :].bool()  # (B, Tq, Tk)
+        if group.window is not None:
+            distance = key_positions[:, -seq:, None] - key_positions[:, None, :]  # (B, Tq, Tk)
+            allowed = allowed & (distance < group.window)
+        allowed = allowed | itself[None]
+        bias = group.positional.attention_bias(query_positions, key_positions)
         visible = torch.zeros((), dtype=dtype) if bias is None else bias.to(dtype)
         return torch.where(allowed[:, None], visible, torch.finfo(dtype).min)
 

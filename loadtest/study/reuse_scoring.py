@@ -109,7 +109,8 @@ class AnswerScorer:
             if self.declared.mode == REUSE_ROTATE:
                 assert self.declared.rotary_inv_freq is not None
                 kv = self.runner.backend.copy(kv)
-                kv[0::2] = rotate_keys(self.runner.backend, kv[0::2], -1, self.declared.rotary_inv_freq,
+                rows = self.declared.rotated_key_rows(kv.shape[0] // 2)
+                kv[rows] = rotate_keys(self.runner.backend, kv[rows], -1, self.declared.rotary_inv_freq,
                                        self.runner.dtype)  # fmt: skip
             kept.append(kv)
         return kept

@@ -52,6 +52,13 @@ class InputProcessor:
             policy = parse_cache_policy(text, self.limits.max_sequence_tokens)
         except CachePolicyError as error:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
+        if policy.bounded and self.manifest.is_hybrid:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"{POLICY_FIELD}: {text.strip()!r} is not served for model {self.manifest.name!r}: its local layers "
+                "already keep only their sliding window, and a window on its global layer alone is not built; "
+                "it serves full and int8",
+            )
         if policy.bounded and self.manifest.cache_eviction is None:
             raise RequestError(
                 ErrorKind.INVALID_ARGUMENT,

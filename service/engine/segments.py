@@ -69,9 +69,10 @@ class SegmentAssembly:
         if self.reuse.mode != REUSE_ROTATE or offset == 0:
             return kv
         assert self.reuse.rotary_inv_freq is not None
-        keys = rotate_keys(self.runner.backend, kv[0::2], offset, self.reuse.rotary_inv_freq, self.runner.dtype)
+        rows = self.reuse.rotated_key_rows(kv.shape[0] // 2)
+        keys = rotate_keys(self.runner.backend, kv[rows], offset, self.reuse.rotary_inv_freq, self.runner.dtype)
         placed = self.runner.backend.copy(kv)
-        placed[0::2] = keys
+        placed[rows] = keys
         return placed
 
     def run(

@@ -46,15 +46,16 @@ from export.verify import (
     tolerance,
     torch_reference,
 )
-from models.checkpoints import WEIGHTS_DIR
+from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.evaluation import evaluation_sequences
 from models.limits import PositionLimitError
-from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
+TRAINED = trained_schemes()  # the schemes with shipped weights: what the repository fixture exports
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+
+@pytest.mark.parametrize("scheme", TRAINED)
 def test_shipped_weights_are_small_and_documented(scheme: str) -> None:
     folder = WEIGHTS_DIR / scheme
     assert (folder / "model.safetensors").stat().st_size < 10 * 1024 * 1024
@@ -64,7 +65,7 @@ def test_shipped_weights_are_small_and_documented(scheme: str) -> None:
     assert (folder / "train_log.jsonl").read_text().count("\n") == training["train_config"]["steps"]
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
     manifest = Manifest.load(repository / scheme)
     config = Transformer.load(WEIGHTS_DIR / scheme).config
@@ -98,7 +99,7 @@ def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
     )
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 def test_graph_contract(repository: Path, scheme: str) -> None:
     proto = onnx.load(str(repository / scheme / "model.onnx"))
     onnx.checker.check_model(proto, full_check=True)
@@ -118,7 +119,7 @@ def test_graph_contract(repository: Path, scheme: str) -> None:
         assert [o.name for o in graph.output] == output_names(n_layers, new_only=variant != "float16"), variant
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 @pytest.mark.parametrize(
     ("dtype", "tolerance"),
     [("float32", FP32_TOLERANCE), ("float16", FP16_TOLERANCE), (SERVING_FP16, FP16_TOLERANCE)],
@@ -153,7 +154,7 @@ def test_reference_rounding_is_float32_against_float64() -> None:
     assert float64_distance(model.float(), reference) == 0.0
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 @pytest.mark.parametrize("variant", [SERVING, SERVING_FP16])
 def test_serving_graph_reads_a_buffer_with_masked_spare_slots(repository: Path, scheme: str, variant: str) -> None:
     """What the engine relies on: unused slots in the past buffer, masked out, change nothing."""
@@ -179,7 +180,7 @@ def test_serving_graph_reads_a_buffer_with_masked_spare_slots(repository: Path, 
         )
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 @pytest.mark.parametrize("variant", [SERVING, SERVING_FP16])
 def test_serving_graph_equals_the_graph_of_its_dtype(repository: Path, scheme: str, variant: str) -> None:
     """Switching the engine to the in-place graph changes no logits beyond the dtype's tolerance."""
@@ -229,7 +230,7 @@ def test_tampered_or_missing_files_are_refused_by_name(repository: Path, tmp_pat
         Manifest.load(folder)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 def test_onnxruntime_genai_greedy_equals_ours(repository: Path, scheme: str) -> None:
     og = pytest.importorskip("onnxruntime_genai")
     prompt = TOKENIZER.encode("def parse_args(argv):\n    ")

@@ -16,7 +16,7 @@ from export.fused import FUSED_POSITIONS
 from export.repository import GRAPH_FILES
 from export.runtime import FusedDecoder, OnnxCausalLM
 from export.verify import FP32_TOLERANCE, check_fused_graph, check_prefill_graph, default_prompts
-from models.checkpoints import WEIGHTS_DIR
+from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
@@ -26,7 +26,7 @@ def test_every_scheme_has_a_fused_unit() -> None:
     assert set(FUSED_POSITIONS) == set(SCHEMES)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", trained_schemes())
 def test_one_attention_kernel_per_layer_and_the_serving_contract(repository: Path, scheme: str) -> None:
     manifest = Manifest.load(repository / scheme)
     fused = manifest.fused_attention
@@ -42,7 +42,7 @@ def test_one_attention_kernel_per_layer_and_the_serving_contract(repository: Pat
     assert [o.name for o in graph.output][1:] == present_names(manifest.n_layers)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", trained_schemes())
 def test_fused_decode_equals_pytorch(repository: Path, scheme: str) -> None:
     """Three prompts of different lengths in one batch, 32 greedy steps: logits within 1e-4 of
     PyTorch run on each prompt alone, and the same greedy token at every step."""
@@ -93,7 +93,7 @@ def test_more_rows_than_tokens(repository: Path, scheme: str) -> None:
     assert report.passed(FP32_TOLERANCE), report
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", trained_schemes())
 def test_the_fused_prompt_graph_has_no_score_tensor_and_equals_pytorch(repository: Path, scheme: str) -> None:
     """prefill-fused: one GroupQueryAttention per layer and no Softmax (no S x T scores in the graph);
     every position's logits within 1e-4 of PyTorch, in one right-padded batch and in chunks."""

@@ -11,9 +11,10 @@ from tokenizers import Tokenizer
 
 from contract.manifest import Manifest
 from export.manifest import TOKENIZER_JSON, huggingface_tokenizer, ship_tokenizers, write_tokenizer_json
-from models.checkpoints import WEIGHTS_DIR
-from models.positional import SCHEMES
+from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from service.engine.input_processor import InputLimits, InputProcessor
+
+TRAINED = trained_schemes()  # the schemes with shipped weights: what the repository fixture exports
 
 TEXTS = ["def f(x):\n    return x * 2\n", "", " leading space", "tabs\tand\r\nCRLF", "naïve café ☃ 🐍 中文",
          "\x00\x01\x7f control", "<|eos|> is text here", "Ā ġ Ł bytes GPT-2 remaps"]  # fmt: skip
@@ -38,13 +39,13 @@ def test_every_shipped_model_folder_carries_the_tokenizer_export_writes(tmp_path
     # Out of date: python -c 'from export.manifest import ship_tokenizers; ship_tokenizers()'
     expected = write_tokenizer_json(tmp_path).read_bytes()
     assert json.loads(expected) == huggingface_tokenizer()
-    for scheme in SCHEMES:
+    for scheme in TRAINED:
         assert (WEIGHTS_DIR / scheme / TOKENIZER_JSON).read_bytes() == expected, scheme
     (tmp_path / "weights" / "alibi").mkdir(parents=True)
     assert ship_tokenizers(tmp_path / "weights") == [tmp_path / "weights" / "alibi" / TOKENIZER_JSON]
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 def test_the_shipped_file_read_by_tokenizers_encodes_as_the_service(
     service_tokenizer: InputProcessor, scheme: str
 ) -> None:

@@ -16,8 +16,10 @@ import pytest
 from contract.paths import REPOSITORY_ROOT
 from loadtest.compare import main as compare_main
 from loadtest.study.timed import rotated
-from models.positional import SCHEMES
+from models.checkpoints import trained_schemes
 from service.process import ServerProcess, wait_for
+
+TRAINED = trained_schemes()  # the schemes with shipped weights: what the repository fixture exports
 
 LOCUSTFILE = REPOSITORY_ROOT / "loadtest" / "locustfile.py"
 
@@ -144,7 +146,7 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     # The harness exports rope scaling variants into its repository: give it its own, linked.
     own = tmp_path / "repository"
     own.mkdir()
-    for scheme in SCHEMES:
+    for scheme in TRAINED:
         (own / scheme).symlink_to(repository / scheme)
     out = tmp_path / "report"
     assert compare_main(["--tiny", "--model-repository", str(own), "--out", str(out), "--threads", "1"]) == 0
@@ -153,8 +155,8 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
                  "retrieval_depth.png", "cache_budget.png", "reuse.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())
-    assert results["schemes"] == list(SCHEMES)
-    for scheme in SCHEMES:
+    assert results["schemes"] == list(TRAINED)
+    for scheme in TRAINED:
         assert 0.5 < results["quality"][scheme]["0.5"] < 9.0
         assert all(v["requests"] > 0 and v["errors"] == 0 for v in results["load"][scheme].values())
         admission = results["load_admission"][scheme]
@@ -183,7 +185,7 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
         and results["memory"]["none"]["attention_bias_bytes"] == 0
     )
     cache = results["cache_budget"]
-    assert set(cache) == set(SCHEMES)
+    assert set(cache) == set(TRAINED)
     alibi = cache["alibi"]
     assert alibi["policies"] == ["full", "window:64", "sinks:4+window:60"]
     windowed, full = alibi["bpb"]["window:64"]["2"], alibi["bpb"]["full"]["2"]
@@ -192,10 +194,10 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     assert alibi["cost"]["window:64"]["kv_physical_bytes"] < alibi["cost"]["full"]["kv_physical_bytes"]
     assert cache["learned"]["cost"]["full"] is None  # 2048 tokens of history: not servable
     report = (out / "report.md").read_text()
-    assert "not servable" in report and all(scheme in report for scheme in SCHEMES)
+    assert "not servable" in report and all(scheme in report for scheme in TRAINED)
     assert "## Cache budgets" in report and "window:64" in report
     assert "Each level was measured in 2 rounds" in report and "medians of 2 rounds [min-max]" in report
-    assert set(results["reuse"]) == set(SCHEMES) and "## KV reuse" in report  # every section in a full run
+    assert set(results["reuse"]) == set(TRAINED) and "## KV reuse" in report  # every section in a full run
 
     # A rerun of the timed sections for some schemes updates those figures in place and records itself.
     before = results

@@ -84,7 +84,9 @@ def test_unknown_scheme_is_refused() -> None:
 
 
 def test_the_registry_is_the_one_list_of_schemes() -> None:
-    assert SCHEMES == tuple(SCHEME_REGISTRY) == ("sinusoidal", "learned", "relative", "rope", "alibi", "none")
+    assert SCHEMES == tuple(SCHEME_REGISTRY) == (
+        "sinusoidal", "learned", "relative", "rope", "alibi", "none", "rnope-swa", "rope-swa"
+    )
 
 
 def test_config_does_not_import_the_schemes() -> None:
@@ -123,3 +125,39 @@ def test_in_place_attention_over_a_padded_buffer_equals_concatenation(scheme: st
         logits, new = serving(ids[:, 10:], buffer_mask, positions, buffer)
     assert torch.allclose(logits, full[:, 10:], atol=1e-5)
     assert new[0][0].shape == (2, 4, 4, 8)
+
+
+def test_hybrids_split_three_local_layers_and_one_global() -> None:
+    for scheme, global_rotates in (("rnope-swa", False), ("rope-swa", True)):
+        local, global_ = Transformer(matched_config(scheme)).positional.layer_groups()
+        assert (local.layers, local.window, local.positional.rotates_keys) == ((0, 1, 2), 64, True)
+        assert (global_.layers, global_.window, global_.positional.rotates_keys) == ((3,), None, global_rotates)
+
+
+@pytest.mark.parametrize("scheme", ["rnope-swa", "rope-swa"])
+def test_a_local_layer_sees_only_its_window(scheme: str) -> None:
+    """One local layer of window 8 (no global layer): the token 8 places back is out of sight, the
+    one 7 places back (with the query itself, 8 tokens) still counts; left padding does not move it."""
+    model = tiny_model(scheme, n_layers=1, sliding_window=8, global_every=100)
+    ids = torch.randint(0, 256, (1, 20))
+    changed = ids.clone()
+    changed[0, 4] = (ids[0, 4] + 1) % 256
+    padded = torch.cat([torch.full((1, 3), 258), changed], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 20, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        before, _ = model(ids)
+        after, _ = model(changed)
+        padded_after, _ = model(padded, mask)
+    moved = (before - after).abs().amax(dim=-1)[0]  # (T,)
+    assert (moved[4:12] > 1e-4).all() and (moved[12:] < 1e-6).all()
+    assert torch.allclose(padded_after[:, 3:], after, atol=1e-5)
+
+
+def test_the_global_layer_sees_past_the_window() -> None:
+    model = tiny_model("rnope-swa", n_layers=2, sliding_window=4, global_every=2)
+    ids = torch.randint(0, 256, (1, 30))
+    changed = ids.clone()
+    changed[0, 0] = (ids[0, 0] + 1) % 256
+    with torch.no_grad():
+        moved = (model(ids)[0] - model(changed)[0]).abs().amax(dim=-1)[0]
+    assert (moved[20:] > 1e-5).all()

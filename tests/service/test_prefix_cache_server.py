@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from models.positional import SCHEMES
+from models.checkpoints import trained_schemes
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
+
+TRAINED = trained_schemes()  # the schemes with shipped weights: what the repository fixture exports
 
 # 96 bytes shared (with BOS, 6 whole blocks of 16 and one token), then tails that differ; learned's 256 positions fit.
 PREFIX = "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as handle:\n        text = hand"
@@ -34,7 +36,7 @@ def generate(server: ServerProcess, model: str, prompt: str, policy: str = "") -
     return server.stub.Generate(request, timeout=120)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 def test_a_hit_gives_the_same_greedy_tokens_as_no_cache(
     servers: tuple[ServerProcess, ServerProcess], scheme: str
 ) -> None:

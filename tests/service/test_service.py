@@ -16,10 +16,12 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from export.runtime import OnnxCausalLM
-from models.positional import SCHEMES
+from models.checkpoints import trained_schemes
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess, wait_for
+
+TRAINED = trained_schemes()  # the schemes with shipped weights: what the repository fixture exports
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -61,14 +63,14 @@ def test_health_and_reflection(server: ServerProcess) -> None:
 
 def test_list_models_reports_limits_and_cache_cost(server: ServerProcess) -> None:
     models = {m.name: m for m in server.stub.ListModels(pb.ListModelsRequest(), timeout=5).models}
-    assert set(models) >= set(SCHEMES)
+    assert set(models) >= set(TRAINED)
     assert models["learned"].max_positions == 256 and models["alibi"].max_positions == 0
     for model in models.values():
         assert model.kv_cache_bytes_per_token == 2 * model.n_layers * model.n_heads * model.head_dim * 4
         assert model.train_context == 256 and model.kv_cache_capacity_bytes > 0
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRAINED)
 def test_greedy_through_the_service_equals_offline_onnx_runtime(
     server: ServerProcess, repository: Path, scheme: str
 ) -> None:
