@@ -12,8 +12,8 @@ import numpy as np
 
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from contract.manifest import NP_DTYPES, Manifest
-from service.engine.prompts import PrefilledPrompt
-from service.engine.runner import ModelRunner, StoreConfig
+from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.worker.runner import ModelRunner, StoreConfig
 
 CONTEXTS = (128, 256, 512, 1024, 2048)  # context lengths the step-time tables sweep
 

@@ -103,7 +103,7 @@ ENGINE_FLAGS = {
         "--admission-trace",
         str,
         "folder: write each model's admission measurements, decisions and realised times to first token to "
-        "<folder>/<model>.jsonl (replayed by service.engine.admission.replay; empty: off)",
+        "<folder>/<model>.jsonl (replayed by service.engine.sched.admission.replay; empty: off)",
     ),
     "speculative_tokens": (
         "--speculative-tokens",

@@ -28,7 +28,6 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from contract.cache_policy import CachePolicyError
 from contract.manifest import ManifestError
-from service.engine import denormals
 from service.engine.engine import Engine
 from service.engine.kv import KVBudgetError
 from service.engine.messages import (
@@ -58,8 +57,9 @@ from service.engine.messages import (
     read_messages,
 )
 from service.engine.model_limits import eviction_positions, policy_syntax
-from service.engine.output_processor import OutputBatch
+from service.engine.processing.output_processor import OutputBatch
 from service.engine.request import Request
+from service.engine.worker import denormals
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
 
@@ -296,7 +296,7 @@ def run_core(config: CoreConfig) -> None:
     """The core process's main: load the models, say READY, serve commands until STOP."""
     _die_with_parent()
     return_freed_memory_to_the_os()  # the KV arrays live here
-    denormals.enable()  # before the first session (service/engine/denormals.py)
+    denormals.enable()  # before the first session (service/engine/worker/denormals.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.update(config.environment)

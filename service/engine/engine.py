@@ -15,10 +15,10 @@ from contract.manifest import Manifest, ManifestError
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, GenerateInput, RequestError, Scored
 from service.engine.model_engine import ModelEngine
 from service.engine.model_limits import check_kv_budget
-from service.engine.output_processor import OutputBatch
+from service.engine.processing.output_processor import OutputBatch
+from service.engine.processing.streams import OutputSink
+from service.engine.prompts.segments import segment_spans
 from service.engine.request import Request
-from service.engine.segments import segment_spans
-from service.engine.streams import OutputSink
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)

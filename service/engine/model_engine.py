@@ -22,23 +22,23 @@ import numpy as np
 
 from contract.cache_policy import CachePolicyError
 from contract.manifest import Manifest
-from service.engine.admission import AdmissionControl, Backlog, open_trace
-from service.engine.decode_plan import DecodePlan
-from service.engine.input_processor import InputLimits, InputProcessor
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
 from service.engine.model_limits import default_cache_policy, policy_forms, sequence_limit
 from service.engine.model_metrics import ModelMetrics
-from service.engine.output_processor import Finished, OutputBatch, OutputProcessor
-from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
-from service.engine.prefix_cache import PrefixMetrics, PrefixReuse
+from service.engine.processing.input_processor import InputLimits, InputProcessor
+from service.engine.processing.output_processor import Finished, OutputBatch, OutputProcessor
+from service.engine.prompts.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
+from service.engine.prompts.prefix_cache import PrefixMetrics, PrefixReuse
+from service.engine.prompts.segments import SegmentAssembly, SegmentReuser
 from service.engine.request import Request
-from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.sampler import Sampler, all_greedy, logprobs_by_row
-from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
-from service.engine.segments import SegmentAssembly, SegmentReuser
-from service.engine.speculative import NgramProposer
-from service.engine.speculator import Speculator
-from service.engine.step_observer import StepObserver
+from service.engine.sched.admission import AdmissionControl, Backlog, open_trace
+from service.engine.sched.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from service.engine.sched.step_observer import StepObserver
+from service.engine.spec.draft import NgramProposer
+from service.engine.spec.speculator import Speculator
+from service.engine.worker.decode_plan import DecodePlan
+from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class ModelEngine:
         )
         self._wake = threading.Condition()
         self.sampler = Sampler()
-        # Speculative decoding (service.engine.speculative): on when the server or a request asks.
+        # Speculative decoding (service.engine.spec.draft): on when the server or a request asks.
         proposer = NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
         self.speculator = Speculator(proposer, self.sampler, self.metrics, config.speculative_max_batch)
         self._speculative = config.speculative_tokens > 0  # some request may guess (set by `submit` too)

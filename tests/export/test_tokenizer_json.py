@@ -1,5 +1,5 @@
 """The exported tokenizer.json, read by Hugging Face `tokenizers`, encodes and decodes exactly as
-the service tokenizes (service.engine.input_processor); the shipped weights' folders carry the same file."""
+the service tokenizes (service.engine.processing.input_processor); the shipped weights' folders carry the same file."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from contract.manifest import Manifest
 from export.manifest import TOKENIZER_JSON, huggingface_tokenizer, ship_tokenizers, write_tokenizer_json
 from models.checkpoints import WEIGHTS_DIR
 from models.positional import SCHEMES
-from service.engine.input_processor import InputLimits, InputProcessor
+from service.engine.processing.input_processor import InputLimits, InputProcessor
 
 TEXTS = ["def f(x):\n    return x * 2\n", "", " leading space", "tabs\tand\r\nCRLF", "naïve café ☃ 🐍 中文",
          "\x00\x01\x7f control", "<|eos|> is text here", "Ā ġ Ł bytes GPT-2 remaps"]  # fmt: skip

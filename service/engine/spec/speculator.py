@@ -1,0 +1,119 @@
+"""A model's speculative decisions around a verification call (service.engine.spec.draft says
+what speculation is and why its tokens are those of the plain stream): what each request feeds, the
+model's own token after each fed token, and how many a request keeps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.engine.kv import INT8_CHANNEL
+from service.engine.model_metrics import ModelMetrics
+from service.engine.request import Request
+from service.engine.sampler import Sampler
+from service.engine.spec.draft import MODEL_ACCEPTANCE_DECAY, Proposer, draft_room
+
+
+class Speculator:
+    """One model's speculative decisions around a verification call: what each request feeds (its
+    last token and its guesses), the model's own token after each fed token, and the counters."""
+
+    def __init__(self, proposer: Proposer, sampler: Sampler, metrics: ModelMetrics, max_batch: int) -> None:
+        self.proposer, self.sampler, self.metrics, self.max_batch = proposer, sampler, metrics, max_batch
+        self.acceptance = 1.0  # running share of this model's guesses kept: where a new request starts
+
+    def drafts(self, requests: list[Request], kinds: dict[str, str]) -> list[list[int]] | None:
+        """What each request feeds this step: its last token and its proposer's guesses (None when
+        none guesses: a plain step). No request guesses in a batch larger than `max_batch` (there the
+        graph's time grows with the tokens fed, so guesses cost more than they save), in a row whose
+        graph takes one token (`kinds`: each sequence's storage kind), or while its drafting pauses."""
+        if len(requests) > self.max_batch:
+            return None
+        fed, guessed = [], False
+        for request in requests:
+            guesses: list[int] = []
+            draft = request.draft
+            if draft is not None:
+                if draft.paused:
+                    draft.paused -= 1
+                else:
+                    remaining = request.params.max_new_tokens - len(request.output_ids)
+                    wanted = draft.budget(request.lookahead)
+                    room = draft_room(request.cache_policy, request.num_tokens, remaining, wanted)
+                    if room and kinds.get(request.request_id) != INT8_CHANNEL:
+                        draft.sync(request.output_ids, request.prompt_ids)
+                        guesses = self.proposer.propose(draft.history, room)
+                        guessed = guessed or bool(guesses)
+            fed.append([request.output_ids[-1], *guesses])
+        return fed if guessed else None
+
+    def target_tokens(self, requests: list[Request], logits: list[np.ndarray]) -> list[list[int | Exception]]:
+        """The model's own token after each fed token, as the sampler draws it without speculation:
+        at token index len(output) + j, EOS masked where the request may not end yet."""
+        ids, params, indices, banned = [], [], [], []
+        for request, rows in zip(requests, logits, strict=True):
+            done = len(request.output_ids)
+            for j in range(rows.shape[0]):
+                if not request.params.eos_allowed(done + j):
+                    banned.append((len(ids), request.eos_token_id))
+                ids.append(request.request_id)
+                params.append(request.params)
+                indices.append(done + j)
+        stacked = np.concatenate(logits)
+        if banned:
+            stacked = np.array(stacked, copy=True)
+            stacked[[row for row, _ in banned], [eos for _, eos in banned]] = -np.inf
+        flat = self.sampler.sample_rows(ids, params, stacked, indices)
+        out, start = [], 0
+        for rows in logits:
+            out.append(flat[start : start + rows.shape[0]])
+            start += rows.shape[0]
+        return out
+
+    def keep(
+        self, requests: list[Request], fed: list[list[int]], logits: list[np.ndarray]
+    ) -> tuple[dict[str, int], list[Request], list[int | Exception], list[np.ndarray]]:
+        """After a verification: how many fed tokens each request keeps (by id), and the kept tokens
+        flat (each with its request and its logits row), the guesses' outcomes recorded."""
+        tokens = self.target_tokens(requests, logits)
+        kept: dict[str, int] = {}
+        flat_requests: list[Request] = []
+        flat_tokens: list[int | Exception] = []
+        flat_logits: list[np.ndarray] = []
+        for request, fed_tokens, targets, rows in zip(requests, fed, tokens, logits, strict=True):
+            count = accepted_prefix(request, fed_tokens, targets)
+            kept[request.request_id] = count
+            flat_requests += [request] * count
+            flat_tokens += targets[:count]
+            flat_logits.append(rows[:count])
+            if len(fed_tokens) > 1:
+                self.record(request, len(fed_tokens) - 1, count - 1)
+        return kept, flat_requests, flat_tokens, flat_logits
+
+    def record(self, request: Request, guesses: int, accepted: int) -> None:
+        """One request's verification: its own and its model's acceptance, and the counters."""
+        assert request.draft is not None
+        request.draft.record(guesses, accepted)
+        self.acceptance = MODEL_ACCEPTANCE_DECAY * self.acceptance + (1 - MODEL_ACCEPTANCE_DECAY) * accepted / guesses
+        metrics, form = self.metrics, request.cache_policy.form
+        metrics.speculative_proposed[form].inc(guesses)
+        metrics.speculative_steps(guesses).inc()
+        if accepted:
+            metrics.speculative_accepted[form].inc(accepted)
+        for position in range(1, accepted + 1):
+            metrics.speculative_accepted_at(position).inc()
+
+
+def accepted_prefix(request: Request, fed: list[int], targets: list[int | Exception]) -> int:
+    """How many of a speculative step's tokens a request keeps: the model's token after each fed
+    token while it equals the next guess, then the first that differs (or none past one that ends
+    the request: an EOS it may end at, its last allowed token, a failed sample)."""
+    done, limit = len(request.output_ids), request.params.max_new_tokens
+    for j, token in enumerate(targets):
+        ends = (
+            isinstance(token, Exception)
+            or (token == request.eos_token_id and request.params.eos_allowed(done + j))
+            or done + j + 1 >= limit
+        )
+        if ends or j + 1 >= len(fed) or token != fed[j + 1]:
+            return j + 1
+    return len(targets)
