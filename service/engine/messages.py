@@ -114,7 +114,7 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
 
 # The most alternatives a token's log-probabilities may list (OpenAI's and vLLM's default limit).
 MAX_LOGPROBS = 20
-# The most speculative guesses a request's decode step may verify (service.engine.spec.draft).
+# The most speculative guesses a request's decode step may verify (service.engine.spec).
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -177,11 +177,13 @@ class EngineConfig:
     # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
     default_cache_policies: tuple[str, ...] = ()
     prefix_cache: bool = True  # keep prompts' full blocks and reuse them for prompts that start alike
-    # Speculative decoding (service.engine.spec.draft): guesses per step of a request that names
-    # none (0: off), the n-gram proposer's shortest and longest lookup, and the running batch above
+    # Speculative decoding (service.engine.spec): guesses per step of a request that names none
+    # (0: off), the proposer by name (service.engine.spec.proposer.PROPOSERS), the n-gram
+    # proposer's shortest and longest lookup, and the running batch above
     # which no request guesses: on 2 CPU cores guessing already costs at 2 streams (0.88-0.93x of not
     # guessing, `python -m bench --sections speculative`), so by default only a lone stream guesses.
     speculative_tokens: int = 0
+    speculative_method: str = "ngram"
     ngram_prompt_lookup_min: int = 3
     ngram_prompt_lookup_max: int = 12
     speculative_max_batch: int = 1

@@ -25,7 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False  # EOS never ends the request: the sampler masks its logit
     min_tokens: int = 0  # nor before this many new tokens
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives' (None: none)
-    speculative_tokens: int = 0  # guesses a step may verify (service.engine.spec.draft; 0: none)
+    speculative_tokens: int = 0  # guesses a step may verify (service.engine.spec; 0: none)
 
     def eos_allowed(self, generated: int) -> bool:
         """Whether EOS may be sampled (and end the request) after `generated` new tokens."""

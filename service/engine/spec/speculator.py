@@ -1,25 +1,47 @@
-"""A model's speculative decisions around a verification call (service.engine.spec.draft says
-what speculation is and why its tokens are those of the plain stream): what each request feeds, the
-model's own token after each fed token, and how many a request keeps."""
+"""One model's speculative decisions around a verification call (the package's docstring says what
+speculation is and why its tokens are those of the plain stream): whether any request guesses, what
+each request feeds, the model's own token after each fed token, and how many a request keeps."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from service.engine.kv import INT8_CHANNEL
+from service.engine.messages import EngineConfig
 from service.engine.model_metrics import ModelMetrics
 from service.engine.request import Request
 from service.engine.sampler import Sampler
-from service.engine.spec.draft import MODEL_ACCEPTANCE_DECAY, Proposer, draft_room
+from service.engine.spec.draft import MODEL_ACCEPTANCE_DECAY, draft_room
+from service.engine.spec.proposer import Proposer, make_proposer
+from service.engine.spec.verifier import BlockVerifier
 
 
 class Speculator:
     """One model's speculative decisions around a verification call: what each request feeds (its
-    last token and its guesses), the model's own token after each fed token, and the counters."""
+    last token and its guesses), the verification through the block verifier, the model's own token
+    after each fed token, the tokens each keeps, and the counters."""
 
-    def __init__(self, proposer: Proposer, sampler: Sampler, metrics: ModelMetrics, max_batch: int) -> None:
-        self.proposer, self.sampler, self.metrics, self.max_batch = proposer, sampler, metrics, max_batch
+    def __init__(
+        self, proposer: Proposer, verifier: BlockVerifier, sampler: Sampler, metrics: ModelMetrics, max_batch: int
+    ) -> None:
+        self.proposer, self.verifier, self.sampler = proposer, verifier, sampler
+        self.metrics, self.max_batch = metrics, max_batch
         self.acceptance = 1.0  # running share of this model's guesses kept: where a new request starts
+        # Whether some request may guess: set by the first request that does (`admit`); until then a
+        # step skips looking for drafts. Whether a request guesses is its own parameter, resolved
+        # once by the input processor (the request's field, or the server's --speculative-tokens).
+        self.active = False
+
+    @classmethod
+    def of(cls, config: EngineConfig, verifier: BlockVerifier, sampler: Sampler, metrics: ModelMetrics) -> Speculator:
+        """The proposer `--speculative-method` names, and the engine's batch limit for guessing."""
+        return cls(make_proposer(config), verifier, sampler, metrics, config.speculative_max_batch)
+
+    def admit(self, request: Request) -> None:
+        """A new request: one that guesses starts from how well this model's guesses fared lately."""
+        if request.draft is not None:
+            self.active = True
+            request.draft.acceptance = self.acceptance
 
     def drafts(self, requests: list[Request], kinds: dict[str, str]) -> list[list[int]] | None:
         """What each request feeds this step: its last token and its proposer's guesses (None when
@@ -69,11 +91,17 @@ class Speculator:
             start += rows.shape[0]
         return out
 
+    def verify(self, requests: list[Request], fed: list[list[int]]) -> list[np.ndarray]:
+        """One verification call for the batch (per capacity class: the block verifier's): each
+        request's logits after each token it fed. Nothing is kept until `keep`."""
+        return self.verifier.verify([request.request_id for request in requests], fed)
+
     def keep(
         self, requests: list[Request], fed: list[list[int]], logits: list[np.ndarray]
-    ) -> tuple[dict[str, int], list[Request], list[int | Exception], list[np.ndarray]]:
-        """After a verification: how many fed tokens each request keeps (by id), and the kept tokens
-        flat (each with its request and its logits row), the guesses' outcomes recorded."""
+    ) -> tuple[list[Request], list[int | Exception], list[np.ndarray]]:
+        """After `verify`: each request keeps its fed tokens up to the first guess that differs from the
+        model's own token, whose K/V alone are written into the store; returns the kept tokens flat
+        (each with its request and its logits row), the guesses' outcomes recorded."""
         tokens = self.target_tokens(requests, logits)
         kept: dict[str, int] = {}
         flat_requests: list[Request] = []
@@ -87,7 +115,8 @@ class Speculator:
             flat_logits.append(rows[:count])
             if len(fed_tokens) > 1:
                 self.record(request, len(fed_tokens) - 1, count - 1)
-        return kept, flat_requests, flat_tokens, flat_logits
+        self.verifier.commit(kept)
+        return flat_requests, flat_tokens, flat_logits
 
     def record(self, request: Request, guesses: int, accepted: int) -> None:
         """One request's verification: its own and its model's acceptance, and the counters."""

@@ -157,7 +157,7 @@ class ModelRunner:
         )
 
     def _verify_session(self) -> ModelSession | None:
-        """The fused prompt graph's session for fused rows' speculative blocks (verify.py), or None."""
+        """The fused prompt graph's session for fused rows' speculative blocks (spec/verifier.py), or None."""
         return self._session(self.threads, True, self.prompt_variant) if self.fused and self.prompt_variant else None
 
     def open_tail_session(self) -> bool:

@@ -23,11 +23,13 @@ from service.engine.engine import Engine
 from service.engine.kv import INT8_CHANNEL
 from service.engine.messages import EngineConfig, GenerateInput
 from service.engine.request import Request, SamplingParams
-from service.engine.spec.draft import DraftState, NgramProposer, draft_room
+from service.engine.spec.draft import DraftState, draft_room
+from service.engine.spec.proposer import NgramProposer, make_proposer
 from service.engine.spec.speculator import accepted_prefix
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
+from service.server import parse_config
 
 SCHEMES = ["alibi", "learned", "none", "relative", "rope", "sinusoidal"]
 POLICIES = ["full", "window:64", "sinks:4+window:60+int8", "int8"]
@@ -52,6 +54,17 @@ def test_ngram_proposer_guesses_what_followed_the_latest_earlier_occurrence() ->
     for _ in range(12):  # guesses never kept: drafting pauses
         state.record(4, 0)
     assert state.paused > 0
+
+
+def test_the_proposer_is_chosen_by_name_and_a_wrong_name_is_refused_naming_the_flag() -> None:
+    config = EngineConfig(speculative_method="ngram", ngram_prompt_lookup_min=2, ngram_prompt_lookup_max=5)
+    proposer = make_proposer(config)
+    assert proposer == NgramProposer(min_n=2, max_n=5)
+    with pytest.raises(ValueError, match="--speculative-method: 'draft' is not one of ngram"):
+        make_proposer(EngineConfig(speculative_method="draft"))
+    assert parse_config(["--speculative-method", "ngram"]).engine.speculative_method == "ngram"
+    with pytest.raises(SystemExit):
+        parse_config(["--speculative-method", "draft"])
 
 
 def test_draft_room_keeps_a_bounded_block_inside_its_window_and_the_output_inside_max_new_tokens() -> None:
