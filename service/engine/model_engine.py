@@ -419,6 +419,9 @@ class ModelEngine:
             fed = self.speculator.drafts(requests, self.store.kind_of)
             if fed is not None:
                 self._decode_speculative(requests, fed)
+            if self.speculator.take_growth():  # more room for guesses: the next step reserves it
+                self._steady_steps = 0
+            if fed is not None:
                 return
         started = time.monotonic()
         try:

@@ -102,11 +102,13 @@ class Request:
 
     @property
     def lookahead(self) -> int:
-        """Most tokens a step may add beyond the one it feeds (its speculative guesses): never past
-        max_new_tokens, so never past the sequence limit the request was checked against."""
-        if not self.params.speculative_tokens:
+        """Most tokens a step may add beyond the one it feeds (its speculative guesses, as many as its
+        draft's back-off allows now; none while it pauses): never past max_new_tokens, so never past
+        the sequence limit the request was checked against."""
+        if self.draft is None or self.draft.paused:
             return 0
-        return min(self.params.speculative_tokens, max(0, self.params.max_new_tokens - len(self.output_ids) - 1))
+        most = min(self.params.speculative_tokens, self.draft.cap)
+        return min(most, max(0, self.params.max_new_tokens - len(self.output_ids) - 1))
 
     @property
     def prefill_done(self) -> bool:

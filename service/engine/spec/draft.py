@@ -6,27 +6,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from contract.cache_policy import CachePolicy
+from service.engine.messages import MAX_SPECULATIVE_TOKENS
 
-# A verification call of T tokens costs about a plain step plus a quarter of one per token here (the
-# fused prompt graph in place, one thread: 0.62 ms for 9 tokens at 640 of context against 0.21 ms a
-# plain step of the fused decode graph; docs/measurements.md), so guesses pay only while most are kept: a request
-# whose guesses are kept less than HALF_ACCEPTANCE of the time guesses half as many, and below
-# MIN_ACCEPTANCE stops guessing for PAUSE_STEPS steps.
-HALF_ACCEPTANCE = 0.75
-MIN_ACCEPTANCE = 0.5
-PAUSE_STEPS = 16
-ACCEPTANCE_DECAY = 0.8  # weight of a request's running acceptance rate at each step
-MODEL_ACCEPTANCE_DECAY = 0.98  # the same over all of a model's requests: where a new request starts
+# The back-off, for blocks of up to 16 guesses at one stream (fitted with `python -m bench --sections
+# speculative` and a replay of its greedy outputs; docs/speculative.md, "When it stops"). A verification of
+# k guesses costs about VERIFY_STEPS + VERIFY_STEPS_PER_GUESS x k plain decode steps here (one row, the
+# fused prompt graph in place, one thread, with the engine's sampling and bookkeeping around it), so
+# a block pays when it keeps more than that cost less one token. A block kept whole doubles the next
+# one; a block cut short halves it, to no fewer than MIN_GUESSES. Each verification's net gain (the
+# tokens it gave over the plain steps it cost) enters a running mean; when the mean falls below zero
+# the request stops guessing for PAUSE_STEPS steps, twice as long after each pause (at most
+# 2**MAX_DOUBLINGS times), and starts again from MIN_GUESSES. While it pauses it reserves no room for
+# guesses (Request.lookahead), so a pause costs nothing but the steps it does not guess.
+VERIFY_STEPS = 1.6
+VERIFY_STEPS_PER_GUESS = 0.12
+MIN_GUESSES = 4
+GAIN_DECAY = 0.7  # weight of the running mean's past at each verification
+PAUSE_STEPS = 8
+MAX_DOUBLINGS = 6
 
 
 @dataclass
 class DraftState:
-    """A request's speculative state: its history as bytes (for the proposer), and how well its
-    guesses have fared (a running acceptance rate; drafting pauses while it is low)."""
+    """A request's speculative state: its history as bytes (for the proposer), the most guesses its
+    next block may have, and how well its guesses have paid (drafting pauses while they do not)."""
 
     history: bytearray = field(default_factory=bytearray)
     fed: int = 0  # tokens of prompt + output in `history`
-    acceptance: float = 1.0
+    cap: int = MAX_SPECULATIVE_TOKENS  # most guesses its next block may have
+    gain: float = 0.0  # running mean of its verifications' net gain, in plain steps
     paused: int = 0  # steps left without drafting
     pauses: int = 0  # how often drafting paused: each pause lasts twice as long as the one before
     proposed: int = 0
@@ -41,21 +49,30 @@ class DraftState:
         self.history += bytes(t if t < 256 else 0 for t in new)
         self.fed += len(new)
 
-    def budget(self, wanted: int) -> int:
-        """Guesses to ask the proposer for this step: all `wanted` while they are mostly kept, half
-        while a fair share is."""
-        return wanted if self.acceptance >= HALF_ACCEPTANCE else max(1, wanted // 2)
-
-    def record(self, proposed: int, accepted: int) -> None:
-        """One verification's outcome: a rate that stays low pauses drafting for a while."""
+    def record(self, proposed: int, accepted: int) -> bool:
+        """One verification's outcome: the next block's size, and a pause while guesses do not pay.
+        True when the request may guess more from now on than before (its cap grew)."""
         if not proposed:
-            return
+            return False
         self.proposed += proposed
         self.accepted += accepted
-        self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * accepted / proposed
-        if self.acceptance < MIN_ACCEPTANCE:  # try again afterwards, from a fresh start
-            self.paused, self.acceptance = PAUSE_STEPS << min(self.pauses, 6), 1.0
+        before = self.cap
+        if accepted == proposed:
+            self.cap = min(MAX_SPECULATIVE_TOKENS, 2 * max(self.cap, proposed))
+        else:
+            self.cap = max(MIN_GUESSES, self.cap // 2)
+        gain = 1 + accepted - (VERIFY_STEPS + VERIFY_STEPS_PER_GUESS * proposed)
+        self.gain = GAIN_DECAY * self.gain + (1 - GAIN_DECAY) * gain
+        if self.gain < 0:  # try again afterwards, from a fresh start and a small block
+            self.paused = PAUSE_STEPS << min(self.pauses, MAX_DOUBLINGS)
             self.pauses += 1
+            self.gain, self.cap = 0.0, MIN_GUESSES
+        return self.cap > before
+
+    def tick(self) -> bool:
+        """A step without drafting while paused: True when the pause has just ended."""
+        self.paused -= 1
+        return self.paused == 0
 
 
 def draft_room(policy: CachePolicy, num_tokens: int, remaining: int, wanted: int) -> int:

@@ -11,7 +11,7 @@ from service.engine.messages import EngineConfig
 from service.engine.model_metrics import ModelMetrics
 from service.engine.request import Request
 from service.engine.sampler import Sampler
-from service.engine.spec.draft import MODEL_ACCEPTANCE_DECAY, draft_room
+from service.engine.spec.draft import draft_room
 from service.engine.spec.proposer import Proposer, make_proposer
 from service.engine.spec.verifier import BlockVerifier
 
@@ -26,7 +26,9 @@ class Speculator:
     ) -> None:
         self.proposer, self.verifier, self.sampler = proposer, verifier, sampler
         self.metrics, self.max_batch = metrics, max_batch
-        self.acceptance = 1.0  # running share of this model's guesses kept: where a new request starts
+        # Some request may now guess more tokens than the room its row was last given (a pause
+        # ended, a cap grew): the engine's next step must be a full one, which reserves that room.
+        self.grew = False
         # Whether some request may guess: set by the first request that does (`admit`); until then a
         # step skips looking for drafts. Whether a request guesses is its own parameter, resolved
         # once by the input processor (the request's field, or the server's --speculative-tokens).
@@ -38,10 +40,14 @@ class Speculator:
         return cls(make_proposer(config), verifier, sampler, metrics, config.speculative_max_batch)
 
     def admit(self, request: Request) -> None:
-        """A new request: one that guesses starts from how well this model's guesses fared lately."""
+        """A new request: one that guesses turns speculation on for this model's steps."""
         if request.draft is not None:
             self.active = True
-            request.draft.acceptance = self.acceptance
+
+    def take_growth(self) -> bool:
+        """Whether some request's room for guesses grew since the last call (see `grew`)."""
+        grew, self.grew = self.grew, False
+        return grew
 
     def drafts(self, requests: list[Request], kinds: dict[str, str]) -> list[list[int]] | None:
         """What each request feeds this step: its last token and its proposer's guesses (None when
@@ -56,11 +62,10 @@ class Speculator:
             draft = request.draft
             if draft is not None:
                 if draft.paused:
-                    draft.paused -= 1
+                    self.grew = draft.tick() or self.grew
                 else:
                     remaining = request.params.max_new_tokens - len(request.output_ids)
-                    wanted = draft.budget(request.lookahead)
-                    room = draft_room(request.cache_policy, request.num_tokens, remaining, wanted)
+                    room = draft_room(request.cache_policy, request.num_tokens, remaining, request.lookahead)
                     if room and kinds.get(request.request_id) != INT8_CHANNEL:
                         draft.sync(request.output_ids, request.prompt_ids)
                         guesses = self.proposer.propose(draft.history, room)
@@ -119,10 +124,9 @@ class Speculator:
         return flat_requests, flat_tokens, flat_logits
 
     def record(self, request: Request, guesses: int, accepted: int) -> None:
-        """One request's verification: its own and its model's acceptance, and the counters."""
+        """One request's verification: its draft state's back-off, and the counters."""
         assert request.draft is not None
-        request.draft.record(guesses, accepted)
-        self.acceptance = MODEL_ACCEPTANCE_DECAY * self.acceptance + (1 - MODEL_ACCEPTANCE_DECAY) * accepted / guesses
+        self.grew = request.draft.record(guesses, accepted) or self.grew
         metrics, form = self.metrics, request.cache_policy.form
         metrics.speculative_proposed[form].inc(guesses)
         metrics.speculative_steps(guesses).inc()

@@ -23,7 +23,7 @@ from service.engine.engine import Engine
 from service.engine.kv import INT8_CHANNEL
 from service.engine.messages import EngineConfig, GenerateInput
 from service.engine.request import Request, SamplingParams
-from service.engine.spec.draft import DraftState, draft_room
+from service.engine.spec.draft import MIN_GUESSES, PAUSE_STEPS, DraftState, draft_room
 from service.engine.spec.proposer import NgramProposer, make_proposer
 from service.engine.spec.speculator import accepted_prefix
 from service.engine.worker.runner import ModelRunner, StoreConfig
@@ -54,6 +54,32 @@ def test_ngram_proposer_guesses_what_followed_the_latest_earlier_occurrence() ->
     for _ in range(12):  # guesses never kept: drafting pauses
         state.record(4, 0)
     assert state.paused > 0
+
+
+def test_the_back_off_sizes_blocks_by_how_they_fared_and_pauses_where_guessing_does_not_pay() -> None:
+    """A block kept whole doubles the next (to 16), one cut short halves it (to MIN_GUESSES); a run of
+    verifications that cost more plain steps than they gave pauses guessing, and a paused request
+    reserves no room for guesses, until the pause ends."""
+    request = Request("r", "m", [256, 97], SamplingParams(max_new_tokens=100, speculative_tokens=16), 257)
+    draft = request.draft
+    assert draft is not None and draft.cap == 16 and request.lookahead == 16
+    assert not draft.record(16, 12)  # cut short: 8 next, and 13 tokens for about 3.5 steps' cost pays
+    assert (draft.cap, draft.paused, request.lookahead) == (8, 0, 8)
+    assert draft.record(8, 8)  # kept whole: 16 next, more room than before
+    assert draft.cap == 16
+    assert not draft.record(16, 0)  # 1 token for about 3.5 steps: halved, the earlier gains still count
+    assert (draft.cap, draft.paused) == (8, 0)
+    misses = 1
+    while not draft.paused:  # more of the same: the running gain falls below zero
+        draft.record(draft.cap, 0)
+        misses += 1
+    assert misses <= 4 and draft.paused == PAUSE_STEPS and draft.cap == MIN_GUESSES and request.lookahead == 0
+    assert [draft.tick() for _ in range(PAUSE_STEPS)] == [False] * (PAUSE_STEPS - 1) + [True]
+    assert request.lookahead == MIN_GUESSES
+    draft.record(4, 0)
+    assert draft.paused == 2 * PAUSE_STEPS  # each pause twice the last
+    plain = Request("p", "m", [256, 97], SamplingParams(max_new_tokens=100), 257)
+    assert plain.draft is None and plain.lookahead == 0
 
 
 def test_the_proposer_is_chosen_by_name_and_a_wrong_name_is_refused_naming_the_flag() -> None:
