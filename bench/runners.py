@@ -53,7 +53,7 @@ def policy_runner(
     prompts = []
     for i in range(batch):
         cache = runner.backend.upload((rng.standard_normal(shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
-        runner.store.reserve(f"r{i}", policy.cached(history + 1), policy.int8, bounded=policy.bounded)
+        runner.store.reserve(f"r{i}", policy.cached(history + 1), policy)
         row = runner.row_policy(policy)
         row.evicted = history - cached
         prompts.append(PrefilledPrompt(f"r{i}", logits, cache, cached, row))

@@ -52,18 +52,8 @@ class InputProcessor:
             policy = parse_cache_policy(text, self.limits.max_sequence_tokens)
         except CachePolicyError as error:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, str(error)) from None
-        if policy.bounded and self.manifest.cache_eviction is None:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT,
-                f"{POLICY_FIELD}: model {self.manifest.name!r} was exported before cache policies and serves "
-                "only full; re-export it (python -m export)",
-            )
-        if policy.int8 and not self.manifest.has_int8_cache:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT,
-                f"{POLICY_FIELD}: model {self.manifest.name!r} was exported without the int8 cache graph "
-                "(serving-int8); re-export it (python -m export)",
-            )
+        if (missing := policy.missing(self.manifest)) is not None:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"{POLICY_FIELD}: model {self.manifest.name!r} {missing}")
         return policy
 
     def token_ids(self, ids: tuple[int, ...] | list[int], field: str = "prompt") -> list[int]:
@@ -111,18 +101,17 @@ class InputProcessor:
         return ids, params, policy
 
     def check_length(self, prompt_tokens: int, new_tokens: int, policy: CachePolicy) -> None:
-        """Under `full` the cache holds every token, so prompt + new tokens must fit the sequence limit.
-        A bounded policy holds at most its budget, so only a bounded position table limits the
-        sequence (absolute positions keep counting); the prompt must still fit the sequence limit."""
+        """The tokens the policy keeps of prompt + new tokens must fit the sequence limit (under `full`
+        all of them). A bounded policy holds at most its budget, so only a bounded position table
+        limits its sequence (absolute positions keep counting: under `full` the same limit, as the
+        sequence limit is max_positions where there is one); the prompt must fit the sequence limit."""
         total = prompt_tokens + new_tokens
-        if not policy.bounded:
-            if total > self.limits.max_sequence_tokens:
-                raise RequestError(
-                    ErrorKind.INVALID_ARGUMENT,
-                    f"prompt + max_new_tokens: {prompt_tokens} prompt tokens + {new_tokens} new tokens "
-                    f"= {total} exceeds {self._limit_name()}",
-                )
-            return
+        if policy.cached(total) > self.limits.max_sequence_tokens:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"prompt + max_new_tokens: {prompt_tokens} prompt tokens + {new_tokens} new tokens "
+                f"= {total} exceeds {self._limit_name()}",
+            )
         positions = self.manifest.max_positions
         if positions and total > positions:
             raise RequestError(

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.messages import RequestStatus
 from service.engine.request import Request
 from service.engine.sched.admission import Backlog
@@ -31,12 +32,11 @@ class KVAllocator(Protocol):
         self,
         sequence_id: str,
         tokens: int,
-        int8: bool = False,
+        policy: CachePolicy = FULL_POLICY,
         keep: frozenset[int] = frozenset(),
-        bounded: bool = False,
     ) -> bool:
-        """Room for `tokens` tokens (`int8`: in an int8 row, of the kind a `bounded` policy's rows take);
-        cached prefix blocks in `keep` are not evicted for it."""
+        """Room for `tokens` tokens (in a row of the storage its cache `policy` takes); cached prefix
+        blocks in `keep` are not evicted for it."""
         ...
 
     def free(self, sequence_id: str) -> None: ...
@@ -125,11 +125,7 @@ class Scheduler:
             own = self.prefix_blocks(request)
             keep = taken | own if self.running else taken
             if not self.kv.reserve(
-                request.request_id,
-                policy.cached(request.prefill_length + 1 + request.lookahead),
-                policy.int8,
-                keep,
-                policy.bounded,
+                request.request_id, policy.cached(request.prefill_length + 1 + request.lookahead), policy, keep
             ):
                 break
             taken |= own

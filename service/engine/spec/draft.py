@@ -82,6 +82,7 @@ def draft_room(policy: CachePolicy, num_tokens: int, remaining: int, wanted: int
     window is full it decodes a token a step. `remaining`: new tokens it may still produce (the
     guesses and the bonus token never pass max_new_tokens)."""
     room = min(wanted, remaining - 1)
-    if policy.bounded and policy.budget is not None:
-        room = min(room, policy.budget - num_tokens)
+    before_eviction = policy.room(num_tokens)
+    if before_eviction is not None:
+        room = min(room, before_eviction)
     return max(room, 0)

@@ -20,6 +20,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
+from contract.cache_policy import kind_variant
 from contract.graph import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -32,11 +33,8 @@ from contract.graph import (
 from contract.manifest import (
     NP_DTYPES,
     PREFILL_FUSED,
-    SERVING_FUSED_INT8,
-    SERVING_INT8,
     FusedAttention,
     Manifest,
-    serving_variant,
 )
 from service.engine.kv import INT8, INT8_CHANNEL, Array, Backend, KVLayout
 from service.engine.worker import denormals
@@ -137,11 +135,11 @@ class CacheGraph:
 def cache_graphs(manifest: Manifest, dtype: str, int8_channel: bool = False) -> dict[str, CacheGraph]:
     """The graph of each storage kind: the `dtype` serving graph, serving-int8 when exported, and with
     `int8_channel` serving-fused-int8 (its rows are bound in place, past and present alike)."""
-    graphs = {dtype: CacheGraph(serving_variant(dtype), dtype, cache_input_names(manifest.n_layers))}
+    graphs = {dtype: CacheGraph(kind_variant(dtype), dtype, cache_input_names(manifest.n_layers))}
     if manifest.has_int8_cache:
-        graphs[INT8] = CacheGraph(SERVING_INT8, "float32", cache_input_names(manifest.n_layers, int8=True))
+        graphs[INT8] = CacheGraph(kind_variant(INT8), "float32", cache_input_names(manifest.n_layers, int8=True))
     if int8_channel:
-        graphs[INT8_CHANNEL] = CacheGraph(SERVING_FUSED_INT8, "float32", cache_input_names(manifest.n_layers))
+        graphs[INT8_CHANNEL] = CacheGraph(kind_variant(INT8_CHANNEL), "float32", cache_input_names(manifest.n_layers))
     return graphs
 
 

@@ -359,8 +359,7 @@ class ModelRunner:
         after the first, so each sees the int8 cache of the ones before it); `top`: each position's
         likeliest tokens and their log-probabilities too (echo's alternatives)."""
         inputs = token_ids[:-1]
-        head = 1 if policy is not None and policy.int8 else None
-        if policy is not None and len(inputs) > (head or policy.cached(len(inputs))):
+        if policy is not None and len(inputs) > (head := policy.exact_tokens(len(inputs))):
             *_, streamed = self.stream_through_policy("score", inputs, policy, len(inputs), True, head)
             assert streamed is not None and streamed.all_logits is not None
             logits = streamed.all_logits
@@ -375,10 +374,7 @@ class ModelRunner:
 
     def row_policy(self, policy: CachePolicy) -> RowPolicy:
         """A new row's eviction state for a request's policy."""
-        if not policy.bounded:
-            return RowPolicy()
-        assert self.eviction is not None, "bounded policies need an export with cache_eviction"
-        return RowPolicy(policy.budget or 0, policy.sinks, self.eviction.feeds_original_positions)
+        return RowPolicy(policy.budget or 0, policy.sinks, policy.original_positions(self.eviction))
 
     def stream_through_policy(
         self,
@@ -397,7 +393,7 @@ class ModelRunner:
         capacity = policy.cached(len(token_ids))
         budget = capacity if head_tokens is None else min(head_tokens, capacity)
         assert len(token_ids) > budget
-        kind = self.layout.int8_kind(policy.bounded) if policy.int8 else self.dtype
+        kind = self.layout.kind_of(policy)
         session = self.prefill_sessions.get(kind)
         assert session is not None, "open_prefill_session() first"
         head = token_ids[:budget]

@@ -32,6 +32,8 @@ from service.engine.kv import INT8, Int8KV, KVLayout, KVStore, RowPolicy, TorchA
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.process import ServerProcess
 
+INT8_POLICY = parse_cache_policy("int8")
+
 LAYOUT = KVLayout(n_layers=1, n_heads=2, head_dim=8, dtype="float32")
 TEXT = (
     'def parse(argv):\n    """Parse the command line."""\n    parser = argparse.ArgumentParser()\n'
@@ -57,7 +59,7 @@ TEXT = (
 )
 def test_int8_policies_parse_and_round_trip(text: str, policy: CachePolicy) -> None:
     assert parse_cache_policy(text) == policy and str(policy) == text
-    assert policy.cached(1000) == (1000 if policy.window is None else policy.sinks + policy.window)
+    assert policy.cached(1000) == (policy.budget or 1000)
 
 
 @pytest.mark.parametrize("text", ["full+int8", "int8+int8", "window:4+int8+int8", "+int8", "int4", "window:48+fp8"])
@@ -102,7 +104,7 @@ def kv(length: int, seed: int = 0) -> np.ndarray:
 
 def test_an_int8_row_costs_its_real_bytes_in_a_class_of_its_own() -> None:
     store = KVStore(LAYOUT, 1 << 20, 16, 256)
-    assert store.reserve("f", 10) and store.reserve("q", 10, int8=True)
+    assert store.reserve("f", 10) and store.reserve("q", 10, INT8_POLICY)
     float_class, int8_class = store.classes[64], store.kinds[INT8][64]
     assert float_class is not int8_class and int8_class.kind == INT8 and int8_class.cache.dtype == np.int8
     assert int8_class.storage.scales.shape == (2, int8_class.rows, 2, 64, 1)
@@ -129,7 +131,7 @@ def test_int8_rows_quantize_writes_and_steps_and_move_without_requantizing(backe
     host = (lambda a: a.numpy()) if arrays else (lambda a: a)
     upload = (lambda a: torch.from_numpy(a)) if arrays else (lambda a: a)
     prompt = kv(63)
-    assert store.reserve("a", 64, int8=True) and store.reserve("b", 3, int8=True)
+    assert store.reserve("a", 64, INT8_POLICY) and store.reserve("b", 3, INT8_POLICY)
     store.write("a", upload(prompt), 63)
     store.write("b", upload(kv(3, seed=5)), 3)
     klass = store.kinds[INT8][64]
@@ -153,7 +155,7 @@ def test_int8_rows_quantize_writes_and_steps_and_move_without_requantizing(backe
 
 def test_eviction_shifts_int8_values_and_their_scales_together() -> None:
     store = KVStore(LAYOUT, 1 << 20, 16, 256)
-    assert store.reserve("w", 8, int8=True)
+    assert store.reserve("w", 8, INT8_POLICY)
     prompt = kv(8)
     store.write("w", prompt, 8, RowPolicy(budget=8, sinks=2))
     klass = store.kinds[INT8][64]

@@ -69,13 +69,14 @@ def test_the_channel_format_quantizes_as_the_kernel_does() -> None:
 
 def test_an_unbounded_int8_row_is_a_channel_row_of_a_quarter_of_the_bytes() -> None:
     store = KVStore(LAYOUT, 1 << 20, 16, 256)
-    assert store.reserve("f", 10) and store.reserve("c", 10, int8=True) and store.reserve("b", 10, True, bounded=True)
+    assert store.reserve("f", 10) and store.reserve("c", 10, parse_cache_policy("int8"))
+    assert store.reserve("b", 10, parse_cache_policy("window:16+int8"))
     float_class, channel, per_token = store.classes[64], store.kinds[INT8_CHANNEL][64], store.kinds[INT8][64]
     assert channel.kind == INT8_CHANNEL and channel.arrays == [channel.cache] and channel.cache.dtype == np.int8
     assert LAYOUT.kind_token_bytes(INT8_CHANNEL) * 4 == LAYOUT.token_bytes
     assert channel.nbytes == channel.cache.nbytes  # no scales travel with the rows
     assert store.physical_bytes == float_class.nbytes + channel.nbytes + per_token.nbytes
-    assert KVLayout(1, 2, 8, "float32").int8_kind(bounded=False) == INT8  # no channel scales: per-token rows
+    assert KVLayout(1, 2, 8, "float32").kind_of(parse_cache_policy("int8")) == INT8  # no channel scales: per-token rows
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
@@ -85,7 +86,7 @@ def test_channel_rows_quantize_writes_and_move_as_they_are(backend: str) -> None
     host = (lambda a: a.numpy()) if arrays else (lambda a: a)
     upload = (lambda a: torch.from_numpy(a)) if arrays else (lambda a: a)
     prompt = kv(63)
-    assert store.reserve("a", 64, int8=True)
+    assert store.reserve("a", 64, parse_cache_policy("int8"))
     store.write("a", upload(prompt), 63)
     klass = store.kinds[INT8_CHANNEL][64]
     stored = host(klass.cache[:, 0, :, :63]).copy()
@@ -121,7 +122,7 @@ def test_runner_scores_int8_in_the_kernel_as_the_reference_does(repository: Path
     same numbers; and bits per byte within 1% of float32's."""
     manifest = Manifest.load(repository / scheme)
     runner = ModelRunner(manifest, StoreConfig(64 << 20, 16, 1024), threads=1)
-    assert runner.layout.int8_kind(bounded=False) == INT8_CHANNEL
+    assert runner.layout.kind_of(parse_cache_policy("int8")) == INT8_CHANNEL
     ids = TOKENIZER.encode(Path(__file__).read_text())[:300]
     ours = runner.score(ids, parse_cache_policy("int8")).logprobs
     torch.set_num_threads(1)
@@ -139,4 +140,4 @@ def test_runner_scores_int8_in_the_kernel_as_the_reference_does(repository: Path
 def test_the_explicit_attention_mode_keeps_per_token_int8_rows(repository: Path) -> None:
     runner = ModelRunner(Manifest.load(repository / "rope"), StoreConfig(64 << 20, 16, 1024), threads=1,
                          attention="explicit")  # fmt: skip
-    assert runner.layout.int8_kind(bounded=False) == INT8 and INT8_CHANNEL not in runner.graphs
+    assert runner.layout.kind_of(parse_cache_policy("int8")) == INT8 and INT8_CHANNEL not in runner.graphs

@@ -275,7 +275,7 @@ def decode(runner: ModelRunner, ids: list[int], policy: object, new: int, guesse
     then plain steps or verify + commit), never past `new` tokens; and how many guesses it verified."""
     store, proposer = runner.store, NgramProposer()
     runner.open_prefill_session()
-    store.reserve("r", policy.cached(len(ids) + 1 + guesses), policy.int8, bounded=policy.bounded)  # type: ignore[attr-defined]
+    store.reserve("r", policy.cached(len(ids) + 1 + guesses), policy)  # type: ignore[attr-defined,arg-type]
     prompt = runner.prefill_chunked("r", ids, 512)
     assert prompt is not None
     prompt.policy = runner.row_policy(policy)  # type: ignore[arg-type]
