@@ -43,8 +43,9 @@ from models.tokenizer import TOKENIZER
 from service.engine.kv import Array
 from service.engine.kv.classes import rotate_keys
 from service.engine.messages import PromptSegment
+from service.engine.processing.input_processor import segment_spans
 from service.engine.prompts.prompt import PrefilledPrompt
-from service.engine.prompts.segments import SegmentAssembly, segment_spans
+from service.engine.prompts.segments import SegmentAssembly
 from service.engine.worker.runner import ModelRunner, StoreConfig
 
 CHUNK_TOKENS = 512

@@ -12,8 +12,15 @@ from dataclasses import dataclass
 from contract.cache_policy import FIELD as POLICY_FIELD
 from contract.cache_policy import FULL_POLICY, CachePolicy, CachePolicyError, parse_cache_policy
 from contract.manifest import Manifest
-from service.engine.messages import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, ErrorKind, GenerateInput, RequestError
-from service.engine.request import SamplingParams
+from service.engine.messages import (
+    MAX_LOGPROBS,
+    MAX_SPECULATIVE_TOKENS,
+    ErrorKind,
+    GenerateInput,
+    PromptSegment,
+    RequestError,
+)
+from service.engine.request import Request, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,16 @@ class InputProcessor:
     def check_logprobs(value: int | None, field: str) -> None:
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"{field}: must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    def request(self, raw: GenerateInput, request_id: str) -> Request:
+        """The engine's Request of a generation input, built here alone: for a new request
+        (Engine.submit) and for one resumed on a new core (CommandLoop.resume) alike, so a resumed
+        request is the request it was (its reusable segments included)."""
+        ids, params, policy = self.generate(raw)
+        request = Request(request_id, raw.model, ids, params, self.eos_token_id, raw.deadline, policy)
+        request.segments = segment_spans(raw.segments, self.add_bos)
+        request.segment_repair_tokens = raw.segment_repair_tokens
+        return request
 
     def generate(self, raw: GenerateInput) -> tuple[list[int], SamplingParams, CachePolicy]:
         if raw.prompt and raw.prompt_ids:
@@ -169,3 +186,14 @@ class InputProcessor:
                 f"{field}: {scored} tokens to score exceed {what}={limit} of model {self.manifest.name!r}",
             )
         return ids, policy
+
+
+def segment_spans(segments: tuple[PromptSegment, ...], add_bos: bool) -> tuple[tuple[int, int], ...]:
+    """Token spans [start, end) of the reusable, non-empty segments of a byte-level prompt."""
+    spans, offset = [], 1 if add_bos else 0
+    for segment in segments:
+        length = len(segment.text.encode("utf-8"))
+        if segment.reusable and length:
+            spans.append((offset, offset + length))
+        offset += length
+    return tuple(spans)

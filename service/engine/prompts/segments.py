@@ -21,21 +21,9 @@ from contract.manifest import REUSE_RECOMPUTE, REUSE_ROTATE, SegmentReuse
 from service.engine.kv import Array, KVStore
 from service.engine.kv.classes import rotate_keys
 from service.engine.kv.prefix import CachedPast
-from service.engine.messages import PromptSegment
 from service.engine.prompts.prompt import PrefilledPrompt
 from service.engine.request import Request
 from service.engine.worker.runner import ModelRunner
-
-
-def segment_spans(segments: tuple[PromptSegment, ...], add_bos: bool) -> tuple[tuple[int, int], ...]:
-    """Token spans [start, end) of the reusable, non-empty segments of a byte-level prompt."""
-    spans, offset = [], 1 if add_bos else 0
-    for segment in segments:
-        length = len(segment.text.encode("utf-8"))
-        if segment.reusable and length:
-            spans.append((offset, offset + length))
-        offset += length
-    return tuple(spans)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from service.engine.request import Request, SamplingParams
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
 from service.server import parse_config
+from tests.service.engine.prompts.test_segments import DOCUMENT, segmented
 from tests.service.test_service import offline_greedy_text
 
 LONG = 3000  # new tokens: a stream still running when the core is killed
@@ -158,6 +159,25 @@ def test_streams_resume_on_the_restarted_core_with_the_text_of_an_uninterrupted_
     # cache keeps the resubmitted prompts' blocks) and nothing runs.
     assert wait_for(lambda: server.metric("posenc_running_sequences", model="alibi") == 0)
     assert server.sequence_bytes("posenc_kv_cache_used_bytes", model="alibi") == 0
+
+
+def test_a_stream_built_from_reusable_segments_resumes_with_its_segments_reused(server: ServerProcess) -> None:
+    """kill -9 under a request built from segments: the new core rebuilds it as it was, its reusable
+    segment placed rather than recomputed in context (alibi's keys carry no position), so the stream
+    ends with the text of an uninterrupted run and reports the segment's tokens as reused."""
+    request = segmented("alibi", "# first\n")
+    request.max_new_tokens = RESUMED
+    alone = list(server.stub.GenerateStream(request, timeout=120))
+    assert alone[-1].usage.reused_prompt_tokens == len(DOCUMENT)
+    stream = server.stub.GenerateStream(request, timeout=120)
+    text: list[str] = []
+    read_until(stream, text, 20)
+    kill_core(server)
+    chunks = list(stream)
+    text += [chunk.text for chunk in chunks]
+    assert "".join(text) == "".join(chunk.text for chunk in alone)
+    assert chunks[-1].usage.reused_prompt_tokens == len(DOCUMENT)  # the new core reused it too
+    assert server.metric("posenc_resumed_requests_total") == 1
 
 
 def test_a_unary_generate_resumes_on_the_restarted_core(server: ServerProcess, repository: Path) -> None:

@@ -14,7 +14,8 @@ from models.positional import SCHEMES, build_positional, matched_config
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.engine.messages import PromptSegment
-from service.engine.prompts.segments import SegmentAssembly, segment_spans
+from service.engine.processing.input_processor import segment_spans
+from service.engine.prompts.segments import SegmentAssembly
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.process import ServerProcess
 
