@@ -55,16 +55,18 @@ class ModelEngine:
         config: EngineConfig,
         metrics: ServiceMetrics,
         publish: Callable[[Callable[[OutputBatch], None], OutputBatch], None] | None = None,
+        runner: ModelRunner | None = None,
     ) -> None:
         """`publish(deliver, batch)`: how a step's outputs reach the output processor's client half
         (`deliver`): inline by default; the engine core hands them to its publisher thread, which
-        delivers them while the next step's graph runs (service.engine.core.StepOutputs)."""
+        delivers them while the next step's graph runs (service.engine.core.StepOutputs). `runner`:
+        the model's runner and its KV store, made here from the manifest by default (a test passes a
+        fake one: onnxruntime-genai's "lowest layer that proves the behaviour")."""
         self.manifest = manifest
         self.config = config
-        store = StoreConfig(config.kv_cache_bytes, config.block_size, sequence_limit(manifest, config))
-        self.runner = ModelRunner(
+        self.runner = runner or ModelRunner(
             manifest,
-            store,
+            StoreConfig(config.kv_cache_bytes, config.block_size, sequence_limit(manifest, config)),
             config.device,
             config.threads,
             config.kv_backend,
