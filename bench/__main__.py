@@ -23,8 +23,8 @@ from bench.throughput import print_throughput
 from contract.cli import HelpFormatter
 from contract.manifest import Manifest
 from contract.paths import REPOSITORY_ROOT
-from service.engine import denormals
-from service.engine.model_session import default_threads
+from service.engine.worker import denormals
+from service.engine.worker.model_session import default_threads
 
 SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill", "speculative")
 

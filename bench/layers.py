@@ -23,10 +23,10 @@ from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
-from service.engine import denormals
 from service.engine.engine import Engine
 from service.engine.messages import EngineConfig, GenerateInput
-from service.engine.runner import ModelRunner, StoreConfig
+from service.engine.worker import denormals
+from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.engine_client import EngineClient
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess

@@ -42,7 +42,7 @@ def print_policy_steps(folders: list[Path], args: argparse.Namespace, steps: int
                 logger.debug("%s %s: %s", manifest.name, text, error)
                 continue
             eight = policy_runner(folder, 8, POLICY_HISTORY, policy, args.threads, args.device)
-            timing = bounded_step_seconds if policy.bounded else step_seconds
+            timing = step_seconds if policy.budget is None else bounded_step_seconds
             per_sequence = one.store.stats().physical_bytes
             cells.append(
                 f"{timing(one, steps) * 1000:6.2f} /{timing(eight, steps) * 1000:6.2f} {per_sequence / 1e6:5.2f}MB"

@@ -22,10 +22,10 @@ from contract.graph import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, past_names
 from contract.manifest import Manifest
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
-from service.engine import denormals
-from service.engine.denormals import flush_denormals_on_this_thread
 from service.engine.messages import EngineConfig
-from service.engine.runner import ModelRunner, StoreConfig
+from service.engine.worker import denormals
+from service.engine.worker.denormals import flush_denormals_on_this_thread
+from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.process import ServerProcess
 
 PROMPT_BYTES = (256, 512, 1024, 2048, 4000)

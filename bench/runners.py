@@ -12,8 +12,8 @@ import numpy as np
 
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from contract.manifest import NP_DTYPES, Manifest
-from service.engine.prompts import PrefilledPrompt
-from service.engine.runner import ModelRunner, StoreConfig
+from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.worker.runner import ModelRunner, StoreConfig
 
 CONTEXTS = (128, 256, 512, 1024, 2048)  # context lengths the step-time tables sweep
 
@@ -53,7 +53,7 @@ def policy_runner(
     prompts = []
     for i in range(batch):
         cache = runner.backend.upload((rng.standard_normal(shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
-        runner.store.reserve(f"r{i}", policy.cached(history + 1), policy.int8, bounded=policy.bounded)
+        runner.store.reserve(f"r{i}", policy.cached(history + 1), policy)
         row = runner.row_policy(policy)
         row.evicted = history - cached
         prompts.append(PrefilledPrompt(f"r{i}", logits, cache, cached, row))

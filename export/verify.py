@@ -253,7 +253,7 @@ def check_fused_graph(
 
 # The fused int8 graph against the PyTorch reference that quantizes the same way: ONNX Runtime's and
 # torch's float32 K/V differ in the last bits, so a value now and then rounds to the neighbouring int8
-# step and moves later logits by up to ~1e-2 (tests/service/test_int8_cache.py); held to this.
+# step and moves later logits by up to ~1e-2 (tests/service/engine/kv/test_int8_cache.py); held to this.
 INT8_CHANNEL_TOLERANCE = 0.05
 
 

@@ -34,8 +34,10 @@ import torch
 from torch import Tensor
 
 from contract import kv_int8
-from contract.cache_policy import CachePolicy
+from contract.cache_policy import INT8_CHANNEL, CachePolicy
 from models.transformer import KeyValue, Transformer
+
+FLOAT = "float32"  # the reference's K/V, and the storage kind of a policy that keeps them as they are
 
 
 def _query_position(model: Transformer, t: int, n: int) -> int:
@@ -97,11 +99,11 @@ def attending_to_stored(model: Transformer, quantize: Callable[[Tensor, int], Te
 
 
 def _stored(
-    cache: list[KeyValue], policy: CachePolicy, first: int, channels: Callable[[Tensor, int], Tensor] | None = None
+    cache: list[KeyValue], kind: str, first: int, channels: Callable[[Tensor, int], Tensor] | None = None
 ) -> list[KeyValue]:
-    """The cache as the policy's storage holds it: columns from `first` on quantized under +int8
-    (per token, or with `channels` in the channel format)."""
-    if not policy.int8:
+    """The cache as rows of a storage kind (CachePolicy.kind) hold it: columns from `first` on
+    quantized in int8 ones (per token, or with `channels` in the channel format)."""
+    if kind == FLOAT:
         return cache
 
     def store(x: Tensor, tensor: int) -> Tensor:
@@ -130,13 +132,15 @@ def stream_logits(
     evicted = 0
     rows: list[Tensor] = []
     head = max(1, min(prompt_tokens, len(ids), budget or len(ids)))
+    kind = policy.kind(FLOAT, int8_channel_scales is not None)  # how the service's rows would store it
     channels = None
-    if policy.int8 and not policy.bounded and int8_channel_scales is not None:
+    if kind == INT8_CHANNEL:
+        assert int8_channel_scales is not None
         channels = channel_quantizer(int8_channel_scales)
     if ids:
         logits, cache = model(torch.tensor([ids[:head]], dtype=torch.long, device=device))
         rows.extend(logits[0].to(torch.float32))
-        cache = _stored(cache, policy, 0, channels)
+        cache = _stored(cache, kind, 0, channels)
     for t, token in enumerate(ids[head:], start=head):
         assert cache is not None
         n = cache[0][0].shape[2]
@@ -146,7 +150,7 @@ def stream_logits(
         with nullcontext() if channels is None else attending_to_stored(model, channels):
             logits, presents = model(input_ids, mask, position_ids, past_key_values=cache)
         rows.append(logits[0, -1].to(torch.float32))
-        cache = _stored(_with_new(cache, presents, n), policy, n, channels)
+        cache = _stored(_with_new(cache, presents, n), kind, n, channels)
         if budget is None or n < budget:
             continue
         if scheme.rotates_keys and sinks and anchor is None:
@@ -155,7 +159,7 @@ def stream_logits(
         evicted += 1
         if anchor is not None:
             moved = [scheme.move_keys(a, evicted) for a in anchor]
-            if policy.int8:
+            if kind != FLOAT:
                 moved = [fake_quantize(m) for m in moved]
             cache = [(torch.cat((m, k[:, :, sinks:]), dim=2), v) for m, (k, v) in zip(moved, cache, strict=True)]
     return torch.stack(rows) if rows else torch.empty((0, model.config.vocab_size))

@@ -57,7 +57,7 @@ from service.engine.messages import (
     Stopped,
     read_messages,
 )
-from service.engine.streams import OutputStream
+from service.engine.processing.streams import OutputStream
 from service.request_handle import RequestHandle, ResumeObserver
 
 logger = logging.getLogger(__name__)

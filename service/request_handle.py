@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.engine.messages import Final, GenerateInput, RequestStatus, TokenLogprob
-from service.engine.streams import OutputStream
+from service.engine.processing.streams import OutputStream
 
 
 @dataclass(frozen=True)

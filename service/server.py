@@ -28,6 +28,7 @@ from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.messages import MAX_SPECULATIVE_TOKENS, DrainReport, EngineConfig
+from service.engine.spec.proposer import PROPOSERS
 from service.engine_client import EngineClient, EngineStartError
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
@@ -103,13 +104,19 @@ ENGINE_FLAGS = {
         "--admission-trace",
         str,
         "folder: write each model's admission measurements, decisions and realised times to first token to "
-        "<folder>/<model>.jsonl (replayed by service.engine.admission.replay; empty: off)",
+        "<folder>/<model>.jsonl (replayed by service.engine.sched.admission.replay; empty: off)",
     ),
     "speculative_tokens": (
         "--speculative-tokens",
         int,
-        "speculative decoding: guesses (from the n-gram prompt-lookup proposer) a decode step verifies in one "
+        "speculative decoding: guesses (from --speculative-method's proposer) a decode step verifies in one "
         "graph call, for requests that name none (GenerateRequest.speculative_tokens overrides; 0: off)",
+    ),
+    "speculative_method": (
+        "--speculative-method",
+        str,
+        f"the proposer of speculative guesses, by name: {', '.join(sorted(PROPOSERS))} (ngram: vLLM's n-gram "
+        "prompt lookup, no model)",
     ),
     "ngram_prompt_lookup_min": ("--ngram-prompt-lookup-min", int, "shortest n-gram the proposer looks up"),
     "ngram_prompt_lookup_max": ("--ngram-prompt-lookup-max", int, "longest n-gram the proposer looks up"),
@@ -212,6 +219,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     )
     if not 0 <= engine.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         parser.error(f"--speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (got {engine.speculative_tokens})")
+    if engine.speculative_method not in PROPOSERS:
+        names = ", ".join(sorted(PROPOSERS))
+        parser.error(f"--speculative-method must be one of {names} (got {engine.speculative_method!r})")
     if not 1 <= engine.ngram_prompt_lookup_min <= engine.ngram_prompt_lookup_max:
         parser.error("--ngram-prompt-lookup-min must be >= 1 and at most --ngram-prompt-lookup-max")
     if engine.tail_prefill_tokens < 0:

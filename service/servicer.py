@@ -21,7 +21,7 @@ from service.engine.messages import (
     RequestStatus,
     TokenLogprob,
 )
-from service.engine.streams import StreamEvent
+from service.engine.processing.streams import StreamEvent
 from service.engine_client import EngineClient
 from service.logprobs import TokenAligner, aligned
 from service.request_handle import RequestHandle

@@ -49,7 +49,7 @@ def test_the_import_contracts_hold() -> None:
     ("module", "line", "contract"),
     [
         ("service/servicer.py", "import models.tokenizer", "service imports only contract and itself"),
-        ("service/engine_client.py", "import service.engine.runner", "the front end loads neither the engine"),
+        ("service/engine_client.py", "import service.engine.worker.runner", "the front end loads neither the engine"),
         ("contract/manifest.py", "import export.manifest", "contract imports nothing of the project"),
     ],
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contract.cache_policy import CachePolicy, parse_cache_policy
+from contract.cache_policy import FULL, INT8, INT8_CHANNEL, parse_cache_policy
 from loadtest.probes import wilson
 from loadtest.study.cache_budget import policy_budget
 from loadtest.study.results import ByLength, CacheBudget, Cell, Cells, LoadFigures, Results
@@ -137,8 +137,18 @@ class Int8Ratio:
     unbounded: float
     bounded: float
 
-    def of(self, policy: CachePolicy) -> float:
-        return self.bounded if policy.bounded else self.unbounded
+    def of(self, kind: str) -> float:
+        """Of a storage kind (storage_kind): int8 rows' of their kind, float rows' 1."""
+        return {INT8_CHANNEL: self.unbounded, INT8: self.bounded}.get(kind, 1.0)
+
+
+def storage_kind(policy: str) -> str:
+    """How a policy stores its rows (CachePolicy.kind), on the reference machine's float32 CPU engine,
+    which reads unbounded int8 rows with per-channel scales."""
+    return parse_cache_policy(policy).kind(FLOAT32, channel_scales=True)
+
+
+FLOAT32 = "float32"
 
 
 def int8_ratio(data: dict[str, CacheBudget]) -> Int8Ratio | None:
@@ -153,7 +163,7 @@ def int8_ratio(data: dict[str, CacheBudget]) -> Int8Ratio | None:
             unbounded = float(quantized["kv_physical_bytes"] / full["kv_physical_bytes"])
         for policy, figure in cost.items():
             base = cost.get(policy.removesuffix("+int8"))
-            if bounded is None and figure and base and policy.endswith("+int8") and parse_cache_policy(policy).bounded:
+            if bounded is None and figure and base and storage_kind(policy) == INT8:
                 bounded = float(figure["kv_physical_bytes"] / base["kv_physical_bytes"])
     if unbounded is None:
         return None
@@ -162,15 +172,13 @@ def int8_ratio(data: dict[str, CacheBudget]) -> Int8Ratio | None:
 
 def sequence_bytes(policy: str, tokens: int, bytes_per_token: float, ratio: Int8Ratio | None) -> float:
     """KV bytes one sequence of `tokens` tokens holds under `policy` (the tokens it keeps, whole)."""
-    parsed = parse_cache_policy(policy)
-    per_token = bytes_per_token * (ratio.of(parsed) if parsed.int8 and ratio else 1.0)
-    return parsed.cached(tokens) * per_token
+    per_token = bytes_per_token * (ratio.of(storage_kind(policy)) if ratio else 1.0)
+    return parse_cache_policy(policy).cached(tokens) * per_token
 
 
 def in_panel(policy: str, kind: str | None) -> bool:
     """Unbounded policies (full, int8) belong to every panel; a bounded one to its own form's."""
-    parsed = parse_cache_policy(policy)
-    return kind is None or not parsed.bounded or parsed.form.removesuffix("+int8") == kind
+    return kind is None or parse_cache_policy(policy).keeps in (FULL, kind)
 
 
 def cheapest_within(
@@ -193,7 +201,7 @@ def cheapest_within(
         if (value := cells.get(multiple)) is not None
         and value <= full * (1 + WITHIN)
         and in_panel(policy, kind)
-        and (ratio or not parse_cache_policy(policy).int8)
+        and (ratio or storage_kind(policy) == FLOAT32)
     ]
     nbytes, policy, change = min(candidates, key=lambda c: c[0])
     return policy, nbytes, change

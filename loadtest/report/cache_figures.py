@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from contract.cache_policy import parse_cache_policy
 from loadtest.palette import REFERENCE, TEXT_ON_LIGHT, policy_style, style
 from loadtest.report.analysis import (
+    FLOAT32,
     WITHIN,
     bpb_multiples,
     cheapest_within,
@@ -21,6 +22,7 @@ from loadtest.report.analysis import (
     measured_bpb,
     policy_tokens,
     sequence_bytes,
+    storage_kind,
 )
 from loadtest.report.formatting import binary_bytes
 from loadtest.report.titles import PLOTS
@@ -39,7 +41,7 @@ def figure_kv_bytes(results: Results) -> Figure:
     ratio = int8_ratio(data)
     per_token = next(iter(data.values()))["bytes_per_token"]
     policies = list(dict.fromkeys(p for f in data.values() for p in measured_bpb(f)))
-    policies = [p for p in policies if ratio or not parse_cache_policy(p).int8]
+    policies = [p for p in policies if ratio or storage_kind(p) == FLOAT32]
     budgets = sorted({b for p in policies if (b := parse_cache_policy(p).budget) is not None})
     multiples = bpb_multiples(data)
     longest = max(COST_HISTORY, round(float(multiples[-1]) * train))
@@ -51,7 +53,7 @@ def figure_kv_bytes(results: Results) -> Figure:
             rank = None if parsed.budget is None else budgets.index(parsed.budget)
             xs = [t for t in contexts if t >= (parsed.budget or 0)]  # below its budget a policy is its full form
             ys = [sequence_bytes(policy, round(t), per_token, ratio) for t in xs]
-            ax.plot(xs, ys, label=policy, linewidth=1.2, **policy_style(parsed.int8, rank))
+            ax.plot(xs, ys, label=policy, linewidth=1.2, **policy_style(storage_kind(policy) != FLOAT32, rank))
         allocated = [
             (sequence_bytes(policy, COST_HISTORY, per_token, ratio), cost["kv_physical_bytes"])
             for policy in policies

@@ -43,9 +43,10 @@ from models.tokenizer import TOKENIZER
 from service.engine.kv import Array
 from service.engine.kv.classes import rotate_keys
 from service.engine.messages import PromptSegment
-from service.engine.prompts import PrefilledPrompt
-from service.engine.runner import ModelRunner, StoreConfig
-from service.engine.segments import SegmentAssembly, segment_spans
+from service.engine.processing.input_processor import segment_spans
+from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.prompts.segments import SegmentAssembly
+from service.engine.worker.runner import ModelRunner, StoreConfig
 
 CHUNK_TOKENS = 512
 SINK = "sink"  # EPIC's precompute: a document's K/V computed after a BOS that is dropped when placed

@@ -28,7 +28,6 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from contract.cache_policy import CachePolicyError
 from contract.manifest import ManifestError
-from service.engine import denormals
 from service.engine.engine import Engine
 from service.engine.kv import KVBudgetError
 from service.engine.messages import (
@@ -58,8 +57,9 @@ from service.engine.messages import (
     read_messages,
 )
 from service.engine.model_limits import eviction_positions, policy_syntax
-from service.engine.output_processor import OutputBatch
+from service.engine.processing.output_processor import OutputBatch
 from service.engine.request import Request
+from service.engine.worker import denormals
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics
 
@@ -296,7 +296,7 @@ def run_core(config: CoreConfig) -> None:
     """The core process's main: load the models, say READY, serve commands until STOP."""
     _die_with_parent()
     return_freed_memory_to_the_os()  # the KV arrays live here
-    denormals.enable()  # before the first session (service/engine/denormals.py)
+    denormals.enable()  # before the first session (service/engine/worker/denormals.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.update(config.environment)
@@ -366,16 +366,15 @@ class CommandLoop:
         Its seeded draws go on from their token index (service.engine.sampler)."""
         raw, produced = command.input, command.produced
         model = self.engine.model(raw.model)
-        ids, params, policy = model.inputs.generate(raw)
-        limit = model.inputs.limits.max_sequence_tokens
-        if len(ids) + len(produced) > limit:
+        request = model.inputs.request(raw, command.request_id)
+        prompt, limit = len(request.prompt_ids), model.inputs.limits.max_sequence_tokens
+        if prompt + len(produced) > limit:
             raise RequestError(
                 ErrorKind.UNAVAILABLE,
-                f"cannot resume: its prompt ({len(ids)} tokens) and the {len(produced)} tokens it produced "
+                f"cannot resume: its prompt ({prompt} tokens) and the {len(produced)} tokens it produced "
                 f"exceed max_sequence_tokens={limit}, the longest prompt this server computes",
             )
-        eos = model.inputs.eos_token_id
-        request = Request(command.request_id, raw.model, ids, params, eos, raw.deadline, policy)
+        eos = request.eos_token_id
         request.output_ids, request.delivered_tokens = list(produced), len(produced)
         if request.logprobs is not None:  # the produced tokens' went out with them: never sent again
             request.logprobs = [None] * len(produced)
@@ -387,7 +386,7 @@ class CommandLoop:
         status = (
             RequestStatus.FINISHED_STOP if request.detokenizer.stopped
             else RequestStatus.FINISHED_EOS if produced[-1] == eos
-            else RequestStatus.FINISHED_LENGTH if len(produced) >= params.max_new_tokens
+            else RequestStatus.FINISHED_LENGTH if len(produced) >= request.params.max_new_tokens
             else None
         )  # fmt: skip
         if status is None:

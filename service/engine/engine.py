@@ -15,10 +15,9 @@ from contract.manifest import Manifest, ManifestError
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, GenerateInput, RequestError, Scored
 from service.engine.model_engine import ModelEngine
 from service.engine.model_limits import check_kv_budget
-from service.engine.output_processor import OutputBatch
+from service.engine.processing.output_processor import OutputBatch
+from service.engine.processing.streams import OutputSink
 from service.engine.request import Request
-from service.engine.segments import segment_spans
-from service.engine.streams import OutputSink
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -81,11 +80,7 @@ class Engine:
 
     def submit(self, raw: GenerateInput, request_id: str | None = None) -> Request:
         engine = self.model(raw.model)
-        ids, params, policy = engine.inputs.generate(raw)
-        request_id = request_id or f"{raw.model}-{next(self._ids)}"
-        request = Request(request_id, raw.model, ids, params, engine.inputs.eos_token_id, raw.deadline, policy)
-        request.segments = segment_spans(raw.segments, engine.inputs.add_bos)
-        request.segment_repair_tokens = raw.segment_repair_tokens
+        request = engine.inputs.request(raw, request_id or f"{raw.model}-{next(self._ids)}")
         if self.output_sink is not None:
             request.output = self.output_sink(request)
         engine.submit(request)

@@ -114,7 +114,7 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
 
 # The most alternatives a token's log-probabilities may list (OpenAI's and vLLM's default limit).
 MAX_LOGPROBS = 20
-# The most speculative guesses a request's decode step may verify (service.engine.speculative).
+# The most speculative guesses a request's decode step may verify (service.engine.spec).
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -167,7 +167,7 @@ class EngineConfig:
     threads: int = 0  # intra-op threads per session (0: half the cores for decode, all for prefill)
     prefill_nice: int = 10  # OS priority drop of the prefill worker thread (0: none)
     # A prefix-cache hit with at most this many prompt tokens left to compute goes to a thread of
-    # its own at normal priority (service.engine.prefill.TailWorker), not the prefill worker (0: never).
+    # its own at normal priority (service.engine.prompts.prefill.TailWorker), not the prefill worker (0: never).
     tail_prefill_tokens: int = 128
     # The engine core sends a stream's continuing tokens at most this often (first tokens and
     # finishes at once): each message wakes threads on the other core, which slows the decode step.
@@ -177,11 +177,13 @@ class EngineConfig:
     # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
     default_cache_policies: tuple[str, ...] = ()
     prefix_cache: bool = True  # keep prompts' full blocks and reuse them for prompts that start alike
-    # Speculative decoding (service.engine.speculative): guesses per step of a request that names
-    # none (0: off), the n-gram proposer's shortest and longest lookup, and the running batch above
+    # Speculative decoding (service.engine.spec): guesses per step of a request that names none
+    # (0: off), the proposer by name (service.engine.spec.proposer.PROPOSERS), the n-gram
+    # proposer's shortest and longest lookup, and the running batch above
     # which no request guesses: on 2 CPU cores guessing already costs at 2 streams (0.88-0.93x of not
     # guessing, `python -m bench --sections speculative`), so by default only a lone stream guesses.
     speculative_tokens: int = 0
+    speculative_method: str = "ngram"
     ngram_prompt_lookup_min: int = 3
     ngram_prompt_lookup_max: int = 12
     speculative_max_batch: int = 1
@@ -222,7 +224,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     add_bos: bool = True
 
     def prompt_ids(self, text: str) -> list[int]:
-        """A text prompt's token ids, as the engine tokenizes it (service.engine.input_processor)."""
+        """A text prompt's token ids, as the engine tokenizes it (service.engine.processing.input_processor)."""
         data = list(text.encode("utf-8"))
         return [self.bos_token_id, *data] if self.add_bos else data
 

@@ -22,23 +22,22 @@ import numpy as np
 
 from contract.cache_policy import CachePolicyError
 from contract.manifest import Manifest
-from service.engine.admission import AdmissionControl, Backlog, open_trace
-from service.engine.decode_plan import DecodePlan
-from service.engine.input_processor import InputLimits, InputProcessor
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
 from service.engine.model_limits import default_cache_policy, policy_forms, sequence_limit
 from service.engine.model_metrics import ModelMetrics
-from service.engine.output_processor import Finished, OutputBatch, OutputProcessor
-from service.engine.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
-from service.engine.prefix_cache import PrefixMetrics, PrefixReuse
+from service.engine.processing.input_processor import InputLimits, InputProcessor
+from service.engine.processing.output_processor import Finished, OutputBatch, OutputProcessor
+from service.engine.prompts.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
+from service.engine.prompts.prefix_cache import PrefixMetrics, PrefixReuse
+from service.engine.prompts.segments import SegmentAssembly, SegmentReuser
 from service.engine.request import Request
-from service.engine.runner import ModelRunner, StoreConfig
 from service.engine.sampler import Sampler, all_greedy, logprobs_by_row
-from service.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
-from service.engine.segments import SegmentAssembly, SegmentReuser
-from service.engine.speculative import NgramProposer
-from service.engine.speculator import Speculator
-from service.engine.step_observer import StepObserver
+from service.engine.sched.admission import AdmissionControl, Backlog, open_trace
+from service.engine.sched.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from service.engine.sched.step_observer import StepObserver
+from service.engine.spec.speculator import Speculator
+from service.engine.worker.decode_plan import DecodePlan
+from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -56,16 +55,18 @@ class ModelEngine:
         config: EngineConfig,
         metrics: ServiceMetrics,
         publish: Callable[[Callable[[OutputBatch], None], OutputBatch], None] | None = None,
+        runner: ModelRunner | None = None,
     ) -> None:
         """`publish(deliver, batch)`: how a step's outputs reach the output processor's client half
         (`deliver`): inline by default; the engine core hands them to its publisher thread, which
-        delivers them while the next step's graph runs (service.engine.core.StepOutputs)."""
+        delivers them while the next step's graph runs (service.engine.core.StepOutputs). `runner`:
+        the model's runner and its KV store, made here from the manifest by default (a test passes a
+        fake one: onnxruntime-genai's "lowest layer that proves the behaviour")."""
         self.manifest = manifest
         self.config = config
-        store = StoreConfig(config.kv_cache_bytes, config.block_size, sequence_limit(manifest, config))
-        self.runner = ModelRunner(
+        self.runner = runner or ModelRunner(
             manifest,
-            store,
+            StoreConfig(config.kv_cache_bytes, config.block_size, sequence_limit(manifest, config)),
             config.device,
             config.threads,
             config.kv_backend,
@@ -120,10 +121,8 @@ class ModelEngine:
         )
         self._wake = threading.Condition()
         self.sampler = Sampler()
-        # Speculative decoding (service.engine.speculative): on when the server or a request asks.
-        proposer = NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
-        self.speculator = Speculator(proposer, self.sampler, self.metrics, config.speculative_max_batch)
-        self._speculative = config.speculative_tokens > 0  # some request may guess (set by `submit` too)
+        # Speculative decoding (service.engine.spec): for requests whose parameters ask for guesses.
+        self.speculator = Speculator.of(config, self.runner.verifier, self.sampler, self.metrics)
         # What the current step produced (tokens, finishes, observations), published when the step ends.
         self._batch = OutputBatch()
         self._publish = publish or (lambda deliver, batch: deliver(batch))
@@ -168,9 +167,7 @@ class ModelEngine:
                     self.metrics.shed["ttft_slo", request.cache_policy.form].inc()
                     raise
             self._inbox.append(request)
-            if request.draft is not None:  # it starts from how well this model's guesses fared lately
-                self._speculative = True
-                request.draft.acceptance = self.speculator.acceptance
+            self.speculator.admit(request)
             self._changed = True
             self._wake.notify()
 
@@ -420,10 +417,13 @@ class ModelEngine:
         steady batch's, or one made here); then each one's next token is sampled (`greedy`: every
         one is, known beforehand), and those it ends (or whose sampling failed) are finished. A step
         where some request guesses its next tokens verifies them instead (`_decode_speculative`)."""
-        if self._speculative and any(request.draft is not None for request in requests):
+        if self.speculator.active and any(request.draft is not None for request in requests):
             fed = self.speculator.drafts(requests, self.store.kind_of)
             if fed is not None:
                 self._decode_speculative(requests, fed)
+            if self.speculator.take_growth():  # more room for guesses: the next step reserves it
+                self._steady_steps = 0
+            if fed is not None:
                 return
         started = time.monotonic()
         try:
@@ -445,13 +445,12 @@ class ModelEngine:
         plus that token: 1 to len(guesses) + 1 tokens, whose K/V alone are written into the store."""
         started = time.monotonic()
         try:
-            logits = self.runner.verifier.verify([r.request_id for r in requests], fed)
+            logits = self.speculator.verify(requests, fed)
         except Exception as error:  # fail only the sequences of this call
             self._fail(requests, error)
             return
         now = time.monotonic()
-        kept, flat_requests, flat_tokens, flat_logits = self.speculator.keep(requests, fed, logits)
-        self.runner.verifier.commit(kept)
+        flat_requests, flat_tokens, flat_logits = self.speculator.keep(requests, fed, logits)
         self._batch.records.append((self.observer.decode_step, (now - started, len(requests))))
         asking = [row for row, request in enumerate(flat_requests) if request.logprobs is not None]
         logprobs = logprobs_by_row(flat_requests, np.concatenate(flat_logits), flat_tokens, asking) if asking else None

@@ -3,7 +3,7 @@ a KV budget that can hold it, and the cache policy of requests that name none.""
 
 from __future__ import annotations
 
-from contract.cache_policy import FORM_SYNTAX
+from contract.cache_policy import FORM_POLICIES, FORM_SYNTAX
 from contract.manifest import Manifest
 from service.engine.kv import KVBudgetError, KVLayout, KVStore
 from service.engine.messages import EngineConfig
@@ -24,11 +24,9 @@ def default_cache_policy(manifest: Manifest, config: EngineConfig) -> str:
 
 
 def policy_forms(manifest: Manifest) -> list[str]:
-    """The cache-policy forms a model accepts (CachePolicy.form: the `policy` metric label)."""
-    forms = ["full"] if manifest.cache_eviction is None else ["full", "window", "sinks"]
-    if manifest.has_int8_cache:
-        forms += ["int8", *(f"{form}+int8" for form in forms[1:])]
-    return forms
+    """The cache-policy forms a model accepts (CachePolicy.form: the `policy` metric label): those
+    whose policies its export has what they need for (CachePolicy.missing)."""
+    return [form for form, policy in FORM_POLICIES.items() if policy.missing(manifest) is None]
 
 
 def policy_syntax(manifest: Manifest) -> list[str]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from service.engine.messages import MAX_SPECULATIVE_TOKENS
-from service.engine.output_processor import TokenMetrics
+from service.engine.processing.output_processor import TokenMetrics
 from service.metrics import ServiceMetrics
 
 if TYPE_CHECKING:
     from service.engine.kv import KVStore
-    from service.engine.prefix_cache import PrefixReuse
+    from service.engine.prompts.prefix_cache import PrefixReuse
     from service.engine.request import Request
 
 

@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 
 from contract.cache_policy import FULL_POLICY, CachePolicy
-from service.engine.admission import Estimate
-from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.messages import RequestStatus, TokenLogprob
-from service.engine.speculative import DraftState
-from service.engine.streams import OutputSink, OutputStream
+from service.engine.processing.detokenizer import IncrementalDetokenizer
+from service.engine.processing.streams import OutputSink, OutputStream
+from service.engine.sched.admission import Estimate
+from service.engine.spec.draft import DraftState
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False  # EOS never ends the request: the sampler masks its logit
     min_tokens: int = 0  # nor before this many new tokens
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives' (None: none)
-    speculative_tokens: int = 0  # guesses a step may verify (service.engine.speculative; 0: none)
+    speculative_tokens: int = 0  # guesses a step may verify (service.engine.spec; 0: none)
 
     def eos_allowed(self, generated: int) -> bool:
         """Whether EOS may be sampled (and end the request) after `generated` new tokens."""
@@ -49,7 +49,7 @@ class Request:
     # Bumped on every preemption, so a prefill result computed before it is recognised as stale.
     attempt: int = 0
     first_token_time: float | None = None  # when its first token was sampled (the engine loop's)
-    # The output processor's side (service.engine.output_processor.deliver): tokens it has turned
+    # The output processor's side (service.engine.processing.output_processor.deliver): tokens it has turned
     # into text (the usage a client is told) and when the last of them was sampled.
     delivered_tokens: int = 0
     last_token_time: float = 0.0
@@ -63,7 +63,7 @@ class Request:
     # prefill, admission's estimate of them).
     cached_prompt_tokens: int = 0
     # Reusable segments of the prompt as token spans [start, end), and how many leading tokens of
-    # each are recomputed in context (service.engine.segments); the reused tokens, for the usage.
+    # each are recomputed in context (service.engine.prompts.segments); the reused tokens, for the usage.
     segments: tuple[tuple[int, int], ...] = ()
     segment_repair_tokens: int = 0
     reused_prompt_tokens: int = 0
@@ -102,11 +102,13 @@ class Request:
 
     @property
     def lookahead(self) -> int:
-        """Most tokens a step may add beyond the one it feeds (its speculative guesses): never past
-        max_new_tokens, so never past the sequence limit the request was checked against."""
-        if not self.params.speculative_tokens:
+        """Most tokens a step may add beyond the one it feeds (its speculative guesses, as many as its
+        draft's back-off allows now; none while it pauses): never past max_new_tokens, so never past
+        the sequence limit the request was checked against."""
+        if self.draft is None or self.draft.paused:
             return 0
-        return min(self.params.speculative_tokens, max(0, self.params.max_new_tokens - len(self.output_ids) - 1))
+        most = min(self.params.speculative_tokens, self.draft.cap)
+        return min(most, max(0, self.params.max_new_tokens - len(self.output_ids) - 1))
 
     @property
     def prefill_done(self) -> bool:

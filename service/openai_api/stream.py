@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from service.engine.streams import OutputStream, StreamEvent
+from service.engine.processing.streams import OutputStream, StreamEvent
 
 
 class _LoopWakeup:

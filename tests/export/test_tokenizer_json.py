@@ -1,5 +1,5 @@
 """The exported tokenizer.json, read by Hugging Face `tokenizers`, encodes and decodes exactly as
-the service tokenizes (service.engine.input_processor); the shipped weights' folders carry the same file."""
+the service tokenizes (service.engine.processing.input_processor); the shipped weights' folders carry the same file."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from contract.manifest import Manifest
 from export.manifest import TOKENIZER_JSON, huggingface_tokenizer, ship_tokenizers, write_tokenizer_json
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
-from service.engine.input_processor import InputLimits, InputProcessor
+from service.engine.processing.input_processor import InputLimits, InputProcessor
 
 TRAINED = trained_schemes()  # the schemes with shipped weights: what the repository fixture exports
 

@@ -14,8 +14,8 @@ import pytest
 
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
-from tests.service.test_prefix_cache_server import PREFIX, TAILS
-from tests.service.test_segments import DOCUMENT, QUESTION, segmented
+from tests.service.engine.prompts.test_prefix_cache_server import PREFIX, TAILS
+from tests.service.engine.prompts.test_segments import DOCUMENT, QUESTION, segmented
 
 PROMPT = PREFIX + TAILS[0]
 WHOLE_BLOCKS = (len(PROMPT) + 1) // 16 * 16  # with BOS; the prompt's last token is always computed

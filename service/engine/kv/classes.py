@@ -223,7 +223,7 @@ class CapacityClass:
 
     def append_tokens(self, row: int, kv: Array) -> None:
         """Write several tokens' K/V, (tensors, heads, n, head_dim), after row `row`'s last: a
-        verified speculative block's kept tokens (service.engine.speculative). A bounded row takes
+        verified speculative block's kept tokens (service.engine.spec). A bounded row takes
         more than one only while they fit its budget; one token into a full bounded row evicts first,
         as `append_step` does."""
         count = int(kv.shape[2])

@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from contract.cache_policy import INT8, INT8_CHANNEL, CachePolicy
 from contract.manifest import DTYPE_BYTES, INT8_SCALE_BYTES
 
-INT8 = "int8"  # the storage kind of int8 rows with per-token scales (float rows' kind is the layout's dtype)
-INT8_CHANNEL = "int8-channel"  # int8 rows with the model's fixed per-channel scales (contract/kv_int8.py)
+# The storage kinds (contract.cache_policy): float rows' kind is the layout's dtype; INT8 rows hold int8
+# values with per-token scales, INT8_CHANNEL rows int8 values with the model's fixed per-channel scales.
+__all__ = ["INT8", "INT8_CHANNEL", "KVLayout"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,7 @@ class KVLayout:
             return self.tensors * self.n_heads * self.head_dim
         return self.token_bytes
 
-    def int8_kind(self, bounded: bool) -> str:
-        """The storage kind of an int8 row: INT8_CHANNEL for an unbounded row where the model has its
-        graph (read inside the attention kernel), INT8 otherwise (bounded rows shift and re-index in
-        place, which only the explicit graph does)."""
-        return INT8_CHANNEL if self.channel_scales is not None and not bounded else INT8
+    def kind_of(self, policy: CachePolicy) -> str:
+        """The storage kind of a row under a cache policy, on this model (CachePolicy.kind: INT8_CHANNEL
+        only where the model has the channel scales its fused int8 graph reads)."""
+        return policy.kind(self.dtype, self.channel_scales is not None)

@@ -62,7 +62,7 @@ class CachedPast:
 class CachedBlock:
     """One block's K/V, (2 x layers, heads, block_size, head_dim), with what its key was made of
     (checked on a hit, so a hash collision is never a wrong hit). A reusable segment's entry is one
-    "block" of the segment's length, parent 0 (service.engine.segments)."""
+    "block" of the segment's length, parent 0 (service.engine.prompts.segments)."""
 
     parent: int
     tokens: tuple[int, ...]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.kv.arrays import Array, Backend, NumpyArrays
 from service.engine.kv.classes import GROWTH, CapacityClass, RowPolicy, capacity_ladder
 from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
@@ -124,19 +125,18 @@ class KVStore:
         self,
         sequence_id: str,
         tokens: int,
-        int8: bool = False,
+        policy: CachePolicy = FULL_POLICY,
         keep: frozenset[int] = frozenset(),
-        bounded: bool = False,
     ) -> bool:
         """Make room for `tokens` tokens of the sequence: a row for a new one (written later by
-        `write`; `int8`: in an int8 class, of the layout's `int8_kind` for a `bounded` row or not), a
+        `write`, in a class of the storage kind its cache `policy` takes: KVLayout.kind_of), a
         move to a wider class of its kind when its row is full. False, with nothing changed, when that
         would take the allocated memory above the budget. Cached prefix blocks make room first, except
         those in `keep` (the ones a prompt admitted in the same step is about to take)."""
         if tokens > self.max_tokens:
             return False
         current = self.capacity_of.get(sequence_id)
-        kind = self.kind_of.get(sequence_id) or (self.layout.int8_kind(bounded) if int8 else self.layout.dtype)
+        kind = self.kind_of.get(sequence_id) or self.layout.kind_of(policy)
         if current is not None and current >= tokens:
             self.tokens[sequence_id] = max(tokens, self.tokens.get(sequence_id, 0))
             return True

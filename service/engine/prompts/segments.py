@@ -1,0 +1,143 @@
+"""Reusable prompt segments: a document's K/V computed once on its own, from position 0, and placed
+wherever the document lands in later prompts (position-independent caching: EPIC, CacheBlend).
+
+What placing needs is the scheme's declaration (contract.manifest.SegmentReuse), never its name:
+`as_is` copies the K/V (keys carry no position: the bias is applied where a key lands, from its
+column in the row); `rotate` turns the keys by the offset first (RoPE); `recompute` reuses nothing
+(the segment is computed in place like any text). A reused segment's tokens never attended to the
+text before it; the repair (EPIC's LegoLink) recomputes the first k tokens of each reused segment in
+full context. The prompt's last token is always computed: its logits are the first token's.
+
+The text before the first reused segment is exact, so only its blocks enter the prefix cache; the
+segments' own K/V are entries of the same cache, inside the same budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from contract.manifest import REUSE_RECOMPUTE, REUSE_ROTATE, SegmentReuse
+from service.engine.kv import Array, KVStore
+from service.engine.kv.classes import rotate_keys
+from service.engine.kv.prefix import CachedPast
+from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.request import Request
+from service.engine.worker.runner import ModelRunner
+
+
+@dataclass
+class SegmentedPrompt(PrefilledPrompt):
+    """A prompt assembled from computed text and reused segments."""
+
+    computed: list[tuple[tuple[int, ...], Array]] = field(default_factory=list)  # segments computed here
+    reused_tokens: int = 0
+
+
+class SegmentAssembly:
+    """One prompt's prefill with reused segments, run on the prefill worker's thread."""
+
+    def __init__(self, runner: ModelRunner, reuse: SegmentReuse, chunk_tokens: int) -> None:
+        self.runner, self.reuse, self.chunk_tokens = runner, reuse, chunk_tokens
+
+    def _compute(self, request_id: str, token_ids: list[int], past: Array | None) -> PrefilledPrompt:
+        """`token_ids` after the `past` they extend, computed in that context."""
+        *_, result = self.runner.prefill_chunks(request_id, token_ids, self.chunk_tokens, past)
+        assert result is not None
+        return result
+
+    def _append(self, past: Array | None, piece: Array) -> Array:
+        """past (2 x layers, 1, heads, P, hd) and piece (2 x layers, heads, T, hd): one contiguous array."""
+        backend = self.runner.backend
+        piece = piece[:, None]
+        return backend.concatenate([piece] if past is None else [past, piece], axis=3)
+
+    def _placed(self, kv: Array, offset: int) -> Array:
+        """A segment's K/V computed from position 0, as it serves at `offset`."""
+        if self.reuse.mode != REUSE_ROTATE or offset == 0:
+            return kv
+        assert self.reuse.rotary_inv_freq is not None
+        rows = self.reuse.rotated_key_rows(kv.shape[0] // 2)
+        keys = rotate_keys(self.runner.backend, kv[rows], offset, self.reuse.rotary_inv_freq, self.runner.dtype)
+        placed = self.runner.backend.copy(kv)
+        placed[rows] = keys
+        return placed
+
+    def run(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        spans: tuple[tuple[int, int], ...],
+        cached: list[Array | None],
+        repair: int,
+        past: Array | None,
+    ) -> SegmentedPrompt:
+        """The prompt's K/V and last logits: text in context, reused segments placed (the first `repair`
+        tokens of each recomputed in context); `past`: the prefix cache's hit (before the first span)."""
+        done = 0 if past is None else int(past.shape[3])
+        last = len(token_ids) - 1  # always computed
+        prompt: PrefilledPrompt | None = None
+        computed: list[tuple[tuple[int, ...], Array]] = []
+        reused = 0
+        for (start, end), kv in zip(spans, cached, strict=True):
+            if start > done:
+                prompt = self._compute(request_id, token_ids[:start], past)
+                past, done = prompt.cache[:, None], start
+            if kv is None:
+                segment = tuple(token_ids[start:end])
+                kv = self._compute(request_id, list(segment), None).cache
+                computed.append((segment, kv))
+            stop = min(end, last)
+            if repair > 0 and start < stop:
+                prompt = self._compute(request_id, token_ids[: min(start + repair, stop)], past)
+                past, done = prompt.cache[:, None], min(start + repair, stop)
+            if done < stop:
+                past = self._append(past, self._placed(kv, start)[:, :, done - start : stop - start])
+                reused += stop - done
+                done = stop
+        if done < len(token_ids):
+            prompt = self._compute(request_id, token_ids, past)
+        assert prompt is not None and prompt.length == len(token_ids)
+        return SegmentedPrompt(request_id, prompt.logits, prompt.cache, prompt.length, None, computed, reused)
+
+
+class SegmentReuser:
+    """One model's reusable segments as its engine loop uses them (engine thread)."""
+
+    def __init__(self, store: KVStore, model: str, assembly: SegmentAssembly) -> None:
+        self.store, self.model, self.assembly = store, model, assembly
+
+    def applies(self, request: Request) -> bool:
+        """The model can reuse and the prompt has reusable segments that its policy keeps whole."""
+        tokens = len(request.prefill_ids)
+        if self.assembly.reuse.mode == REUSE_RECOMPUTE or not request.segments:
+            return False
+        return request.cache_policy.cached(tokens) == tokens
+
+    def exact_tokens(self, request: Request) -> int | None:
+        """Leading tokens whose K/V equal a fresh prefill's (before the first reused segment); None: all."""
+        return request.segments[0][0] if self.applies(request) else None
+
+    def _key(self, request: Request, tokens: tuple[int, ...]) -> int:
+        return hash(("segment", self.model, request.cache_policy.form, tokens))
+
+    def compute(self, request: Request, past: CachedPast | None) -> Callable[[], PrefilledPrompt] | None:
+        """The prefill of a request with reused segments, for the prefill worker (None: a plain prefill)."""
+        if not self.applies(request):
+            return None
+        token_ids, spans = request.prefill_ids, request.segments
+        segments = [tuple(token_ids[start:end]) for start, end in spans]
+        cached = [self.store.cached_segment(self._key(request, tokens), tokens) for tokens in segments]
+        repair = request.segment_repair_tokens
+        return lambda: self.assembly.run(
+            request.request_id, token_ids, spans, cached, repair, None if past is None else past.assemble()
+        )
+
+    def keep(self, request: Request, prompt: PrefilledPrompt) -> None:
+        """Segments computed for this prompt are kept; the usage learns how many tokens were reused."""
+        if not isinstance(prompt, SegmentedPrompt):
+            return
+        for tokens, kv in prompt.computed:
+            self.store.cache_segment(self._key(request, tokens), tokens, kv, request.cache_policy.form)
+        if request.attempt == 0:
+            request.reused_prompt_tokens = prompt.reused_tokens

@@ -1,0 +1,496 @@
+"""ONNX Runtime execution for one model: its sessions (the graph calls) plus the KV store.
+
+Every call binds its inputs and outputs by data pointer to arrays of the store's backend
+(model_session.py). Decode runs the in-place serving graph (float32, or float16 on a GPU) once per capacity
+class of the store: the graph reads each class's cache where it lies and returns only the new
+token's K/V, which the store writes into the next column of each row on the same device.
+
+Rows of `+int8` cache policies live in int8 classes of the store and decode through the
+serving-int8 graph (int8 K/V and their per-token scales in, float32 out; a decode session of its
+own). Prompts run in float32 as any prompt; their cache is quantized as it is written into the row.
+A scored text goes through an int8 row one token at a time (each token sees the int8 cache).
+
+Where the export has the fused decode graph (serving-fused: one GroupQueryAttention kernel per
+layer, export/fused.py) and `attention` allows it, classes of full float32 rows decode through it
+instead: it reads the same buffers and writes each new token's K/V into them itself (its present
+outputs are bound to the past buffers), so the store only advances lengths and masks. Classes
+holding a bounded or int8 row keep the explicit graph, which the fused kernel cannot express.
+
+Prompts run in a second session (the prefill worker's, in its own thread) and touch no store
+state; their caches are written into the rows the scheduler reserved, on the engine thread. Where the
+export has the fused prompt graph (prefill-fused: one GroupQueryAttention per layer over the prompt's
+tokens, no score or mask tensor in the graph) and `attention` allows it, prompts run through it: its
+batches are right-padded, and it returns the whole cache (past and new), so a chunk's result is the
+next chunk's past without a copy here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from contract.cache_policy import CachePolicy
+from contract.graph import left_pad_batch, right_pad_batch
+from contract.graph import target_logprobs as log_probabilities
+from contract.manifest import Manifest, serving_variant
+from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
+from service.engine.kv.arrays import NumpyArrays
+from service.engine.kv.prefix import CachedPast
+from service.engine.kv.scratch import ScratchArray
+from service.engine.messages import Scored
+from service.engine.prompts.prompt import PrefilledPrompt, StreamedPrompt, chunk_inputs
+from service.engine.sampler import log_softmax, top_logprobs
+from service.engine.spec.verifier import BlockVerifier
+from service.engine.worker.decode_plan import DecodeCall, DecodeCalls, DecodePlan
+from service.engine.worker.model_session import (
+    GraphBinder,
+    ModelSession,
+    cache_graphs,
+    choose_providers,
+    default_threads,
+    fused_graph,
+    int8_channel_scales,
+    prompt_graph,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    budget_bytes: int
+    block_size: int
+    max_tokens: int
+
+
+@dataclass
+class RunnerTimings:
+    """Seconds spent in decode graph calls and in cache handling on the engine thread (writes, joins)."""
+
+    graph: float = 0.0
+    cache: float = 0.0
+
+
+# A prompt streaming through a bounded policy lets other prompts run after this many tokens.
+STREAM_TOKENS_PER_YIELD = 64
+# The fused prompt session keeps a memory arena (with glibc's mmap threshold pinned, service/malloc.py,
+# an arena-less call maps every intermediate fresh and page-faults it in: 21,000 faults and about a
+# quarter of a 2,048-token prompt's time here, docs/measurements.md); `release_prompt_memory` gives
+# the arena back to the system, which the prefill worker does once it has been idle a while.
+
+
+class ModelRunner:
+    """One model's graph calls and its KV store: prompts and scoring on any thread, the store's writes
+    and the decode steps on the engine thread."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        store: StoreConfig,
+        device: str = "auto",
+        threads: int = 0,
+        backend: str = "auto",
+        open_prefill_session: bool = True,
+        attention: str = "auto",
+    ) -> None:
+        self.manifest = manifest
+        self.providers = choose_providers(device)
+        self.on_gpu = self.providers[0] == "CUDAExecutionProvider"
+        variants: dict[str, object] = manifest.data["variants"]  # type: ignore[assignment]
+        self.dtype = "float16" if self.on_gpu and serving_variant("float16") in variants else "float32"
+        self.variant = serving_variant(self.dtype)
+        manifest.verify_all()
+        self.backend = make_backend(self.on_gpu, backend)
+        channel_scales = int8_channel_scales(manifest, self.dtype, attention, self.on_gpu)
+        self.layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, self.dtype, channel_scales)
+        self.eviction = manifest.cache_eviction
+        rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
+        self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)
+        self.graphs = cache_graphs(manifest, self.dtype, channel_scales is not None)  # by storage kind
+        self.binder = GraphBinder(self.backend, self.layout, manifest.vocab_size, self.graphs)
+        self.threads = threads or default_threads()
+        self.prefill_threads = threads or os.cpu_count() or 1
+        # The decode calls (engine thread), one session per storage kind.
+        self.sessions = {kind: self._session(self.threads, True, graph.variant) for kind, graph in self.graphs.items()}
+        self.session = self.sessions[self.dtype]
+        # The fused decode graph (full float rows), where exported and `attention` allows it.
+        self.fused = fused_graph(manifest, self.dtype, attention)
+        self.fused_session = self._session(self.threads, True, self.fused.variant) if self.fused else None
+        # The fused prompt graph, where exported and `attention` allows it (else prompts take the serving graph).
+        self.prompt_variant = prompt_graph(manifest, self.dtype, attention)
+        # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
+        self.prefill_session: ModelSession | None = None
+        self.tail_session: ModelSession | None = None  # open_tail_session()
+        self.idle_tail_session: ModelSession | None = None  # open_tail_session(): all the prefill threads
+        self._tail_scratch = ScratchArray() if isinstance(self.backend, NumpyArrays) else None  # kv/scratch.py
+        self._prompt_memory_held = False  # the prompt session's arena holds intermediates of past calls
+        self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
+        if open_prefill_session:
+            self.open_prefill_session()
+        self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
+        self.timings = RunnerTimings()
+        fused_dtype = self.fused.dtype if self.fused else None
+        self.calls = DecodeCalls(self.binder, self.sessions, self.fused_session, fused_dtype)
+        self.verifier = BlockVerifier(
+            self.store, self.binder, self.calls, self.sessions, self.pad_token_id, self.timings,
+            self._verify_session,
+        )  # fmt: skip
+        # Chaos testing only: a prompt containing these bytes makes its prefill call fail.
+        marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
+        self._fault_marker = marker.encode() if marker else None
+
+    def open_prefill_session(self) -> None:
+        """(Re)create the prompt session from the calling thread: ONNX Runtime's pool threads
+        inherit that thread's OS priority."""
+        self.prefill_sessions = {
+            kind: self._session(self.prefill_threads, False, graph.variant) for kind, graph in self.graphs.items()
+        }
+        self.prefill_session = (
+            self._session(self.prefill_threads, True, self.prompt_variant)
+            if self.prompt_variant
+            else self.prefill_sessions[self.dtype]
+        )
+
+    def _verify_session(self) -> ModelSession | None:
+        """The fused prompt graph's session for fused rows' speculative blocks (spec/verifier.py), or None."""
+        return self._session(self.threads, True, self.prompt_variant) if self.fused and self.prompt_variant else None
+
+    def open_tail_session(self) -> bool:
+        """Fused prompt sessions for prefix-cache hits' short tails (service.engine.prompts.prefill.TailWorker):
+        one of one intra-op thread, so the calling thread does the work, at its own priority, beside
+        running decode steps; and one of the prefill threads for a tail nothing decodes beside (a
+        tail is arithmetic-bound: 64 tokens over 1,600 cached take 3.5 ms on one core, 2.4 on two).
+        False where there is no fused prompt graph (such tails go to the prefill worker)."""
+        if self.prompt_variant is not None and self.tail_session is None:
+            self.tail_session = self._session(1, True, self.prompt_variant)
+            if self.prefill_threads > 1:
+                self.idle_tail_session = self._session(self.prefill_threads, True, self.prompt_variant)
+        return self.tail_session is not None
+
+    def release_prompt_memory(self) -> None:
+        """Give the fused prompt session's arena back to the system: a one-token call whose run
+        options shrink the arena after it (ONNX Runtime frees every arena region no live tensor
+        uses). The arena keeps a busy worker's calls from page-faulting their intermediates in;
+        released, an idle server's resident memory returns to what its caches hold."""
+        if not self._prompt_memory_held:  # set by fused prompt calls only
+            return
+        self._prompt_memory_held = False
+        ids = np.full((1, 1), self.pad_token_id, dtype=np.int64)
+        self._prompt_forward(ids, np.ones_like(ids), np.zeros_like(ids), None, last_only=True, release=True)
+
+    def _session(self, threads: int, arena: bool, variant: str) -> ModelSession:
+        path = str(self.manifest.onnx_path(variant))
+        return ModelSession(path, self.providers, threads, arena, self.backend)
+
+    # ------------------------------------------------------------------ prompts (any thread)
+
+    def _prompt_call(
+        self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Array | None, last_only: bool
+    ) -> tuple[np.ndarray, Array]:
+        """One prompt call: host logits (B, T or 1, vocab) and the new tokens' K/V (2L, B, heads, T, hd)."""
+        logits, cache = self._prompt_forward(ids, mask, positions, past, last_only)
+        return logits, cache[:, :, :, cache.shape[3] - ids.shape[1] :]
+
+    def _prompt_forward(
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        positions: np.ndarray,
+        past: Array | None,
+        last_only: bool,
+        release: bool = False,
+    ) -> tuple[np.ndarray, Array]:
+        """One prompt call: host logits (B, T or 1, vocab; with `last_only` each row's last token's) and
+        the whole cache, past and new, (2L, B, heads, P + T, hd). Batches come padded as
+        `pad_batch` pads them (the fused prompt graph: on the right)."""
+        session = self.prefill_session
+        assert session is not None, "open_prefill_session() first"
+        backend, layout = self.backend, self.layout
+        batch = ids.shape[0]
+        if past is None:
+            past = backend.zeros((layout.tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
+        inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
+        if self.prompt_variant is None:
+            binding, logits, new_kv = self.binder.bind(session, *inputs, [past], self.dtype)
+            session.run(binding)
+            cache = new_kv if past.shape[3] == 0 else backend.concatenate([past, new_kv], axis=3)
+            host_logits = backend.download(logits[:, -1:] if last_only else logits)
+            return host_logits.astype(np.float32), cache
+        binding, logits, cache = self.binder.bind_prompt(session, *inputs, past)
+        session.run(binding, release_arena=release)
+        self._prompt_memory_held = not release
+        if not last_only:
+            return backend.download(logits).astype(np.float32), cache
+        last = mask.sum(axis=1) - past.shape[3] - 1  # each row's last token among the new columns
+        rows = [backend.download(logits[row, int(column) : int(column) + 1]) for row, column in enumerate(last)]
+        return np.stack(rows).astype(np.float32), cache
+
+    def pad_batch(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[slice]]:
+        """(input_ids, attention_mask, position_ids) of prompts in one call, and each row's columns:
+        left-padded for the explicit graph, right-padded for the fused prompt graph."""
+        if self.prompt_variant is None:
+            ids, mask, positions = left_pad_batch(prompts, self.pad_token_id)
+            return ids, mask, positions, [slice(ids.shape[1] - len(p), ids.shape[1]) for p in prompts]
+        ids, mask, positions = right_pad_batch(prompts, self.pad_token_id)
+        return ids, mask, positions, [slice(0, len(p)) for p in prompts]
+
+    def prompt_graph_path(self) -> str:
+        """The graph prompts run through (for profiling it)."""
+        return str(self.manifest.onnx_path(self.prompt_variant or self.variant))
+
+    def _check_fault(self, prompts: list[list[int]]) -> None:
+        if self._fault_marker and any(self._fault_marker in bytes(t for t in ids if t < 256) for ids in prompts):
+            raise RuntimeError("injected fault (POSENC_FAULT_INJECTION_MARKER)")
+
+    def prefill_batch(self, prompts: dict[str, list[int]]) -> list[PrefilledPrompt]:
+        """Whole prompts in one left-padded call; each row's cache comes back without padding."""
+        self._check_fault(list(prompts.values()))
+        ids, mask, positions, columns = self.pad_batch(list(prompts.values()))
+        logits, cache = self._prompt_forward(ids, mask, positions, None, last_only=True)
+        return [
+            PrefilledPrompt(rid, logits[row, -1], cache[:, row, :, columns[row]], len(p))
+            for row, (rid, p) in enumerate(prompts.items())
+        ]
+
+    def prefill_tail(
+        self, request_id: str, token_ids: list[int], past: CachedPast, idle: bool = False
+    ) -> PrefilledPrompt:
+        """A prompt whose first tokens' K/V are `past` (a prefix-cache hit), its rest in one call of
+        the fused prompt graph through the tail session (`open_tail_session`); `idle`: nothing decodes
+        meanwhile, so the call may take every prefill thread."""
+        assert self.tail_session is not None, "open_tail_session() first"
+        self._check_fault([token_ids])
+        session = self.idle_tail_session if idle and self.idle_tail_session is not None else self.tail_session
+        (prompt,) = self._chunks_in_place(
+            request_id, token_ids, len(token_ids), past.tokens, past, session, self._tail_scratch
+        )
+        assert prompt is not None  # one chunk: the whole rest
+        return prompt
+
+    def prefill_chunks(
+        self, request_id: str, token_ids: list[int], chunk_tokens: int, past: Array | CachedPast | None = None
+    ) -> Iterator[PrefilledPrompt | None]:
+        """A long prompt in chunks of `chunk_tokens` (bounding the score tensors), each chunk
+        attending to the cache of the ones before. Yields None after every chunk but the last,
+        so the caller can interleave other work or give up between chunks. `past`: the K/V of the
+        prompt's first tokens, (2 x layers, 1, heads, P, head_dim), already known (a prefix-cache
+        hit, its blocks assembled here): only the rest is computed, at positions P on."""
+        self._check_fault([token_ids])
+        done = 0 if past is None else past.tokens if isinstance(past, CachedPast) else int(past.shape[3])
+        if self.prompt_variant is not None:  # one cache array for the whole prompt, every chunk in place
+            yield from self._chunks_in_place(request_id, token_ids, chunk_tokens, done, past)
+            return
+        for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
+            past = past.assemble() if isinstance(past, CachedPast) else past
+            logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
+            yield PrefilledPrompt(request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
+
+    def _chunks_in_place(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        chunk_tokens: int,
+        done: int,
+        past: Array | CachedPast | None,
+        session: ModelSession | None = None,
+        scratch: ScratchArray | None = None,
+    ) -> Iterator[PrefilledPrompt | None]:
+        """`prefill_chunks` through the fused prompt graph: the cache array is made once, with room
+        for the whole prompt (the past, if any, in its first columns), and each chunk's call reads
+        the columns before it and writes its own after them, in place (the kernel's shared-buffer
+        mode takes a buffer longer than the call's tokens; the mask says how many count). No chunk
+        copies the past into a new array, and no call allocates a cache. `scratch`: the calling
+        thread's kept host memory to assemble a cached past into (the tail worker's)."""
+        room = len(token_ids) - done
+        if isinstance(past, CachedPast):
+            cache = past.assemble(room, scratch)
+        else:
+            layout = self.layout
+            shape = (layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim)
+            cache = self.backend.zeros(shape, self.dtype)
+            if past is not None:
+                cache[:, :, :, :done] = past
+        for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
+            logits, cache = self._prompt_in_place(ids, mask, positions, cache, session)
+            yield PrefilledPrompt(request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
+
+    def _prompt_in_place(
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        positions: np.ndarray,
+        cache: Array,
+        session: ModelSession | None = None,
+    ) -> tuple[np.ndarray, Array]:
+        """One row's chunk through the fused prompt graph with its past in place: `cache`
+        (2L, 1, heads, N, hd), N >= P + S, the past in its first P columns (P + S: the mask's
+        width), gets the chunk's K/V in the S columns after them. Host logits of the chunk's last
+        token (1, 1, vocab) and the cache. `session`: the prefill worker's unless given."""
+        session = session or self.prefill_session
+        assert session is not None, "open_prefill_session() first"
+        backend = self.backend
+        inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
+        binding, logits = self.binder.bind_prompt_in_place(session, *inputs, cache)
+        session.run(binding)
+        if session is self.prefill_session:  # the tail session's small arena is kept (not released when idle)
+            self._prompt_memory_held = True
+        return backend.download(logits[:, -1:]).astype(np.float32), cache
+
+    def prefill_chunked(
+        self, request_id: str, token_ids: list[int], chunk_tokens: int, aborted: Callable[[], bool] = lambda: False
+    ) -> PrefilledPrompt | None:
+        """All chunks of a prompt at once; None if `aborted()` turns true in between."""
+        for result in self.prefill_chunks(request_id, token_ids, chunk_tokens):
+            if result is not None:
+                return result
+            if aborted():
+                return None
+        raise ValueError("prefill_chunked: empty prompt")
+
+    def score(self, token_ids: list[int], policy: CachePolicy | None = None, top: int = 0) -> Scored:
+        """Teacher-forced log-probabilities of token_ids[1:] and the greedy prediction at each
+        position (one call, outside the store; a text longer than a bounded policy's budget
+        streams through it, one token at a time past the budget; under an int8 policy every token
+        after the first, so each sees the int8 cache of the ones before it); `top`: each position's
+        likeliest tokens and their log-probabilities too (echo's alternatives)."""
+        inputs = token_ids[:-1]
+        if policy is not None and len(inputs) > (head := policy.exact_tokens(len(inputs))):
+            *_, streamed = self.stream_through_policy("score", inputs, policy, len(inputs), True, head)
+            assert streamed is not None and streamed.all_logits is not None
+            logits = streamed.all_logits
+        else:
+            ids = np.asarray([inputs], dtype=np.int64)
+            positions = np.arange(ids.shape[1], dtype=np.int64)[None]
+            logits = self._prompt_call(ids, np.ones_like(ids), positions, None, last_only=False)[0][0]
+        scored = Scored(log_probabilities(logits, token_ids[1:]), np.asarray(logits).argmax(-1))
+        if top:
+            scored.top_ids, scored.top_logprobs = top_logprobs(log_softmax(np.asarray(logits)), top)
+        return scored
+
+    def row_policy(self, policy: CachePolicy) -> RowPolicy:
+        """A new row's eviction state for a request's policy."""
+        return RowPolicy(policy.budget or 0, policy.sinks, policy.original_positions(self.eviction))
+
+    def stream_through_policy(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        policy: CachePolicy,
+        chunk_tokens: int,
+        keep_logits: bool = False,
+        head_tokens: int | None = None,
+    ) -> Iterator[StreamedPrompt | None]:
+        """A prompt longer than a bounded policy's budget B, as the policy sees it: its first B tokens
+        (or `head_tokens`) in float32 chunks (nothing is evicted yet), then one token per graph call
+        through a private row of the policy's storage kind that evicts (and quantizes) as the store's
+        rows do. Yields None between pieces of work (after every chunk, and every
+        STREAM_TOKENS_PER_YIELD tokens), then the result."""
+        capacity = policy.cached(len(token_ids))
+        budget = capacity if head_tokens is None else min(head_tokens, capacity)
+        assert len(token_ids) > budget
+        kind = self.layout.kind_of(policy)
+        session = self.prefill_sessions.get(kind)
+        assert session is not None, "open_prefill_session() first"
+        head = token_ids[:budget]
+        kept: list[np.ndarray] = []
+        past: Array | None = None
+        last = np.empty(0, dtype=np.float32)
+        for start in range(0, len(head), chunk_tokens):
+            chunk = head[start : start + chunk_tokens]
+            end = start + len(chunk)
+            ids = np.asarray([chunk], dtype=np.int64)
+            positions = np.arange(start, end, dtype=np.int64)[None]
+            mask = np.ones((1, end), dtype=np.int64)
+            logits, past = self._prompt_forward(ids, mask, positions, past, not keep_logits)
+            if keep_logits:
+                kept.append(logits[0])
+            last = logits[0, -1]
+            yield None
+        assert past is not None
+        row = CapacityClass(self.backend, self.layout, capacity, 1, self.store.rotary_inv_freq, kind)
+        row.write(request_id, past[:, 0], len(head), self.row_policy(policy))
+        binder, new_kv, inputs = self.binder, None, (row.input_ids, row.mask, row.positions)
+        if kind == INT8_CHANNEL:  # the fused int8 graph appends each token's K/V in the row itself
+            binding, step_logits = binder.bind_in_place(session, *inputs, row.arrays[0])
+        else:
+            binding, step_logits, new_kv = binder.bind(session, *inputs, row.arrays, kind)
+        for done, token in enumerate(token_ids[budget:], start=1):
+            binder.set_ids(row.input_ids[:, 0], np.asarray([token], dtype=np.int64))
+            session.run(binding)
+            row.append_step(new_kv)
+            last = self.backend.download(step_logits[0]).astype(np.float32)  # (1, vocab), a copy
+            if keep_logits:
+                kept.append(last)
+            last = last[-1]
+            if done % STREAM_TOKENS_PER_YIELD == 0:
+                yield None
+        all_logits = np.concatenate(kept) if keep_logits else None
+        yield StreamedPrompt(request_id, last, row.row_cache(0), int(row.lengths[0]), row.policies[0], all_logits)
+
+    # ------------------------------------------------------------------ the store (engine thread)
+
+    def join(self, prompts: list[PrefilledPrompt]) -> None:
+        """Computed prompts are written into the rows the scheduler reserved for them."""
+        started = time.perf_counter()
+        for prompt in prompts:
+            self.store.write(prompt.request_id, prompt.cache, prompt.length, prompt.policy)
+        self.timings.cache += time.perf_counter() - started
+
+    def decode(self, tokens: dict[str, int]) -> dict[str, np.ndarray]:
+        """One step for every member of the store: the token each feeds -> its logits (vocab,),
+        copies (the engine steps through a kept `DecodePlan` instead)."""
+        members = self.store.members()
+        logits = self.decode_planned(self.plan_decode(members), [tokens[member] for member in members])
+        return dict(zip(members, np.array(logits), strict=True))
+
+    def plan_decode(self, ids: list[str]) -> DecodePlan:
+        """The decode calls for these sequences, which must be every member of the store."""
+        index = {sequence: position for position, sequence in enumerate(ids)}
+        parts: list[tuple[CapacityClass, DecodeCall, list[int] | None]] = []
+        members: list[str] = []
+        for klass in self.store.batches():
+            picks = [index.get(member, -1) for member in klass.members]
+            if -1 in picks:
+                missing = klass.members[picks.index(-1)]
+                raise ValueError(f"a decode step feeds every member of the store: {missing!r} is not fed")
+            in_order = picks == list(range(len(members), len(members) + len(picks)))
+            parts.append((klass, self.calls.get(klass), None if in_order and len(picks) == len(ids) else picks))
+            members += klass.members
+        if len(members) != len(ids):
+            raise ValueError(f"a decode step feeds every member of the store: {len(members)}, not {len(ids)}")
+        order = None
+        if members != ids:
+            row_of = {member: row for row, member in enumerate(members)}
+            order = np.fromiter((row_of[sequence] for sequence in ids), dtype=np.int64, count=len(ids))
+        return DecodePlan(ids, parts, order)
+
+    def decode_planned(self, plan: DecodePlan, tokens: list[int]) -> np.ndarray:
+        """One step of the plan's sequences, `tokens` fed in its order: their logits (n, vocab)
+        float32 in that order. A view of the graph's output buffer when one class holds them all in
+        order: good until the next step (the engine samples at once)."""
+        parts = []
+        for klass, call, picks in plan.parts:
+            fed = tokens if picks is None else [tokens[position] for position in picks]
+            started = time.perf_counter()
+            self.binder.set_ids(klass.input_ids[: len(fed), 0], fed)
+            call.session.run(call.binding)
+            after_graph = time.perf_counter()
+            klass.append_step(call.new_kv)
+            logits = self.backend.download(call.logits[:, -1])
+            parts.append(logits if logits.dtype == np.float32 else logits.astype(np.float32))
+            self.timings.cache += time.perf_counter() - after_graph
+            self.timings.graph += after_graph - started
+        if len(parts) == 1 and plan.order is None:
+            return parts[0]
+        stacked = np.concatenate(parts)
+        return stacked if plan.order is None else stacked[plan.order]
+
+    def forget_calls(self, everything: bool = False) -> None:
+        """Drop the bindings (and output buffers) of classes that no longer exist, or all of them."""
+        self.calls.forget(self.store.has_class, everything)
+        self.verifier.forget(self.store.has_class, everything)
