@@ -377,6 +377,7 @@ class CommandLoop:
         eos = model.inputs.eos_token_id
         request = Request(command.request_id, raw.model, ids, params, eos, raw.deadline, policy)
         request.output_ids, request.delivered_tokens = list(produced), len(produced)
+        request.cache_salt = raw.cache_salt  # resumed, it still never reads another tenant's blocks
         if request.logprobs is not None:  # the produced tokens' went out with them: never sent again
             request.logprobs = [None] * len(produced)
         request.last_token_time = time.monotonic()  # its next token's interval starts now

@@ -86,6 +86,7 @@ class Engine:
         request = Request(request_id, raw.model, ids, params, engine.inputs.eos_token_id, raw.deadline, policy)
         request.segments = segment_spans(raw.segments, engine.inputs.add_bos)
         request.segment_repair_tokens = raw.segment_repair_tokens
+        request.cache_salt = raw.cache_salt
         if self.output_sink is not None:
             request.output = self.output_sink(request)
         engine.submit(request)
