@@ -9,6 +9,7 @@ import grpc
 
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
+from service.routing import routing_metadata
 
 
 @dataclass
@@ -34,7 +35,8 @@ def timed_stream(stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateR
     started = time.perf_counter()
     first = started
     try:
-        for chunk in stub.GenerateStream(request, timeout=timeout):
+        # The routing key: behind a prefix-affinity proxy, requests that share a prefix share a replica.
+        for chunk in stub.GenerateStream(request, timeout=timeout, metadata=routing_metadata(request)):
             now = time.perf_counter()
             size = len(chunk.text.encode("utf-8"))
             if timing.time_to_first_token is None:
