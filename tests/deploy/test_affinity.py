@@ -108,6 +108,10 @@ def test_one_key_one_replica_and_keys_spread(haproxy: str, replicas: list[Server
                 generate(stub, routing_key(f"prompt {index}"))
             delta = [after - first for after, first in zip(served(replicas), before, strict=True)]
             assert sum(delta) == 40 and min(delta) >= 8, delta  # the ring spreads keys over both
+        for replica in replicas:  # what the Gateway API Inference Extension's endpoint picker reads
+            values = replica.sample(["posenc_queued_sequences", "posenc_running_sequences",
+                                     "posenc_kv_cache_usage_ratio"], model="alibi")  # fmt: skip
+            assert 0.0 <= values["posenc_kv_cache_usage_ratio"] <= 1.0
     finally:
         proxy.stop()
 
