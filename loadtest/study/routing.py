@@ -9,15 +9,17 @@ replicas, whose caches then churn; affinity shows each prefix to one. Each mode 
 rounds, alternating, every round on prefixes never sent before (no cache carries over): the prefix hit
 rate (cached prompt tokens over prompt tokens), TTFT p50/p99 and goodput (requests/s within the
 timed sections' TTFT and ITL targets). Last, one replica is killed (SIGKILL) mid-run under affinity:
-requests it had not started answering are retried by the proxy, and streams it was sending end with
-an error, each counted.
+requests it had not started answering are retried (by the proxy, or by the client's retry policy
+where the proxy refused the stream), and streams it was sending end with an error, each counted.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import signal
 import statistics
 import threading
 import time
@@ -26,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 from tqdm import tqdm
 
@@ -39,6 +40,7 @@ from loadtest.study.results import Results
 from loadtest.study.timed import ITL_TARGET_S, TTFT_TARGET_S
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
+from service.channel import open_channel
 from service.engine.kv import KVLayout, KVStore
 from service.process import ServerProcess
 from service.routing import PREFIX_BYTES
@@ -98,7 +100,9 @@ def run_workload(target: str, workload: Workload, users: int, kill: ServerProces
     killed = threading.Event()
 
     def client(_: int) -> None:
-        with grpc.insecure_channel(target) as channel:
+        # The retry channel every client should use: a stream the proxy refused (REFUSED_STREAM, as
+        # UNAVAILABLE) when its replica died under it is sent again.
+        with open_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             while True:
                 with lock:
@@ -107,7 +111,7 @@ def run_workload(target: str, workload: Workload, users: int, kill: ServerProces
                     prompt = pending.pop()
                     if kill is not None and not killed.is_set() and len(pending) < len(workload.requests) * 2 // 3:
                         killed.set()
-                        kill.process.kill()
+                        kill_all(kill)
                 request = pb.GenerateRequest(model=MODEL, prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
                 timing = timed_stream(stub, request, 120)
                 with lock:
@@ -117,6 +121,13 @@ def run_workload(target: str, workload: Workload, users: int, kill: ServerProces
     with ThreadPoolExecutor(users) as pool:
         list(pool.map(client, range(users)))
     return figures(timings, time.monotonic() - started)
+
+
+def kill_all(replica: ServerProcess) -> None:
+    """SIGKILL the replica's processes, front end and engine core, as a crashed pod's (a core left
+    alive holds the front end's listening sockets: connections are accepted and never answered)."""
+    for pid in replica.pids():
+        os.kill(pid, signal.SIGKILL)
 
 
 def figures(timings: list[StreamTiming], wall: float) -> dict[str, Any]:

@@ -23,6 +23,14 @@ ERRORS = {
 GENERATION_ERRORS = (400, 401, 404, 413, 429, 503)
 TOKENIZER_ERRORS = (400, 401, 404, 413, 503)
 STREAM = "with `stream: true`: server-sent events, OpenAI's chunks, ending `data: [DONE]`"
+# One server-sent event: its data is a chunk as JSON (a choice's new text, the usage, or an error in
+# OpenAI's shape), or [DONE] last.
+SSE_EVENT = {
+    "type": "object",
+    "description": STREAM,
+    "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}},
+    "required": ["data"],
+}
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,7 @@ def _ref(kind: type) -> dict[str, str]:
 def _operation(operation: Operation) -> dict[str, Any]:
     answer: dict[str, Any] = {"application/json": {"schema": _ref(operation.answer)}}
     if operation.streams:
-        answer["text/event-stream"] = {"schema": {"type": "string", "description": STREAM}}
+        answer["text/event-stream"] = {"schema": SSE_EVENT}
     responses: dict[str, Any] = {"200": {"description": operation.summary, "content": answer}}
     if operation.public and operation.answer is types.Health:
         responses["503"] = {"description": "starting or draining", "content": answer}

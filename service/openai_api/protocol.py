@@ -52,6 +52,7 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
 SEGMENT_FIELDS = ("text", "reusable")
 UINT32_MAX = 2**32 - 1  # gRPC's segment_repair_tokens is a uint32
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_BIASED_TOKENS = 1024  # logit_bias entries (more than any vocabulary served here: the engine checks ids)
 TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 _encode = msgspec.json.Encoder().encode
@@ -134,6 +135,8 @@ def _typed(body: dict[str, Any], field: str, kind: type | tuple[type, ...], defa
         return float(value)
     if not isinstance(value, kind):
         raise invalid(name, f"must be {_kind_name(kind)}, got {shown(value)}")
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:  # what the engine's messages carry
+        raise invalid(name, f"must be a 64-bit integer, in [{INT64_MIN}, {INT64_MAX}], got {shown(value)}")
     return value
 
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from loadtest.haproxy import HAProxy, Replica
+from loadtest.study.routing import kill_all
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.process import ServerProcess
@@ -165,7 +166,7 @@ def test_a_killed_replica_fails_no_request_that_had_not_started(
                 running = [pool.submit(unary_calls) for _ in range(4)]
                 try:
                     time.sleep(1.0)
-                    victim.process.kill()  # SIGKILL: no drain, connections reset mid-call
+                    kill_all(victim)  # SIGKILL, front end and engine core: no drain, connections reset
                     ended = stream_error(stream)
                     time.sleep(3.0)
                 finally:

@@ -88,6 +88,8 @@ BAD_BODIES = [
     ({"cache_salt": "s" * 1000}, "cache_salt", f"at most {MAX_CACHE_SALT_CHARACTERS}"),
     ({"cache_salt": 7}, "cache_salt", "a string"),
     ({"segments": [{"text": "x"}] * 300, "prompt": None}, "segments", "at most 256"),
+    ({"top_k": 2**70}, "top_k", "64-bit integer"),  # once a 500: too large for the engine's messages
+    ({"speculative_tokens": -(2**64)}, "speculative_tokens", "64-bit integer"),
 ]
 
 
