@@ -33,7 +33,7 @@ from contract.cli import HelpFormatter
 from contract.paths import REPOSITORY_ROOT
 from loadtest import speculative
 from loadtest.evaluation import evaluate
-from loadtest.study import reuse, scored, timed
+from loadtest.study import reuse, routing, scored, timed
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Environment, Results, RunConfig, RunRecord, TrainingCurve
@@ -42,8 +42,10 @@ from models import emergence
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.positional import SCHEMES
 
-SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse", "speculative")
-assert set(SECTIONS) == set(timed.SECTIONS) | set(scored.SECTIONS) | set(reuse.SECTIONS) | set(speculative.SECTIONS)
+SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse", "speculative", "routing")
+assert set(SECTIONS) == (
+    set(timed.SECTIONS) | set(scored.SECTIONS) | set(reuse.SECTIONS) | set(speculative.SECTIONS) | set(routing.SECTIONS)
+)
 # Run only when named: lm-evaluation-harness from its own virtual environment (made on first use).
 OPT_IN = ("evaluation",)
 
@@ -116,6 +118,7 @@ def run(args: argparse.Namespace) -> Path:
         + len(rope_variants) * ("quality" in sections)
         + 3 * len(schemes) * ("reuse" in sections)
         + len(schemes) * ("speculative" in sections)
+        + (2 * budget.load_rounds + 1) * ("routing" in sections)
         + len(schemes) * ("evaluation" in sections)
     )
     with tqdm(total=steps, desc="compare", unit="task") as progress:
@@ -129,6 +132,8 @@ def run(args: argparse.Namespace) -> Path:
             reuse.measure_reuse(repository, threads, schemes, held_out, budget, results, progress)
         if "speculative" in sections:
             speculative.measure_speculative(repository, threads, schemes, held_out.data, budget, results, progress)
+        if "routing" in sections:
+            routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
         if "evaluation" in sections:
             results.evaluation = evaluate(repository, schemes, budget.score_windows, budget.evaluation_choices,
                                           threads=threads)  # fmt: skip

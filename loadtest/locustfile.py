@@ -58,6 +58,7 @@ from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.api.retry import MAX_RETRY_AFTER_SECONDS, RETRY_AFTER_KEY
 from service.channel import open_channel
+from service.routing import ROUTING_HEADER, routing_key, routing_metadata
 
 grpc_gevent.init_gevent()  # grpcio's blocking calls must yield to gevent
 
@@ -203,7 +204,7 @@ class GenerationUser(Scenario, User):
 
     def _cancelled_stream(self, model: str, request: pb.GenerateRequest, started: float) -> None:
         """Read a few chunks (maybe none), then cancel, as an impatient client does."""
-        stream = self.stub.GenerateStream(request, timeout=self.timeout)
+        stream = self.stub.GenerateStream(request, timeout=self.timeout, metadata=routing_metadata(request))
         error: Exception | None = None
         try:
             for _ in range(self._rng.randint(0, 4)):
@@ -296,7 +297,8 @@ class HttpGenerationUser(Scenario, FastHttpUser):
         response: ResponseContextManager | None = None
         try:
             with self.client.post(
-                "/v1/completions", json=body, name=f"/v1/completions {model}", stream=True, catch_response=True
+                "/v1/completions", json=body, name=f"/v1/completions {model}", stream=True, catch_response=True,
+                headers={ROUTING_HEADER: routing_key(prompt)},  # prefix affinity behind HAProxy
             ) as response:
                 if cancel:  # read a few events (maybe none), then hang up, as an impatient client does
                     self._read_events(response, timer, self._rng.randint(0, 4))

@@ -9,6 +9,7 @@ import grpc
 
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
+from service.routing import routing_metadata
 
 
 @dataclass
@@ -19,6 +20,8 @@ class StreamTiming:
     decoded_tokens: int = 0  # tokens those later chunks carried (the tokenizer is byte-level: bytes)
     received_bytes: int = 0
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # from the prefix cache (the last chunk's usage)
     error: grpc.RpcError | None = None
 
     @property
@@ -34,7 +37,8 @@ def timed_stream(stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateR
     started = time.perf_counter()
     first = started
     try:
-        for chunk in stub.GenerateStream(request, timeout=timeout):
+        # The routing key: behind a prefix-affinity proxy, requests that share a prefix share a replica.
+        for chunk in stub.GenerateStream(request, timeout=timeout, metadata=routing_metadata(request)):
             now = time.perf_counter()
             size = len(chunk.text.encode("utf-8"))
             if timing.time_to_first_token is None:
@@ -46,6 +50,8 @@ def timed_stream(stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateR
             timing.received_bytes += size
             if chunk.finish_reason:
                 timing.completion_tokens = chunk.usage.completion_tokens
+                timing.prompt_tokens = chunk.usage.prompt_tokens
+                timing.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
     except grpc.RpcError as error:
         timing.error = error
     timing.seconds = time.perf_counter() - started

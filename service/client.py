@@ -19,6 +19,7 @@ from contract.cli import HelpFormatter
 from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.channel import TARGET_ENV, default_target, open_channel
+from service.routing import ROUTING_HEADER, routing_key
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,6 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the whole call, seconds")
     parser.add_argument("--token", default=None, help="bearer token, if the server requires one")
+    parser.add_argument(
+        "--routing-key", default=None,
+        help=f"the {ROUTING_HEADER} header a prefix-affinity proxy hashes (default: a hash of the prompt's "
+        "first 256 bytes; a conversation id keeps a conversation on one replica)",
+    )  # fmt: skip
     parser.add_argument("--tls-ca", type=Path, default=None, help="CA certificate (PEM): connect with TLS")
     parser.add_argument("--tls-cert", type=Path, default=None, help="client certificate (PEM), for mutual TLS")
     parser.add_argument("--tls-key", type=Path, default=None, help="client key (PEM), for mutual TLS")
@@ -95,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
     )  # fmt: skip
-    metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
+    # The routing key: behind a prefix-affinity proxy (deploy/haproxy) prompts that start alike share a replica.
+    metadata = [(ROUTING_HEADER, args.routing_key or routing_key(args.prompt))]
+    if args.token:
+        metadata.append(("authorization", f"Bearer {args.token}"))
     with open_channel(args.target, credentials(args)) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:

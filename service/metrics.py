@@ -128,6 +128,12 @@ class ServiceMetrics:
         self.kv_cache_classes = Gauge(
             "posenc_kv_cache_classes", "Capacity classes (dense batches, one graph call each) allocated.", LABELS, **kw
         )
+        self.kv_cache_usage = Gauge(
+            "posenc_kv_cache_usage_ratio",
+            "Share of the KV-cache budget that running sequences hold, 0 to 1 (the prefix cache's blocks, which "
+            "give way to them, not counted): the Gateway API Inference Extension's --kv-cache-usage-percentage-metric.",
+            LABELS, **kw,
+        )  # fmt: skip
         self.running = Gauge("posenc_running_sequences", "Sequences in the running batch.", LABELS, **kw)
         self.queued = Gauge("posenc_queued_sequences", "Requests waiting for admission.", LABELS, **kw)
         self.batch_size = Histogram(

@@ -1,14 +1,21 @@
 """Access control: optional TLS (mutual with a client CA) and bearer-token authentication, the
-same for both front ends.
+same for both front ends; tenants, each with its own token and its own prefix cache.
 
 The token check is a server interceptor over every RPC except the standard health service,
 which stays reachable for probes; the HTTP API checks the same `Authorization` header on every
 path but /health (service.openai_api.app).
+
+Tenants. A token file (--auth-tokens-file) holds one `TENANT:TOKEN` per line; the token a call
+carries names its tenant, and every request is salted by it in the prefix cache, so one tenant's
+prompts never give another a cache hit (which would tell, through its time to first token, that
+someone sent that prompt before: vLLM's CVE-2025-46570). A client's own `cache_salt` is combined
+with its tenant's, never used alone: a salt chosen by the caller alone could be copied from a victim.
 """
 
 from __future__ import annotations
 
 import hmac
+import re
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -16,14 +23,72 @@ from typing import Any
 
 import grpc
 
+from service.engine.messages import MAX_CACHE_SALT_CHARACTERS, ErrorKind, RequestError
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class Tenants:
+    """Bearer tokens by tenant. No token: anyone may call, as the anonymous tenant "". The single
+    --auth-token is tenant "" too: its requests keep today's unsalted prefix cache."""
+
+    def __init__(self, tokens: dict[str, str] | None = None) -> None:
+        """`tokens`: tenant name -> its token."""
+        tokens = tokens or {}
+        if len(set(tokens.values())) < len(tokens):
+            raise ValueError("tenants: two tenants share a token")
+        self._expected = [(bearer(token), tenant) for tenant, token in tokens.items()]
+
+    @property
+    def required(self) -> bool:
+        return bool(self._expected)
+
+    def tenant(self, authorization: str) -> str | None:
+        """The tenant whose token `authorization` (`Bearer <token>`) carries; None: no tenant's.
+        Every token is compared, each in constant time, so the time taken tells nothing of which matched."""
+        if not self._expected:
+            return ""
+        supplied, found = authorization.encode(), None
+        for expected, tenant in self._expected:
+            if hmac.compare_digest(supplied, expected):
+                found = tenant
+        return found
+
+    @classmethod
+    def read(cls, token: str | None, tokens_file: Path | None) -> Tenants:
+        """The single token (tenant "") and the token file's `TENANT:TOKEN` lines (# starts a comment)."""
+        tokens = {"": token} if token else {}
+        lines = tokens_file.read_text().splitlines() if tokens_file is not None else []
+        for number, line in enumerate(lines, 1):
+            line = line.partition("#")[0].strip()
+            if not line:
+                continue
+            tenant, _, secret = (part.strip() for part in line.partition(":"))
+            if not TENANT_NAME.fullmatch(tenant) or not secret:
+                raise ValueError(f"{tokens_file}:{number}: expected TENANT:TOKEN, TENANT of {TENANT_NAME.pattern}")
+            if tenant in tokens:
+                raise ValueError(f"{tokens_file}:{number}: tenant {tenant!r} appears twice")
+            tokens[tenant] = secret
+        return cls(tokens)
+
+
+def cache_salt(tenant: str, client_salt: str) -> str:
+    """A request's prefix-cache salt: its tenant's name, then the client's salt (a tenant name holds
+    no NUL, so no two pairs give one salt); "" for the anonymous tenant without a salt."""
+    if len(client_salt) > MAX_CACHE_SALT_CHARACTERS:
+        raise RequestError(
+            ErrorKind.INVALID_ARGUMENT,
+            f"cache_salt: at most {MAX_CACHE_SALT_CHARACTERS} characters, got {len(client_salt)}",
+        )
+    return f"{tenant}\x00{client_salt}" if tenant or client_salt else ""
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """UNAUTHENTICATED unless `authorization: Bearer <token>` matches (constant-time compare)."""
+    """UNAUTHENTICATED unless `authorization: Bearer <token>` carries one of the tenants' tokens."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = bearer(token)
+    def __init__(self, tenants: Tenants) -> None:
+        self._tenants = tenants
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or invalid bearer token")
@@ -38,7 +103,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         if handler_call_details.method.startswith(HEALTH_PREFIX):
             return continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if authorized(str(metadata.get("authorization", "")), self._expected):
+        if self._tenants.tenant(str(metadata.get("authorization", ""))) is not None:
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
@@ -49,11 +114,6 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 def bearer(token: str) -> bytes:
     """The `authorization` value a client must send: `Bearer <token>`."""
     return f"Bearer {token}".encode()
-
-
-def authorized(supplied: str, expected: bytes) -> bool:
-    """Constant-time comparison of a supplied `authorization` value with `bearer(token)`."""
-    return hmac.compare_digest(supplied.encode(), expected)
 
 
 def ssl_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLContext:

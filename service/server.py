@@ -36,7 +36,7 @@ from service.metrics_endpoint import MetricsEndpoint
 from service.openai_api.app import OpenAIApi
 from service.openai_api.server import HttpServer
 from service.request_handle import ResumeObserver
-from service.security import BearerTokenInterceptor, read_token, server_credentials, ssl_context
+from service.security import BearerTokenInterceptor, Tenants, read_token, server_credentials, ssl_context
 from service.servicer import GenerationServicer
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ class ServerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # set: mutual TLS, clients need a certificate it signed
-    auth_token: str | None = None  # set: every RPC but health needs `authorization: Bearer <token>`
+    # Tokens: every RPC but health needs `authorization: Bearer <token>` of a tenant (none: no token needed).
+    tenants: Tenants = field(default_factory=Tenants)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -186,6 +187,11 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         ("tls_key", "server private key (PEM)"),
         ("tls_client_ca", "CA (PEM) whose client certificates are required: mutual TLS"),
         ("auth_token_file", "file holding the bearer token clients must send"),
+        (
+            "auth_tokens_file",
+            "file of tenants' bearer tokens, one TENANT:TOKEN a line: each tenant's requests "
+            "get a prefix cache of their own (a client's cache_salt is combined with its tenant's)",
+        ),
     ):
         value = os.environ.get(_env(attr))
         parser.add_argument(f"--{attr.replace('_', '-')}", type=Path, default=Path(value) if value else None,
@@ -232,13 +238,17 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         parser.error("--tls-cert and --tls-key go together")
     if args["tls_client_ca"] is not None and args["tls_cert"] is None:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    try:
+        tenants = Tenants.read(read_token(args["auth_token"], args["auth_token_file"]), args["auth_tokens_file"])
+    except (OSError, ValueError) as error:
+        parser.error(f"--auth-tokens-file: {error}")
     return ServerConfig(
         model_repository=args["model_repository"],
         models=[m for m in args["models"] if m],
         tls_cert=args["tls_cert"],
         tls_key=args["tls_key"],
         tls_client_ca=args["tls_client_ca"],
-        auth_token=read_token(args["auth_token"], args["auth_token_file"]),
+        tenants=tenants,
         engine=engine,
         **{attr: args[attr] for attr in SERVER_FLAGS},
     )
@@ -251,13 +261,13 @@ class RunningServer:
         self.config = config
         self.metrics = ServiceMetrics(REGISTRY, FRONT_END)  # the core records the rest
         self.health = ServiceHealth()
-        self.servicer = GenerationServicer()
+        self.servicer = GenerationServicer(config.tenants)
         # Accounting first (outermost): it also counts the calls the token check refuses.
         interceptors: list[grpc.ServerInterceptor] = [
             RequestAccounting(SERVICE_NAME, self.metrics, self.servicer.labels)
         ]
-        if config.auth_token:
-            interceptors.append(BearerTokenInterceptor(config.auth_token))
+        if config.tenants.required:
+            interceptors.append(BearerTokenInterceptor(config.tenants))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers),
             interceptors=interceptors,
@@ -309,7 +319,7 @@ class RunningServer:
             lambda: self._refusing_http,
             self.metrics,
             self.servicer.labels,
-            config.auth_token,
+            config.tenants,
             leaving=lambda: self._draining,
         )
         context = None

@@ -25,6 +25,7 @@ from service.engine.processing.streams import StreamEvent
 from service.engine_client import EngineClient
 from service.logprobs import TokenAligner, aligned
 from service.request_handle import RequestHandle
+from service.security import Tenants, cache_salt
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
@@ -57,8 +58,9 @@ class _Aborted(Exception):
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self) -> None:
+    def __init__(self, tenants: Tenants | None = None) -> None:
         self.engine: EngineClient | None = None  # set once the engine core has loaded the models
+        self.tenants = tenants or Tenants()  # the caller's token names its tenant: its prefix-cache salt
 
     def labels(self, model: str) -> dict[str, str]:
         """Metric labels of a model name; unknown names (and none) share one empty label set."""
@@ -185,10 +187,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
             prompt_ids=tuple(request.prompt_token_ids),
             speculative_tokens=request.speculative_tokens if request.HasField("speculative_tokens") else None,
+            logit_bias=tuple(sorted(request.logit_bias.items())),
+            cache_salt=self._cache_salt(request.cache_salt, context),
         )
         handle: RequestHandle = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))
         return handle
+
+    def _cache_salt(self, client_salt: str, context: grpc.ServicerContext) -> str:
+        """The caller's tenant's salt with the client's (service.security); the token was checked already."""
+        authorization = dict(context.invocation_metadata() or ()).get("authorization", "")
+        tenant = self.tenants.tenant(str(authorization)) or ""
+        return self._call(lambda: cache_salt(tenant, client_salt))  # type: ignore[no-any-return]
 
     def _events(self, handle: RequestHandle, context: grpc.ServicerContext) -> Iterator[StreamEvent]:
         """The request's new text as it comes; texts produced while we were sending are merged."""

@@ -12,6 +12,7 @@ from loadtest.report.figures import plot
 from loadtest.report.findings import compact_headline, findings_section
 from loadtest.report.html import write_html
 from loadtest.report.reuse_tables import reuse_section
+from loadtest.report.routing_tables import routing_section
 from loadtest.report.speculative_tables import speculative_section
 from loadtest.report.tables import (
     depth_table,
@@ -145,7 +146,7 @@ standard error over windows). Chance for a digit is 0.1, for a span character {c
 ## Cache budgets: what each scheme keeps when its cache is bounded
 
 {cache_budget_section(results)}
-{reuse_section(results)}{speculative_section(results)}{evaluation_section(results)}## Appendix
+{reuse_section(results)}{speculative_section(results)}{routing_section(results)}{evaluation_section(results)}## Appendix
 
 Every headline column, the sections measured again since the first run, and the config.
 

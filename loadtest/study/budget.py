@@ -52,6 +52,12 @@ class Budget:
     speculative_new_tokens: int = 192
     # lm-evaluation-harness's multiple-choice questions (its rolling task scores the quality windows).
     evaluation_choices: int = 100
+    # Routing (loadtest/study/routing.py): prefixes (their K/V about twice one replica's prefix cache),
+    # requests per prefix (different tails), each prefix's bytes, concurrent users.
+    routing_prefixes: int = 32
+    routing_uses: int = 16
+    routing_prefix_bytes: int = 512
+    routing_users: int = 8
 
     def cache_plan(self) -> CacheBudgetPlan:
         return CacheBudgetPlan(
@@ -91,5 +97,5 @@ class Budget:
             cache_multiples=(2.0,), cache_windows=1, cache_trials=2, cache_copy_distances=(32,),
             cache_passkey_context=1.0, int8_multiples=(1.0,), reuse_users=(1, 2), reuse_seconds=0.5, reuse_trials=2,
             reuse_repairs=(4,), speculative_prompts=2, speculative_new_tokens=16,
-            evaluation_choices=4,
+            evaluation_choices=4, routing_prefixes=4, routing_uses=3, routing_prefix_bytes=272, routing_users=2,
         )  # fmt: skip

@@ -171,6 +171,9 @@ class Results:
     reuse: dict[str, Reuse] = field(default_factory=dict)  # KV reuse (loadtest/study/reuse.py)
     # Speculative decoding (loadtest/speculative.py): scheme -> "workload@streams" -> figures.
     speculative: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # Routing through HAProxy (loadtest/study/routing.py): "round_robin" and "affinity" -> medians
+    # (prefix_hit_rate, ttft_p50_s, ttft_p99_s, goodput_per_s) and their rounds; "kill"; "setup".
+    routing: dict[str, Any] = field(default_factory=dict)
     # lm-evaluation-harness against the service (loadtest/evaluation.py): scheme -> figures.
     evaluation: dict[str, dict[str, float]] = field(default_factory=dict)
     # The served weights' copy-emergence curves, from their training logs (models/emergence.py).

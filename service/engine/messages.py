@@ -110,12 +110,28 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
     prompt_ids: tuple[int, ...] = ()
     # Guesses a decode step may verify (speculative decoding; None: the server's --speculative-tokens, 0: none).
     speculative_tokens: int | None = None
+    # Added to the logits before every draw, greedy too (OpenAI's logit_bias): (token id, bias) pairs,
+    # ids in the vocabulary, each bias in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The prefix cache's salt (vLLM's cache_salt): prompts with different salts never share cached K/V.
+    # The front end sets it from the caller's tenant and the client's own salt (service.security.cache_salt).
+    cache_salt: str = ""
 
 
 # The most alternatives a token's log-probabilities may list (OpenAI's and vLLM's default limit).
 MAX_LOGPROBS = 20
 # The most speculative guesses a request's decode step may verify (service.engine.spec).
 MAX_SPECULATIVE_TOKENS = 16
+# Stop strings: each is looked for after every token, so their count and length bound the work a
+# request may ask for (10,000 of them once made a 1,024-token request 19x slower).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARACTERS = 256
+# logit_bias values, as OpenAI bounds them: +100 all but forces a token, -100 all but bans it.
+MAX_LOGIT_BIAS = 100.0
+# A client's cache_salt, in characters (it only needs to be unguessable).
+MAX_CACHE_SALT_CHARACTERS = 256
+# Segments of one prompt (each is a lookup in the reuse cache).
+MAX_SEGMENTS = 256
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):

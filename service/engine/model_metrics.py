@@ -38,6 +38,7 @@ class ModelMetrics:
         self.peak = metrics.kv_cache_physical_peak.labels(**labels)
         self.classes = metrics.kv_cache_classes.labels(**labels)
         self.capacity = metrics.kv_cache_capacity.labels(**labels)
+        self.usage = metrics.kv_cache_usage.labels(**labels)
         self.running = metrics.running.labels(**labels)
         self.queued = metrics.queued.labels(**labels)
         self.used = {form: metrics.kv_cache_used.labels(**form_labels) for form, form_labels in by_form.items()}
@@ -76,6 +77,7 @@ class ModelMetrics:
             held = dict.fromkeys(self.used, 0)
             for sequence, nbytes in store.held_bytes().items():
                 held[forms[sequence]] += nbytes
+            self.usage.set(sum(held.values()) / max(1, store.capacity_bytes))
             for form, nbytes in prefix.held_by_form().items():
                 held[form] += nbytes
             prefix.update_gauges()

@@ -26,6 +26,7 @@ class SamplingParams:
     min_tokens: int = 0  # nor before this many new tokens
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives' (None: none)
     speculative_tokens: int = 0  # guesses a step may verify (service.engine.spec; 0: none)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits before sampling
 
     def eos_allowed(self, generated: int) -> bool:
         """Whether EOS may be sampled (and end the request) after `generated` new tokens."""
@@ -62,6 +63,8 @@ class Request:
     # Prompt tokens whose K/V the prefix cache gave (the usage's cached_prompt_tokens; before its
     # prefill, admission's estimate of them).
     cached_prompt_tokens: int = 0
+    # The prefix cache's salt (GenerateInput.cache_salt): part of its first block's key.
+    cache_salt: str = ""
     # Reusable segments of the prompt as token spans [start, end), and how many leading tokens of
     # each are recomputed in context (service.engine.prompts.segments); the reused tokens, for the usage.
     segments: tuple[tuple[int, int], ...] = ()

@@ -36,15 +36,8 @@ class Sampler:
 
     def sample_batch(self, requests: list[Request], logits: np.ndarray, greedy: bool = False) -> list[int | Exception]:
         """`greedy`: the caller knows every request is (a steady batch checks once, `all_greedy`).
-        Rows whose request may not end yet (ignore_eos, or fewer than min_tokens new tokens) get
-        their EOS logit masked first, so their token is still a sample of the other tokens (vLLM's
-        min-tokens logits processor)."""
-        banned = [
-            row for row, r in enumerate(requests) if r.params.ignore_eos or len(r.output_ids) < r.params.min_tokens
-        ]
-        if banned:
-            logits = np.array(logits, copy=True)
-            logits[banned, [requests[row].eos_token_id for row in banned]] = -np.inf
+        Each row is drawn from its processed logits (`processed_logits`)."""
+        logits = processed_logits(logits, requests, [len(r.output_ids) for r in requests])
         if greedy or all_greedy(requests):
             return logits.argmax(axis=1).tolist()  # one argmax (as sample_rows would)
         indices = [len(r.output_ids) for r in requests]
@@ -127,6 +120,25 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+
+def processed_logits(logits: np.ndarray, requests: list[Request], generated: list[int]) -> np.ndarray:
+    """What row i's token is drawn from, greedy or sampled: its request's logit_bias added, and its
+    EOS logit masked while the request may not end yet after `generated[i]` new tokens (ignore_eos,
+    min_tokens), so the token is still a sample of the other tokens (vLLM's logit-bias and min-tokens
+    logits processors). `logits` itself when no row needs either, else a copy: the raw logits stay
+    what log-probabilities report."""
+    biased = [row for row, request in enumerate(requests) if request.params.logit_bias]
+    banned = [row for row, request in enumerate(requests) if not request.params.eos_allowed(generated[row])]
+    if not biased and not banned:
+        return logits
+    logits = np.array(logits, copy=True)
+    for row in biased:
+        ids, values = zip(*requests[row].params.logit_bias, strict=True)
+        logits[row, list(ids)] += np.asarray(values, dtype=logits.dtype)
+    if banned:
+        logits[banned, [requests[row].eos_token_id for row in banned]] = -np.inf
+    return logits
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

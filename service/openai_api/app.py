@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP API (aiohttp), on the gRPC server's engine client: one engine core,
 one KV budget and one admission control for both front ends.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 while
-serving, 503 while starting, restarting or draining; no token needed, as gRPC's health). Every other
-path needs `Authorization: Bearer <token>` when the server has a token. Streams are server-sent
-events as OpenAI sends them, ending `data: [DONE]`. A client that goes away (its connection closes)
-cancels its request in the engine. Each call is counted in posenc_requests_total{api="http"} with
-its path as `method` and the gRPC name of its outcome as `code` (CANCELLED for a client that left).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, the tokenizer's (POST
+/tokenize, POST /detokenize, GET /tokenizer_info), GET /openapi.json (their OpenAPI description), GET
+/health (200 while serving, 503 while starting, restarting or draining; no token needed, as gRPC's
+health, nor for /openapi.json). Every other path needs `Authorization: Bearer <token>` of a tenant
+when the server has tokens (service.security). Streams are server-sent events as OpenAI sends them, ending
+`data: [DONE]`. A client that goes away (its connection closes) cancels its request in the engine.
+Each call is counted in posenc_requests_total{api="http"} with its path as `method` and the gRPC
+name of its outcome as `code` (CANCELLED for a client that left).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from service.engine.messages import GenerateInput, ModelInfo, RequestError, Requ
 from service.engine_client import EngineClient
 from service.logprobs import TokenAligner, aligned, token_string
 from service.metrics import ServiceMetrics
+from service.openai_api import openapi
 from service.openai_api.protocol import (
     DONE,
     ApiError,
@@ -34,10 +37,11 @@ from service.openai_api.protocol import (
     Usage,
     models_list,
     parse_generation,
+    shown,
 )
 from service.openai_api.stream import AsyncOutputStream
 from service.request_handle import RequestHandle
-from service.security import authorized, bearer
+from service.security import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +56,8 @@ ABORTS = {
     RequestStatus.FINISHED_ERROR: ApiError(500, "inference failed", code="internal_error"),
     RequestStatus.FINISHED_SHUTDOWN: ApiError(503, "server shut down", code="service_unavailable"),
 }
-PUBLIC = ("/health",)
+PUBLIC = ("/health", "/openapi.json")
+MAX_JSON_DEPTH = 32  # request bodies: the deepest this API's shapes nest is 4 (a chat message's content part)
 Labels = Callable[[str], dict[str, str]]
 
 
@@ -61,17 +66,18 @@ class OpenAIApi:
 
     def __init__(
         self, engine: Callable[[], EngineClient | None], draining: Callable[[], bool], metrics: ServiceMetrics,
-        labels: Labels, token: str | None = None, submit_threads: int = 64,
+        labels: Labels, tenants: Tenants | None = None, submit_threads: int = 64,
         leaving: Callable[[], bool] | None = None,
     ) -> None:  # fmt: skip
         """`draining`: new calls are refused (503); `leaving`: /health says 503 (from the start of a
         drain, while new calls are still served for the drain delay, so proxies move away first)."""
         self._engine, self._draining, self._metrics, self._labels = engine, draining, metrics, labels
         self._leaving = leaving or draining
-        self._expected = bearer(token) if token else None
+        self._tenants = tenants or Tenants()
         # EngineClient.submit blocks until the core accepts or refuses (a pipe round trip): off the loop.
         self._submitter = ThreadPoolExecutor(submit_threads, thread_name_prefix="http-submit")
         self._created = int(time.time())
+        self._openapi_document = openapi.document()
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[self._account, self._errors, self._authorize], client_max_size=16 << 20)
@@ -82,6 +88,7 @@ class OpenAIApi:
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/tokenizer_info", self._tokenizer_info)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/openapi.json", self._openapi)
         return app
 
     def close(self) -> None:
@@ -123,9 +130,12 @@ class OpenAIApi:
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
-        if self._expected is not None and request.path not in PUBLIC:
-            if not authorized(request.headers.get("Authorization", ""), self._expected):
+        """The caller's tenant (its token's; "" without tokens) goes with the request."""
+        if request.path not in PUBLIC:
+            tenant = self._tenants.tenant(request.headers.get("Authorization", ""))
+            if tenant is None:
                 raise ApiError(401, "authorization: missing or invalid bearer token", code="invalid_api_key")
+            request["tenant"] = tenant
         return await handler(request)
 
     # ------------------------------------------------------------------ routes
@@ -134,6 +144,9 @@ class OpenAIApi:
         engine = self._engine()
         serving = engine is not None and engine.serving and not self._leaving()
         return web.json_response({"status": "serving" if serving else "not serving"}, status=200 if serving else 503)
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi_document, content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:
         engine = self._serving_engine()
@@ -144,7 +157,7 @@ class OpenAIApi:
         body = await _json_body(request)
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             request["model"] = body["model"]
-        generation = parse_generation(body, engine.models, chat)
+        generation = parse_generation(body, engine.models, chat, request["tenant"])
         loop = asyncio.get_running_loop()
         handles: list[RequestHandle] = []
         outputs: list[AsyncOutputStream] = []
@@ -273,10 +286,10 @@ class OpenAIApi:
         info = _tokenizer_model(engine, body)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            raise ApiError(400, f"prompt: required, a string; got {prompt!r}", "prompt")
+            raise ApiError(400, f"prompt: required, a string; got {shown(prompt)}", "prompt")
         special = body.get("add_special_tokens", True)
         if not isinstance(special, bool):
-            raise ApiError(400, f"add_special_tokens: must be a boolean, got {special!r}", "add_special_tokens")
+            raise ApiError(400, f"add_special_tokens: must be a boolean, got {shown(special)}", "add_special_tokens")
         ids = info.prompt_ids(prompt) if special else list(prompt.encode("utf-8"))
         limit = info.max_positions or info.max_sequence_tokens
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": limit})
@@ -288,7 +301,7 @@ class OpenAIApi:
         info = _tokenizer_model(engine, body)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise ApiError(400, f"tokens: required, a list of token ids; got {tokens!r}", "tokens")
+            raise ApiError(400, f"tokens: required, a list of token ids; got {shown(tokens)}", "tokens")
         bad = [t for t in tokens if not 0 <= t < info.vocab_size]
         if bad:
             raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "tokens")
@@ -335,10 +348,33 @@ def _echo(raw: GenerateInput, handle: RequestHandle) -> Choice:
 
 
 async def _json_body(request: web.Request) -> Any:
+    """The body's JSON, nested at most MAX_JSON_DEPTH deep (a deeper one is refused, not decoded by
+    recursion until the stack gives out)."""
+    raw = await request.read()
+    too_deep = ApiError(400, f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return msgspec.json.decode(await request.read())
+        body = msgspec.json.decode(raw)
     except msgspec.DecodeError as error:
         raise ApiError(400, f"request body: not valid JSON ({error})") from None
+    except RecursionError:
+        raise too_deep from None
+    # Only a body with more brackets than the limit can be nested past it: the walk is rarely needed.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(body) > MAX_JSON_DEPTH:
+        raise too_deep
+    return body
+
+
+def json_depth(value: Any) -> int:
+    """How deep containers nest in a decoded JSON value (a scalar: 0), without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def _tokenizer_model(engine: EngineClient, body: Any) -> ModelInfo:
@@ -348,8 +384,10 @@ def _tokenizer_model(engine: EngineClient, body: Any) -> ModelInfo:
     name = body.get("model")
     if name is None:
         return engine.models[sorted(engine.models)[0]]
+    if not isinstance(name, str):
+        raise ApiError(400, f"model: must be a string, got {shown(name)}", "model")
     if name not in engine.models:
-        raise ApiError(404, f"model: {name!r} is not served here", "model", "model_not_found")
+        raise ApiError(404, f"model: {shown(name)} is not served here", "model", "model_not_found")
     return engine.models[name]
 
 

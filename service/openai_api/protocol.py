@@ -20,6 +20,7 @@ tokens whose K/V was reused, not computed in context); /v1/models gives each mod
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from service.engine.messages import (
     TokenLogprob,
 )
 from service.logprobs import token_bytes, token_string
+from service.security import cache_salt
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
@@ -50,6 +52,9 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
 SEGMENT_FIELDS = ("text", "reusable")
 UINT32_MAX = 2**32 - 1  # gRPC's segment_repair_tokens is a uint32
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_BIASED_TOKENS = 1024  # logit_bias entries (more than any vocabulary served here: the engine checks ids)
+TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -58,7 +63,8 @@ class ApiError(Exception):
 
     TYPES: ClassVar[dict[int, str]] = {
         400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-        429: "rate_limit_error", 500: "server_error", 503: "server_error",
+        405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+        503: "server_error",
     }  # fmt: skip
 
     def __init__(
@@ -92,6 +98,12 @@ def invalid(field: str, message: str) -> ApiError:
     return ApiError(400, f"{field}: {message}", field)
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """A value as an error quotes it: its repr, cut short (a refused field may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class Generation:
     """One parsed /v1/completions or /v1/chat/completions request: one engine input per prompt
@@ -118,11 +130,13 @@ def _typed(body: dict[str, Any], field: str, kind: type | tuple[type, ...], defa
         return default
     name = f"{within}.{field}" if within else field
     if isinstance(value, bool) and kind is not bool and kind != (bool,):
-        raise invalid(name, f"must be {_kind_name(kind)}, got {value!r}")
+        raise invalid(name, f"must be {_kind_name(kind)}, got {shown(value)}")
     if kind is float and isinstance(value, int):
         return float(value)
     if not isinstance(value, kind):
-        raise invalid(name, f"must be {_kind_name(kind)}, got {value!r}")
+        raise invalid(name, f"must be {_kind_name(kind)}, got {shown(value)}")
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:  # what the engine's messages carry
+        raise invalid(name, f"must be a 64-bit integer, in [{INT64_MIN}, {INT64_MAX}], got {shown(value)}")
     return value
 
 
@@ -131,8 +145,9 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return names.get(kind, str(kind)) if isinstance(kind, type) else " or ".join(names[k] for k in kind)
 
 
-def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Generation:
-    """The engine's input from an OpenAI request body, or an ApiError naming the field and the limit."""
+def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant: str = "") -> Generation:
+    """The engine's input from an OpenAI request body, or an ApiError naming the field and the limit;
+    `tenant`: the caller's (its token's), which salts its prompts in the prefix cache."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body: must be a JSON object")
     model = _typed(body, "model", str, None)
@@ -140,7 +155,8 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
         raise invalid("model", "required (GET /v1/models lists the served ones)")
     if model not in models:
         served = ", ".join(sorted(models)) or "none yet"
-        raise ApiError(404, f"model: {model!r} is not served here; served models: {served}", "model", "model_not_found")
+        message = f"model: {shown(model)} is not served here; served models: {served}"
+        raise ApiError(404, message, "model", "model_not_found")
     info = models[model]
     segments, repair = prompt_segments(body, chat)
     prompts: list[str | tuple[int, ...]]
@@ -167,13 +183,17 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise invalid("stop", f"must be a string or a list of strings, got {stop!r}")
+        raise invalid("stop", f"must be a string or a list of strings, got {shown(stop)}")
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, {})
     if options and not stream:
         raise invalid("stream_options", "only allowed with stream: true")
     top_k = _typed(body, "top_k", int, 0)
     seed = _typed(body, "seed", int, None)
+    try:
+        salt = cache_salt(tenant, _typed(body, "cache_salt", str, ""))
+    except RequestError as error:
+        raise ApiError.of(error) from None
     raw = GenerateInput(
         model=model,
         prompt="",
@@ -190,6 +210,8 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
         segment_repair_tokens=repair,
         logprobs=logprobs,
         speculative_tokens=_typed(body, "speculative_tokens", int, None),
+        logit_bias=logit_bias(body.get("logit_bias")),
+        cache_salt=salt,
         # echo with max_tokens 0 scores the prompt even when no log-probabilities are shown: its
         # length is checked like any scored text, and nothing is generated.
         prompt_logprobs=None if not echo else logprobs if logprobs is not None else 0 if max_tokens == 0 else None,
@@ -201,6 +223,25 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool) -> Gen
     return Generation(inputs, stream, bool(options.get("include_usage")), chat, logprobs, echo)
 
 
+def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` (JSON keys are strings) as (id, bias) pairs; the engine checks
+    that each id is in the model's vocabulary and each bias in [-100, 100]."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", f"must be an object of token id -> bias, got {shown(value)}")
+    if len(value) > MAX_BIASED_TOKENS:
+        raise invalid("logit_bias", f"at most {MAX_BIASED_TOKENS} tokens, got {len(value)}")
+    pairs = []
+    for key, bias in value.items():
+        if not TOKEN_KEY.fullmatch(key):
+            raise invalid("logit_bias", f"keys must be token ids (decimal integers), got {shown(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise invalid("logit_bias", f"the bias of token {key} must be a number, got {shown(bias)}")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
 def completion_prompts(prompt: Any, info: ModelInfo) -> list[str | tuple[int, ...]]:
     """A completion's prompts as OpenAI takes them: a string, a list of strings, a list of token ids,
     or a list of such lists; token ids are taken as they are (no BOS added: the client tokenized)."""
@@ -208,7 +249,7 @@ def completion_prompts(prompt: Any, info: ModelInfo) -> list[str | tuple[int, ..
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
         shapes = "a string, a list of strings, a token-id list or a list of those"
-        raise invalid("prompt", f"required: {shapes}; got {prompt!r}")
+        raise invalid("prompt", f"required: {shapes}; got {shown(prompt)}")
     if len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
         raise invalid("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
     if all(_is_token(t) for t in prompt):
@@ -220,7 +261,7 @@ def completion_prompts(prompt: Any, info: ModelInfo) -> list[str | tuple[int, ..
         elif isinstance(item, list) and item and all(_is_token(t) for t in item):
             prompts.append(_token_ids(item, f"prompt[{index}]", info))
         else:
-            raise invalid(f"prompt[{index}]", f"must be a string or a non-empty list of token ids, got {item!r}")
+            raise invalid(f"prompt[{index}]", f"must be a string or a non-empty list of token ids, got {shown(item)}")
     return prompts
 
 
@@ -268,14 +309,15 @@ def prompt_segments(body: dict[str, Any], chat: bool) -> tuple[tuple[PromptSegme
     if raw is None:
         return (), repair
     if not isinstance(raw, list):
-        raise invalid("segments", f"must be a list of {{text, reusable}} objects, got {raw!r}")
+        raise invalid("segments", f"must be a list of {{text, reusable}} objects, got {shown(raw)}")
     if raw and body.get("prompt") not in (None, ""):
         raise invalid("segments", "set either prompt or segments, not both")
     segments = []
     for index, segment in enumerate(raw):
         field = f"segments[{index}]"
         if not isinstance(segment, dict) or not set(segment) <= set(SEGMENT_FIELDS):
-            raise invalid(field, f"must be an object with only the fields {', '.join(SEGMENT_FIELDS)}, got {segment!r}")
+            fields = ", ".join(SEGMENT_FIELDS)
+            raise invalid(field, f"must be an object with only the fields {fields}, got {shown(segment)}")
         text, reusable = _typed(segment, "text", str, "", field), _typed(segment, "reusable", bool, False, field)
         segments.append(PromptSegment(text, reusable))
     return tuple(segments), repair
@@ -295,7 +337,7 @@ def chat_prompt(messages: Any) -> str:
                 raise invalid(f"messages[{index}].content", "only text parts are supported")
             content = "".join(str(part.get("text", "")) for part in content)
         if not isinstance(content, str):
-            raise invalid(f"messages[{index}].content", f"must be a string, got {content!r}")
+            raise invalid(f"messages[{index}].content", f"must be a string, got {shown(content)}")
         texts.append(content)
     return "\n".join(texts)
 
@@ -303,7 +345,7 @@ def chat_prompt(messages: Any) -> str:
 def _check_unsupported(body: dict[str, Any], chat: bool) -> None:
     for field, neutral in NEUTRAL.items():
         if body.get(field) not in (None, neutral):
-            raise invalid(field, f"not supported: only {neutral!r}, got {body[field]!r}")
+            raise invalid(field, f"not supported: only {neutral!r}, got {shown(body[field])}")
     if body.get("suffix"):
         raise invalid("suffix", "not supported (no fill-in-the-middle)")
 

@@ -15,7 +15,7 @@ def _tool(name: str) -> str:
     if path is None:
         if os.environ.get("CI"):
             pytest.fail(f"{name} is not installed (.ci/run installs it)")
-        pytest.skip(f"{name} not installed (apt-get install prometheus docker-compose nginx)")
+        pytest.skip(f"{name} not installed (apt-get install prometheus docker-compose nginx haproxy)")
     return path
 
 

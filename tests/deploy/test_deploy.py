@@ -36,6 +36,14 @@ def test_compose_file_validates_and_every_path_exists(tool: Tool) -> None:
     assert compose["services"]["server"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
 
+def test_compose_runs_the_shipped_haproxy_cfg_for_prefix_affinity() -> None:
+    affinity = yaml.safe_load((REPOSITORY_ROOT / "docker-compose.yml").read_text())["services"]["affinity-proxy"]
+    assert "./deploy/haproxy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in affinity["volumes"]
+    assert affinity["environment"]["POSENC_REPLICAS"] == "server"  # every replica's alias
+    assert affinity["environment"]["POSENC_BALANCE"] == "${POSENC_BALANCE:-hdr(x-routing-key)}"
+    assert [port.rpartition(":")[2] for port in affinity["ports"]] == ["50051", "8000"]
+
+
 def test_compose_puts_every_replica_behind_the_proxy() -> None:
     """`--scale server=N` works: replicas publish no host port (N containers cannot share one),
     answer as `server`, and the proxy, the only published gRPC port, runs the shipped nginx.conf."""

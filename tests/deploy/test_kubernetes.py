@@ -127,6 +127,20 @@ def test_the_proxy_runs_the_shipped_nginx_conf_over_the_headless_service() -> No
     assert container["volumeMounts"][0]["mountPath"] == "/etc/nginx/posenc"
 
 
+def test_the_affinity_proxy_runs_the_shipped_haproxy_cfg_over_the_headless_service() -> None:
+    data = one("ConfigMap", "posenc-affinity-proxy")["data"]
+    assert data["haproxy.cfg"] == (REPOSITORY_ROOT / "deploy" / "haproxy" / "haproxy.cfg").read_text()
+    deployment, service = one("Deployment", "posenc-affinity-proxy"), one("Service", "posenc-serve-affinity")
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    environment = {variable["name"]: variable["value"] for variable in container["env"]}
+    replicas = one("Service", "posenc-serve-replicas")["metadata"]["name"]
+    assert environment == {"POSENC_BALANCE": "hdr(x-routing-key)",
+                           "POSENC_REPLICAS": f"{replicas}.posenc.svc.cluster.local"}  # fmt: skip
+    assert container["args"][-1] == container["volumeMounts"][0]["mountPath"] + "/haproxy.cfg"
+    assert {port["name"]: port["containerPort"] for port in container["ports"]} == {"grpc": 50051, "http": 8000}
+
+
 def test_the_autoscaler_targets_the_deployment_on_gauges_the_service_exports() -> None:
     autoscaler = one("HorizontalPodAutoscaler", "posenc-serve")
     assert autoscaler["spec"]["scaleTargetRef"] == {

@@ -13,8 +13,12 @@ from contract.cache_policy import FIELD as POLICY_FIELD
 from contract.cache_policy import FULL_POLICY, CachePolicy, CachePolicyError, parse_cache_policy
 from contract.manifest import Manifest
 from service.engine.messages import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_SEGMENTS,
     MAX_SPECULATIVE_TOKENS,
+    MAX_STOP_CHARACTERS,
+    MAX_STOP_STRINGS,
     ErrorKind,
     GenerateInput,
     PromptSegment,
@@ -75,6 +79,27 @@ class InputProcessor:
                 )
         return list(ids)
 
+    def logit_bias(self, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        """The request's (token id, bias) pairs, each id in the vocabulary once, each bias in range."""
+        vocab, seen = self.manifest.vocab_size, set()
+        for token, bias in pairs:
+            if not 0 <= token < vocab:
+                raise RequestError(
+                    ErrorKind.INVALID_ARGUMENT,
+                    f"logit_bias: token id {token} is outside the vocabulary [0, {vocab}) of model "
+                    f"{self.manifest.name!r}",
+                )
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
+                raise RequestError(
+                    ErrorKind.INVALID_ARGUMENT,
+                    f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias}",
+                )
+            if token in seen:
+                raise RequestError(ErrorKind.INVALID_ARGUMENT, f"logit_bias: token id {token} is given twice")
+            seen.add(token)
+        return tuple((int(token), float(bias)) for token, bias in pairs)
+
     @staticmethod
     def check_logprobs(value: int | None, field: str) -> None:
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -88,6 +113,7 @@ class InputProcessor:
         request = Request(request_id, raw.model, ids, params, self.eos_token_id, raw.deadline, policy)
         request.segments = segment_spans(raw.segments, self.add_bos)
         request.segment_repair_tokens = raw.segment_repair_tokens
+        request.cache_salt = raw.cache_salt  # resumed too: it never reads another tenant's blocks
         return request
 
     def generate(self, raw: GenerateInput) -> tuple[list[int], SamplingParams, CachePolicy]:
@@ -97,6 +123,11 @@ class InputProcessor:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "prompt: must not be empty")
         self.check_logprobs(raw.logprobs, "logprobs")
         self.check_logprobs(raw.prompt_logprobs, "prompt_logprobs")
+        check_stop(raw.stop)
+        if len(raw.segments) > MAX_SEGMENTS:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT, f"segments: at most {MAX_SEGMENTS} in one prompt, got {len(raw.segments)}"
+            )
         params = SamplingParams(
             max_new_tokens=self.limits.default_max_new_tokens if raw.max_new_tokens is None else raw.max_new_tokens,
             temperature=raw.temperature,
@@ -110,6 +141,7 @@ class InputProcessor:
             speculative_tokens=(
                 self.limits.default_speculative_tokens if raw.speculative_tokens is None else raw.speculative_tokens
             ),
+            logit_bias=self.logit_bias(raw.logit_bias),
         )
         self.check(params)
         policy = self.cache_policy(raw.cache_policy)
@@ -197,3 +229,15 @@ def segment_spans(segments: tuple[PromptSegment, ...], add_bos: bool) -> tuple[t
             spans.append((offset, offset + length))
         offset += length
     return tuple(spans)
+
+
+def check_stop(stop: tuple[str, ...]) -> None:
+    """Stop strings are looked for after every token: their count and length are bounded."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(ErrorKind.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for index, text in enumerate(stop):
+        if len(text) > MAX_STOP_CHARACTERS:
+            raise RequestError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"stop: each string at most {MAX_STOP_CHARACTERS} characters, string {index} has {len(text)}",
+            )

@@ -5,7 +5,9 @@ A prompt is looked up when its prefill is submitted and its full blocks are kept
 written into its row (the same step's join). Under a bounded cache policy (window, sinks) only a
 prompt that fits the policy's budget takes part: its cache is then exactly the prompt's prefill,
 as under `full`; a longer one streams through evictions, which a cached prefix cannot replay.
-The key's extra part is the model and the policy's form, so int8 and float rows never share.
+The key's extra part is the model, the policy's form and the request's cache salt, so int8 and float
+rows never share, nor do two tenants (service.security): the salt enters the first block's key, and
+with it every key of the chain.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ class PrefixReuse:
         self.store, self.model, self.enabled, self.metrics = store, model, enabled, metrics
         self._evictions_seen = 0
 
-    def _key(self, request: Request, token_ids: list[int]) -> tuple[tuple[str, str], list[int]] | None:
+    def _key(self, request: Request, token_ids: list[int]) -> tuple[tuple[str, str, str], list[int]] | None:
         """The chain's extra key and hashes, or None when the request does not take part."""
         policy = request.cache_policy
         if not self.enabled or policy.cached(len(token_ids)) < len(token_ids):
             return None
-        extra = (self.model, policy.form)
+        extra = (self.model, policy.form, request.cache_salt)
         return extra, block_hashes(token_ids, self.store.block_size, extra)
 
     def peek(self, request: Request) -> int:

@@ -119,7 +119,7 @@ class SegmentReuser:
         return request.segments[0][0] if self.applies(request) else None
 
     def _key(self, request: Request, tokens: tuple[int, ...]) -> int:
-        return hash(("segment", self.model, request.cache_policy.form, tokens))
+        return hash(("segment", self.model, request.cache_policy.form, request.cache_salt, tokens))
 
     def compute(self, request: Request, past: CachedPast | None) -> Callable[[], PrefilledPrompt] | None:
         """The prefill of a request with reused segments, for the prefill worker (None: a plain prefill)."""

@@ -10,7 +10,7 @@ from service.engine.kv import INT8_CHANNEL
 from service.engine.messages import EngineConfig
 from service.engine.model_metrics import ModelMetrics
 from service.engine.request import Request
-from service.engine.sampler import Sampler
+from service.engine.sampler import Sampler, processed_logits
 from service.engine.spec.draft import draft_room
 from service.engine.spec.proposer import Proposer, make_proposer
 from service.engine.spec.verifier import BlockVerifier
@@ -75,20 +75,15 @@ class Speculator:
 
     def target_tokens(self, requests: list[Request], logits: list[np.ndarray]) -> list[list[int | Exception]]:
         """The model's own token after each fed token, as the sampler draws it without speculation:
-        at token index len(output) + j, EOS masked where the request may not end yet."""
-        ids, params, indices, banned = [], [], [], []
+        at token index len(output) + j, from the logits processed as there (`processed_logits`)."""
+        rows_of: list[Request] = []
+        indices: list[int] = []
         for request, rows in zip(requests, logits, strict=True):
             done = len(request.output_ids)
-            for j in range(rows.shape[0]):
-                if not request.params.eos_allowed(done + j):
-                    banned.append((len(ids), request.eos_token_id))
-                ids.append(request.request_id)
-                params.append(request.params)
-                indices.append(done + j)
-        stacked = np.concatenate(logits)
-        if banned:
-            stacked = np.array(stacked, copy=True)
-            stacked[[row for row, _ in banned], [eos for _, eos in banned]] = -np.inf
+            rows_of += [request] * rows.shape[0]
+            indices += range(done, done + rows.shape[0])
+        stacked = processed_logits(np.concatenate(logits), rows_of, indices)
+        ids, params = [r.request_id for r in rows_of], [r.params for r in rows_of]
         flat = self.sampler.sample_rows(ids, params, stacked, indices)
         out, start = [], 0
         for rows in logits:
