@@ -15,9 +15,11 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """POSENC_TEST_REPOSITORY reuses an existing repository (for quick local iterations).
 
     The float16 graphs are asked for: tests hold them to PyTorch, though a CPU export skips them.
+    Further training seeds (models/weights/seed<N>/) are left out: tests/export/test_seeds.py exports
+    stand-ins of its own.
     """
     if os.environ.get("POSENC_TEST_REPOSITORY"):
         return Path(os.environ["POSENC_TEST_REPOSITORY"])
     out = tmp_path_factory.mktemp("model_repository")
-    run(ExportOptions(out=out, verify=False, fp16=True))
+    run(ExportOptions(out=out, verify=False, fp16=True, extra_seeds=False))
     return out
