@@ -33,3 +33,12 @@ def seed_weights(weights: Path, scheme: str, seed: int, noise: float = 0.02) -> 
     }  # fmt: skip
     save_file(moved, folder / "model.safetensors")
     return folder
+
+
+def linked_weights(tmp_path: Path, schemes: tuple[str, ...]) -> Path:
+    """A weights folder whose schemes link to the shipped ones (seed folders are added beside them)."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for scheme in schemes:
+        (weights / scheme).symlink_to(WEIGHTS_DIR / scheme)
+    return weights

@@ -7,15 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 
 from contract.manifest import Manifest
 from contract.names import SeedModel, seed_model_name
-from export.repository import ExportOptions, extra_seeds, model_variants, run
-from models.checkpoints import WEIGHTS_DIR
+from export.repository import ExportOptions, extra_seeds, model_variants
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
-from tests.standins import seed_weights
+from tests.standins import linked_weights
 
 
 def test_a_seed_model_name_splits_into_scheme_and_seed() -> None:
@@ -25,15 +23,6 @@ def test_a_seed_model_name_splits_into_scheme_and_seed() -> None:
     assert SeedModel.parse("rope") == SeedModel("rope", None)
     assert SeedModel.parse("rope-ntk-x4") == SeedModel("rope-ntk-x4", None)
     assert SeedModel.parse("rope@seedx") == SeedModel("rope@seedx", None)
-
-
-def linked_weights(tmp_path: Path, schemes: tuple[str, ...]) -> Path:
-    """A weights folder whose schemes link to the shipped ones (seed folders are added by the test)."""
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    for scheme in schemes:
-        (weights / scheme).symlink_to(WEIGHTS_DIR / scheme)
-    return weights
 
 
 def test_seed_folders_are_found_for_the_schemes_asked_only(tmp_path: Path) -> None:
@@ -56,18 +45,6 @@ def test_seed_folders_are_found_for_the_schemes_asked_only(tmp_path: Path) -> No
     )
     only = ExportOptions(weights=weights, schemes=("alibi", "rope"), names=("rope@seed3",))
     assert [spec.name for spec in model_variants(only)] == ["rope@seed3"]
-
-
-@pytest.fixture(scope="module")
-def seeded_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """alibi and a perturbed stand-in of its seed 2, exported (float32 graphs and the serving graph)."""
-    tmp_path = tmp_path_factory.mktemp("seeds")
-    weights = linked_weights(tmp_path, ("alibi",))
-    seed_weights(weights, "alibi", 2)
-    out = tmp_path / "repository"
-    options = ExportOptions(weights=weights, out=out, schemes=("alibi",), graphs=("serving-float32",), verify=False)
-    assert [r.name for r in run(options)] == ["alibi", "alibi@seed2"]
-    return out
 
 
 def test_a_seed_exports_beside_the_served_model_with_its_seed_recorded(seeded_repository: Path) -> None:
