@@ -42,6 +42,9 @@ def seeded() -> Results:
     """Reference results where relative, alibi and rope have a second seed: relative's and alibi's a
     little different (the same verdicts), rope's reuse within 1% where the served one's is not."""
     results = Results.read(REFERENCE / "results.json")
+    short = {s: results.reuse[s]["documents"]["short"]["modes"] for s in ("rope", "alibi")}
+    short["rope"]["rotate"]["change"] = {"value": 0.023, "low": 0.012, "high": 0.035, "n": 192}  # type: ignore[index]
+    short["alibi"]["as_is"]["change"] = {"value": 0.19, "low": 0.163, "high": 0.215, "n": 192}  # type: ignore[index]
     for scheme, factor in (("relative", 1.02), ("alibi", 0.99), ("rope", 1.01)):
         model = f"{scheme}@seed2"
         results.quality[model] = scaled(results.quality[scheme], factor)
@@ -87,7 +90,7 @@ def test_the_readme_table_shows_the_range_over_seeds(seeded: Results) -> None:
     table = readme_table(seeded)
     assert "| relative (2 seeds) | 1.440 (1.426 to 1.454) |" in table
     assert "| sinusoidal (one seed) | 1.453 | 4.113 |" in table
-    assert "re-rotated: +2.3% [+1.2, +3.5]; over seeds +1.3% (+0.2% to +2.3%), **seeds disagree**" in table
+    assert "re-rotated: +2.3% [+1.2, +3.5]; over seeds +1.2% (+0.2% to +2.3%), **seeds disagree**" in table
     assert "2.27x (2.25x to 2.29x)" in table  # relative's speedup
 
 
