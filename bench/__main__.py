@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     repository: Path = args.model_repository
     server_threads = args.threads  # 0: the server's own default (decode half the cores, prefill all)
     args.threads = args.threads or default_threads()  # decode threads, for the in-process figures
-    folders = sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
+    # Further training seeds (rope@seed2) have their scheme's graphs: nothing of their own to time.
+    folders = sorted(
+        p for p in repository.iterdir() if (p / "manifest.json").is_file() and not Manifest.load(p).is_extra_seed
+    )
     steps = 5 if args.quick else 20
 
     print_kv_bytes(folders)

@@ -20,7 +20,7 @@ def print_fused_steps(folders: list[Path], args: argparse.Namespace, steps: int)
     print("  " + f"{'model':<12}{'batch':>6}" + "".join(f"{c:>24}" for c in contexts))
     for folder in folders:
         manifest = Manifest.load(folder)
-        if manifest.is_scaling_variant or manifest.fused_attention is None:
+        if not manifest.served_by_default or manifest.fused_attention is None:
             continue
         for batch in (1, 8):
             cells = []

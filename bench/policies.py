@@ -27,7 +27,7 @@ def print_policy_steps(folders: list[Path], args: argparse.Namespace, steps: int
     print("  " + f"{'model':<12}" + "".join(f"{p:>22}" for p in names))
     for folder in folders:
         manifest = Manifest.load(folder)
-        if manifest.is_scaling_variant:
+        if not manifest.served_by_default:
             continue
         cells = []
         for text in names:
@@ -57,7 +57,7 @@ def print_int8_ratio(folders: list[Path], args: argparse.Namespace, steps: int) 
     full, int8 = parse_cache_policy("full"), parse_cache_policy("int8")
     for folder in folders:
         manifest = Manifest.load(folder)
-        if manifest.is_scaling_variant or not manifest.has_int8_cache:
+        if not manifest.served_by_default or not manifest.has_int8_cache:
             continue
         if manifest.max_positions is not None and POLICY_HISTORY >= manifest.max_positions:
             continue

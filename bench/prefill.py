@@ -149,7 +149,7 @@ def print_prefill(args: argparse.Namespace, repository: Path, server_threads: in
     chunk = EngineConfig().prefill_tokens
     folders = [
         f for f in sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
-        if not Manifest.load(f).is_scaling_variant and Manifest.load(f).max_positions is None
+        if Manifest.load(f).served_by_default and Manifest.load(f).max_positions is None
     ]  # fmt: skip
     sgemm = sgemm_gflops()
     print(

@@ -17,7 +17,7 @@ from service.process import ServerProcess
 
 def print_speculative(args: argparse.Namespace, repository: Path, server_threads: int, device_flags: list[str]) -> None:
     folders = sorted(p for p in repository.iterdir() if (p / "manifest.json").is_file())
-    models = [p.name for p in folders if not Manifest.load(p).is_scaling_variant]
+    models = [p.name for p in folders if Manifest.load(p).served_by_default]
     data = load_corpus().text_bytes("test")
     count = 4 if args.quick else 8
     print(

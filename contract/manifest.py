@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.names import SeedModel
+
 MANIFEST = "manifest.json"
 GENAI_CONFIG = "genai_config.json"
 DTYPE_BYTES = {"float32": 4, "float16": 2}
@@ -191,6 +193,23 @@ class Manifest:
     def is_scaling_variant(self) -> bool:
         """A rope model exported with a context-scaling recipe (linear/ntk/yarn): served only when named."""
         return self.data.get("rope_scaling") is not None
+
+    @property
+    def is_extra_seed(self) -> bool:
+        """A further training seed of its scheme (`rope@seed2`, contract.names): served only when named."""
+        return SeedModel.parse(self.name).seed is not None
+
+    @property
+    def served_by_default(self) -> bool:
+        """Served without being named: the schemes' own models, not scaling variants or further seeds."""
+        return not (self.is_scaling_variant or self.is_extra_seed)
+
+    @property
+    def training_seed(self) -> int | None:
+        """The seed its weights were trained with (None: an export from before it was recorded)."""
+        training = self.data.get("training")
+        seed = training.get("seed") if isinstance(training, dict) else None
+        return None if seed is None else int(seed)
 
     @property
     def cache_eviction(self) -> CacheEviction | None:

@@ -1,6 +1,7 @@
 """Build the model repository: `python -m export`.
 
-For every scheme with shipped weights: export the graphs this device serves with a KV cache
+For every scheme with shipped weights (and every further training seed of it, models/weights/seed<N>/<scheme>,
+as `<scheme>@seed<N>`): export the graphs this device serves with a KV cache
 (float32, its in-place serving graph, the int8 cache's serving graph and the fused decode graph of
 export/fused.py; float16 ones too where CUDA ONNX Runtime is installed, or with --fp16), models side
 by side in --workers processes, write manifest.json and genai_config.json, check parity and print an
@@ -95,6 +96,11 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
         "--rope-scaling", nargs="*", default=[], metavar="KIND:FACTOR",
         help="extra rope models with inference-time scaling, e.g. ntk:4 yarn:8 linear:2",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-extra-seeds", dest="extra_seeds", action="store_false",
+        help="skip the further training seeds (weights/seed<N>/<scheme>, exported as <scheme>@seed<N> and served "
+        "only when named); by default every one found for the schemes asked is exported beside them",
+    )  # fmt: skip
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip parity and evaluation")
     parser.add_argument(
         "--eval-windows", type=int, default=defaults.eval_windows, help="test-split windows per evaluated context"
@@ -123,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
         eval_contexts=tuple(args.eval_contexts),
         corpus=args.corpus,
         workers=args.workers,
+        extra_seeds=args.extra_seeds,
     )
 
 

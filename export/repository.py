@@ -15,6 +15,7 @@ import copy
 import json
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ from contract.manifest import (
     SERVING_INT8,
     variant_dtype,
 )
+from contract.names import seed_model_name
 from contract.paths import REPOSITORY_ROOT
 from export.evaluate import onnx_bits_per_byte
 from export.fused import export_fused
@@ -109,6 +111,11 @@ class ExportOptions:
     corpus: Path | None = None
     # Processes exporting models side by side: 0 = one per available core, at most one per model.
     workers: int = 0
+    # Also export every further training seed of the schemes found in `weights` (SEED_FOLDER), as
+    # `<scheme>@seed<N>` (contract.names): scored beside the served models, served only when named.
+    extra_seeds: bool = True
+    # Only the models of these names among the above (None: all of them), e.g. the ones a repository lacks.
+    names: tuple[str, ...] | None = None
 
     def chosen_schemes(self) -> tuple[str, ...]:
         """The schemes to export: those asked for, or every one with weights."""
@@ -211,7 +218,8 @@ def export_model(
     versions = {"torch": torch.__version__, "onnx": onnx.__version__, "python": sys.version.split()[0]}
     extra |= {
         "parameters": model.num_parameters(),
-        "training": {k: training.get(k) for k in ("val_bpb", "command", "tokens_seen")},
+        "training": {k: training.get(k) for k in ("val_bpb", "command", "tokens_seen")}
+        | {"seed": training_seed(training)},
     }
     write_json(folder / MANIFEST, build_manifest(name, model.config, variants, OPSET, versions, extra))
     write_json(folder / GENAI_CONFIG, genai_config(model.config, variants["float32"].name))
@@ -225,9 +233,29 @@ def export_model(
     )
 
 
-def weights_folder(options: ExportOptions, scheme: str) -> Path:
-    """The scheme's weights folder; a missing weights file stops the export, named."""
-    folder = options.weights / scheme
+# Further training runs of a scheme's recipe: weights/seed<N>/<scheme>/ (issue 55).
+SEED_FOLDER = re.compile(r"seed(?P<seed>[0-9]+)")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to export: its name, scheme, weights folder, and rope scaling (None: as trained)."""
+
+    name: str
+    scheme: str
+    weights: Path
+    scaling: RopeScaling | None = None
+
+
+def training_seed(training: dict[str, object]) -> int | None:
+    """The seed a model was trained with, from its training.json (None: not recorded)."""
+    config = training.get("train_config")
+    seed = config.get("seed") if isinstance(config, dict) else None
+    return None if seed is None else int(seed)
+
+
+def weights_folder(folder: Path, scheme: str) -> Path:
+    """A weights folder; a missing weights file stops the export, named."""
     if not (folder / "model.safetensors").is_file():
         raise SystemExit(
             f"{folder / 'model.safetensors'}: no weights for scheme {scheme!r}; train with python -m models.train"
@@ -235,28 +263,41 @@ def weights_folder(options: ExportOptions, scheme: str) -> Path:
     return folder
 
 
-def load_weights(options: ExportOptions, scheme: str) -> tuple[Transformer, dict[str, object]]:
-    folder = weights_folder(options, scheme)
+def load_weights(folder: Path) -> tuple[Transformer, dict[str, object]]:
     training_file = folder / "training.json"
     training = json.loads(training_file.read_text()) if training_file.is_file() else {}
     return Transformer.load(folder), training
 
 
-def model_variants(options: ExportOptions) -> list[tuple[str, str, RopeScaling | None]]:
-    """(model name, scheme, rope scaling): one per scheme plus any rope scaling variants."""
-    schemes = options.chosen_schemes()
-    variants: list[tuple[str, str, RopeScaling | None]] = [(scheme, scheme, None) for scheme in schemes]
+def extra_seeds(weights: Path, schemes: tuple[str, ...]) -> list[ModelSpec]:
+    """Every `weights/seed<N>/<scheme>` with weights, for the schemes asked, by seed then scheme order."""
+    found = []
+    for folder in weights.iterdir() if weights.is_dir() else ():
+        match = SEED_FOLDER.fullmatch(folder.name)
+        if match is None or not folder.is_dir():
+            continue
+        for scheme in schemes:
+            if (folder / scheme / "model.safetensors").is_file():
+                found.append((int(match["seed"]), schemes.index(scheme), folder / scheme, scheme))
+    return [ModelSpec(seed_model_name(scheme, seed), scheme, path) for seed, _, path, scheme in sorted(found)]
+
+
+def model_variants(options: ExportOptions) -> list[ModelSpec]:
+    """One model per scheme, its rope scaling variants, then its further training seeds (if asked)."""
+    variants = [ModelSpec(scheme, scheme, options.weights / scheme) for scheme in options.chosen_schemes()]
     for spec in options.rope_scaling:
         scaling = RopeScaling.parse(spec)
-        variants.append((rope_scaled_name(scaling), ROPE_SCHEME, scaling))
-    return variants
+        variants.append(ModelSpec(rope_scaled_name(scaling), ROPE_SCHEME, options.weights / ROPE_SCHEME, scaling))
+    if options.extra_seeds:
+        variants += extra_seeds(options.weights, options.chosen_schemes())
+    return variants if options.names is None else [spec for spec in variants if spec.name in options.names]
 
 
-def reference_model(options: ExportOptions, scheme: str, scaling: RopeScaling | None) -> Transformer:
-    """The PyTorch model an export is checked against: the scheme's weights with `scaling`."""
-    model = Transformer.load(options.weights / scheme)
-    if scaling is not None:
-        model.config.rope_scaling = RopeScaling(scaling.kind, scaling.factor, model.config.train_context)
+def reference_model(spec: ModelSpec) -> Transformer:
+    """The PyTorch model an export is checked against: the weights with the spec's scaling."""
+    model = Transformer.load(spec.weights)
+    if spec.scaling is not None:
+        model.config.rope_scaling = RopeScaling(spec.scaling.kind, spec.scaling.factor, model.config.train_context)
     return model
 
 
@@ -296,27 +337,21 @@ def verify_model(
 class _Job:
     """One model for a worker to export (its verification is a task of its own, `_verify_job`)."""
 
-    name: str
-    scheme: str
+    spec: ModelSpec
     options: ExportOptions
     graphs: tuple[str, ...]
 
 
 def _export_job(job: _Job) -> ExportResult:
-    model, training = load_weights(job.options, job.scheme)
-    return export_model(job.name, model, job.options, training, job.graphs)
+    model, training = load_weights(job.spec.weights)
+    return export_model(job.spec.name, model, job.options, training, job.graphs)
 
 
 def _verify_job(
-    folder: Path,
-    options: ExportOptions,
-    scheme: str,
-    scaling: RopeScaling | None,
-    graphs: tuple[str, ...],
-    sequences: dict[int, list[list[int]]],
+    folder: Path, spec: ModelSpec, graphs: tuple[str, ...], sequences: dict[int, list[list[int]]]
 ) -> Verification:
     threads = 1 if multiprocessing.parent_process() is not None else 0
-    return verify_model(folder, reference_model(options, scheme, scaling), graphs, sequences, threads)
+    return verify_model(folder, reference_model(spec), graphs, sequences, threads)
 
 
 def _attach(result: ExportResult, verification: Verification) -> ExportResult:
@@ -392,18 +427,19 @@ def run(options: ExportOptions) -> list[ExportResult]:
     """
     graphs = options.graph_variants()
     variants = model_variants(options)
-    for scheme in dict.fromkeys(scheme for _, scheme, _ in variants):
-        weights_folder(options, scheme)  # before any worker starts
-    scaling_of = {name: scaling for name, _, scaling in variants}
+    for spec in variants:
+        weights_folder(spec.weights, spec.scheme)  # before any worker starts
+    specs = {spec.name: spec for spec in variants}
     results: dict[str, ExportResult] = {}
     with tempfile.TemporaryDirectory(prefix="rope-base-") as scratch:
-        jobs = [_Job(name, scheme, options, graphs) for name, scheme, scaling in variants if scaling is None]
+        jobs = [_Job(spec, options, graphs) for spec in variants if spec.scaling is None]
         # Rope variants need a base rope model: this run's, the repository's, or one exported aside.
-        scaled = [name for name, scaling in scaling_of.items() if scaling is not None]
+        scaled = [spec for spec in variants if spec.scaling is not None]
         rope_base = options.out / ROPE_SCHEME
-        if scaled and ROPE_SCHEME not in options.chosen_schemes() and not (rope_base / MANIFEST).is_file():
+        if scaled and ROPE_SCHEME not in specs and not (rope_base / MANIFEST).is_file():
             rope_base = Path(scratch) / ROPE_SCHEME
-            jobs.append(_Job(ROPE_SCHEME, ROPE_SCHEME, replace(options, out=Path(scratch)), graphs))
+            base = ModelSpec(ROPE_SCHEME, ROPE_SCHEME, options.weights / ROPE_SCHEME)
+            jobs.append(_Job(base, replace(options, out=Path(scratch)), graphs))
         workers = options.workers or min(len(jobs), available_cores())
         with _executor(workers) as pool, tqdm(total=len(variants), desc="export", unit="model") as progress:
             pending: dict[Future, _Job | str] = {pool.submit(_export_job, job): job for job in jobs}
@@ -414,17 +450,14 @@ def run(options: ExportOptions) -> list[ExportResult]:
                 if sequences is None:
                     progress.update()
                     return
-                scheme = ROPE_SCHEME if scaling_of[name] is not None else name
-                check = _verify_job, options.out / name, options, scheme, scaling_of[name], graphs, sequences
-                pending[pool.submit(*check)] = name
+                pending[pool.submit(_verify_job, options.out / name, specs[name], graphs, sequences)] = name
 
             def derive_all() -> None:
-                for name in scaled:
-                    scaling = scaling_of[name]
-                    assert scaling is not None
-                    written(name, derive_scaled(rope_base, options, name, scaling, graphs))
+                for spec in scaled:
+                    assert spec.scaling is not None
+                    written(spec.name, derive_scaled(rope_base, options, spec.name, spec.scaling, graphs))
 
-            if scaled and not any(job.options.out / job.name == rope_base for job in jobs):
+            if scaled and not any(job.options.out / job.spec.name == rope_base for job in jobs):
                 derive_all()  # from the rope model already in the repository
             while pending:
                 done = next(as_completed(pending))
@@ -436,7 +469,7 @@ def run(options: ExportOptions) -> list[ExportResult]:
                     continue
                 assert isinstance(outcome, ExportResult)
                 if task.options.out == options.out:
-                    written(task.name, outcome)
-                if scaled and task.options.out / task.name == rope_base:
+                    written(task.spec.name, outcome)
+                if scaled and task.options.out / task.spec.name == rope_base:
                     derive_all()  # the base is written: its variants follow while other models export
-    return [results[name] for name, _, _ in variants]
+    return [results[spec.name] for spec in variants]

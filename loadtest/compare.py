@@ -11,6 +11,8 @@ depth, passkey, bits per byte on bytes that complete a repeated n-gram; loadtest
 the cache-budget comparison (window, attention sinks and int8 caches: quality against KV bytes;
 loadtest/study/cache_budget.py), and KV reuse (a shared prefix with and without the prefix cache;
 documents in varying order as reusable segments, as is, re-rotated and repaired; loadtest/study/reuse.py).
+The scored sections and speculation's acceptance run on every training seed of a scheme the weights
+hold (models/weights/seed<N>/<scheme>, served as `<scheme>@seed<N>`); the served models are seed 1234's.
 Writes reports/<run-id>/.
 """
 
@@ -104,20 +106,25 @@ def run(args: argparse.Namespace) -> Path:
     out = args.out or REPOSITORY_ROOT / "reports" / run_id
     out.mkdir(parents=True, exist_ok=True)
     repository, threads = args.model_repository, args.threads
-    rope_variants = ensure_repository(repository, schemes, budget.scaling_multiples)
-    record: RunRecord = {"sections": sorted(sections), "environment": environment(), "budget": asdict(budget)}
+    if args.extra_seeds is not None:
+        budget.extra_seeds = args.extra_seeds
+    served = ensure_repository(repository, schemes, budget.scaling_multiples, budget.extra_seeds)
+    record: RunRecord = {"sections": sorted(sections), "environment": environment(), "budget": asdict(budget),
+                         "schemes": schemes}  # fmt: skip
     results = start_results(out, run_id, sections, record, threads, schemes)
+    results.seeds.update(served.seeds)
     # models/emergence.py reads the training logs as plain JSON objects of this shape.
     results.training = cast(dict[str, TrainingCurve], emergence.curves(WEIGHTS_DIR))
     held_out = HeldOut()
     untimed = [section for section in SECTIONS if section in sections and section in scored.SECTIONS]
+    models = sum(len(served.models[scheme]) for scheme in schemes)  # every training seed of every scheme
     steps = (
         len(schemes) * ("latency" in sections)
         + 2 * budget.load_rounds * len(budget.concurrency) * len(schemes) * ("load" in sections)
-        + len(schemes) * len(untimed)
-        + len(rope_variants) * ("quality" in sections)
-        + 3 * len(schemes) * ("reuse" in sections)
-        + len(schemes) * ("speculative" in sections)
+        + models * len(untimed)
+        + len(served.rope_variants) * ("quality" in sections)
+        + (2 * len(schemes) + models) * ("reuse" in sections)
+        + models * ("speculative" in sections)
         + (2 * budget.load_rounds + 1) * ("routing" in sections)
         + len(schemes) * ("evaluation" in sections)
     )
@@ -125,13 +132,13 @@ def run(args: argparse.Namespace) -> Path:
         if sections & set(timed.SECTIONS):
             timed.measure_timed_sections(repository, threads, schemes, sections, held_out, budget, results, progress)
         if untimed:
-            scored.measure_scored_sections(
-                repository, threads, schemes, sections, rope_variants, held_out, budget, results, progress
-            )
+            scored.measure_scored_sections(repository, threads, schemes, sections, served, held_out, budget, results,
+                                           progress)  # fmt: skip
         if "reuse" in sections:
-            reuse.measure_reuse(repository, threads, schemes, held_out, budget, results, progress)
+            reuse.measure_reuse(repository, threads, served.models, held_out, budget, results, progress)
         if "speculative" in sections:
-            speculative.measure_speculative(repository, threads, schemes, held_out.data, budget, results, progress)
+            seeded = [model for scheme in schemes for model in served.models[scheme]]
+            speculative.measure_speculative(repository, threads, seeded, held_out.data, budget, results, progress)
         if "routing" in sections:
             routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
         if "evaluation" in sections:
@@ -173,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         "named: lm-evaluation-harness against the service, python -m loadtest.evaluation); fewer than all "
         "updates those parts of the run's "
         "existing results.json (which sections ran, when and at which commit is recorded there)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--extra-seeds", action=argparse.BooleanOptionalAction, default=None,
+        help="score every further training seed of each scheme (models/weights/seed<N>/<scheme>, exported as "
+        "<scheme>@seed<N>) in the quality, retrieval, cache, reuse and speculative sections; default: yes, "
+        "except with --quick",
     )  # fmt: skip
     parser.add_argument("--run-id", default=None, help="names the report folder (default: the start time)")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default reports/<run-id>)")

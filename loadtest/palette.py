@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contract.names import SEED_MARK
 from contract.paths import REPOSITORY_ROOT
 
 
@@ -75,8 +76,10 @@ def shade(color: str, factor: float) -> str:
 
 
 def style(name: str) -> Style:
-    """The style of a scheme or of a scaled variant (`rope-yarn-x8`); KeyError for anything else,
+    """The style of a scheme, of a scaled variant (`rope-yarn-x8`) or of a further training seed of a
+    scheme (`rope@seed2`: the scheme's own, a seed is the same scheme); KeyError for anything else,
     so no series is drawn in a colour the palette does not define."""
+    name = name.partition(SEED_MARK)[0]
     if name in SCHEMES:
         return SCHEMES[name]
     match = _VARIANT.fullmatch(name)

@@ -66,6 +66,15 @@ def wilson(mean: float, n: int, z: float = Z95) -> Interval:
     return Interval(mean, max(0.0, centre - half), min(1.0, centre + half), n)
 
 
+def clustered_wilson(values: list[float], clusters: list[int]) -> Interval:
+    """Wilson interval of the mean of graded shares (each in [0, 1]) where observations of one cluster
+    are not independent: n = the clusters, each cluster's mean one observation (a mean of shares in
+    [0, 1] varies no more than a proportion of that mean, so the interval is conservative, as one
+    observation per trial is for a trial's bytes). `n` in the result stays the observations."""
+    interval = wilson(sum(values) / len(values), len(set(clusters)))
+    return Interval(interval.value, interval.low, interval.high, len(values))
+
+
 def ratio_interval(clusters: Iterable[tuple[float, int]], z: float = Z95) -> Interval | None:
     """sum(bits) / sum(bytes) over windows, with the cluster-robust standard error of a ratio
     (bytes inside one window are not independent; windows are)."""

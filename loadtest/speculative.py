@@ -24,8 +24,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from loadtest.probes import ratio_interval
 from loadtest.study.budget import Budget
-from loadtest.study.results import Results
+from loadtest.study.results import Results, SpeculativeCell
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
 
@@ -48,6 +49,8 @@ class SpeculativeFigure:
     speculative_tokens_per_second: float
     acceptance: float  # guesses kept / guesses verified
     proposed: float  # guesses verified
+    # acceptance with its 95% interval over batches (cluster-robust ratio; None: nothing was guessed)
+    acceptance_interval: dict[str, float] | None = None
 
     @property
     def speedup(self) -> float:
@@ -90,11 +93,11 @@ def measure(
 ) -> SpeculativeFigure:
     """The prompts run `streams` at a time, once without and once with `guesses` guesses a step,
     alternated batch by batch; tokens/s is the tokens after each first one over the batches' decode
-    phases (`decode_seconds`)."""
+    phases (`decode_seconds`). Acceptance comes with a 95% interval over the batches (prompts, at one
+    stream): each draws its own held-out code, so batches are independent, a batch's guesses are not."""
     seconds = {0: 0.0, guesses: 0.0}
     tokens = {0: 0, guesses: 0}
-    accepted_before = server.metric("posenc_speculative_accepted_tokens_total", model=model)
-    proposed_before = server.metric("posenc_speculative_proposed_tokens_total", model=model)
+    kept: list[tuple[float, int]] = []  # (guesses kept, guesses verified) a batch
     batches = [workload_prompts[i : i + streams] for i in range(0, len(workload_prompts), streams)]
     with ThreadPoolExecutor(streams) as pool:
         for index, batch in enumerate(batches):
@@ -105,15 +108,28 @@ def measure(
                                        speculative_tokens=k)
                     for p in batch
                 ]  # fmt: skip
+                before = counters(server, model)
                 responses = list(pool.map(lambda r: server.stub.Generate(r, timeout=600), requests))
+                if k:
+                    accepted, proposed = (after - first for after, first in zip(counters(server, model), before,
+                                                                                strict=True))  # fmt: skip
+                    kept.append((accepted, round(proposed)))
                 seconds[k] += decode_seconds(responses)
                 tokens[k] += sum(r.usage.completion_tokens - 1 for r in responses)
-    accepted = server.metric("posenc_speculative_accepted_tokens_total", model=model) - accepted_before
-    proposed = server.metric("posenc_speculative_proposed_tokens_total", model=model) - proposed_before
+    accepted, proposed = sum(a for a, _ in kept), sum(p for _, p in kept)
+    interval = ratio_interval(kept)
+    cell = None if interval is None else {**interval.as_dict(), "high": min(1.0, interval.high), "n": len(kept)}
     return SpeculativeFigure(
         model, "", streams, tokens[0] / seconds[0], tokens[guesses] / seconds[guesses],
-        accepted / proposed if proposed else 0.0, proposed,
+        accepted / proposed if proposed else 0.0, proposed, cell,
     )  # fmt: skip
+
+
+def counters(server: ServerProcess, model: str) -> tuple[float, float]:
+    """The server's guesses kept and verified for `model` so far."""
+    values = server.sample(["posenc_speculative_accepted_tokens_total", "posenc_speculative_proposed_tokens_total"],
+                           model=model)  # fmt: skip
+    return values["posenc_speculative_accepted_tokens_total"], values["posenc_speculative_proposed_tokens_total"]
 
 
 SECTIONS = ("speculative",)
@@ -121,28 +137,29 @@ STREAMS = (1, 16)
 
 
 def measure_speculative(
-    repository: Path, threads: int, schemes: list[str], data: bytes, budget: Budget, results: Results, progress: tqdm
+    repository: Path, threads: int, models: list[str], data: bytes, budget: Budget, results: Results, progress: tqdm
 ) -> None:
-    """The comparison's `speculative` section: every scheme, both workloads, 1 and 16 streams, on one
-    server that guesses at any batch size (`--speculative-max-batch` 64), so each cell says what
-    guessing does there; the server's own rule keeps it off above 8 streams."""
+    """The comparison's `speculative` section: every model (each scheme's, and each further training
+    seed of it), both workloads, 1 and 16 streams, on one server that guesses at any batch size
+    (`--speculative-max-batch` 64), so each cell says what guessing does there; the server's own rule
+    keeps it off above 8 streams."""
     server = ServerProcess(
-        repository, "--models", *schemes, "--max-new-tokens-limit", "4096", "--speculative-max-batch", "64",
+        repository, "--models", *models, "--max-new-tokens-limit", "4096", "--speculative-max-batch", "64",
         threads=threads,
     )  # fmt: skip
     try:
         server.wait_serving()
-        models = server.stub.ListModels(pb.ListModelsRequest(), timeout=30).models
-        limits = {info.name: info.max_positions or info.max_sequence_tokens for info in models}
-        for scheme in schemes:
-            prompt_bytes, new = sizes(limits[scheme])
+        served = server.stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+        limits = {info.name: info.max_positions or info.max_sequence_tokens for info in served}
+        for model in models:
+            prompt_bytes, new = sizes(limits[model])
             new = min(new, budget.speculative_new_tokens)
-            cells: dict[str, dict[str, float]] = {}
+            cells: dict[str, SpeculativeCell] = {}
             for workload in WORKLOADS:
                 texts = prompts(data, workload, prompt_bytes, max(STREAMS) * max(1, budget.speculative_prompts // 4))
                 for streams in STREAMS:
                     used = texts[: budget.speculative_prompts] if streams == 1 else texts
-                    figure = measure(server, scheme, used, new, streams, GUESSES)
+                    figure = measure(server, model, used, new, streams, GUESSES)
                     cells[f"{workload}@{streams}"] = {
                         "plain_tokens_per_second": figure.plain_tokens_per_second,
                         "speculative_tokens_per_second": figure.speculative_tokens_per_second,
@@ -150,8 +167,9 @@ def measure_speculative(
                         "acceptance": figure.acceptance,
                         "proposed": figure.proposed,
                         "guesses": GUESSES,
+                        "acceptance_interval": figure.acceptance_interval,
                     }
-            results.speculative[scheme] = cells
+            results.speculative[model] = cells
             progress.update(1)
     finally:
         server.stop()

@@ -6,7 +6,10 @@ and the Locust users (loadtest/locustfile.py) build them here, from held-out byt
 - **Documents in varying order** (RAG-like): a few documents out of a small set, in a random order
   each time, with a passkey planted in one of them and asked for at the end. A prefix cache finds
   little here (the order changes what comes first); reusable segments (`GenerateRequest.segments`)
-  compute each document once and place it wherever it lands.
+  compute each document once and place it wherever it lands. The comparison draws a fresh set for
+  every PROMPTS_PER_SET prompts (`document_prompts`), so that its figures generalise over documents
+  and not only over orders of eight: prompts of one set share documents, and intervals resample
+  the sets (issue 55: with one set for 192 prompts, fresh samples fell outside the intervals).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from loadtest.probes import PASSKEY_DIGITS, PASSKEY_QUESTION, passkey, passkey_l
 SHARED_PREFIX_BYTES, SHARED_TAIL_BYTES, SHARED_NEW_TOKENS = 1536, 64, 32
 SHARED_PREFIX_SEED = 31
 DOCUMENTS, DOCUMENTS_PER_PROMPT = 8, 4
+# Prompts drawn from one document set in the comparison: each document comes back about twice, in
+# another order and at another offset, and 192 prompts rest on 48 independent sets.
+PROMPTS_PER_SET = 4
 LONG_DOCUMENT_BYTES = 256
 
 
@@ -62,6 +68,13 @@ class DocumentPrompt:
     documents: tuple[str, ...]
     carrier: int
     answer: str
+    document_set: int = 0  # the set its documents came from: prompts of one set are not independent
+
+    @property
+    def reused(self) -> set[str]:
+        """The documents a segment cache can hold before the prompt arrives (all but the carrier, whose
+        planted key is new)."""
+        return {d for i, d in enumerate(self.documents) if i != self.carrier}
 
     @property
     def question(self) -> str:
@@ -88,9 +101,24 @@ def plant(document: str, key: str, rng: random.Random) -> str:
     return document[:at] + passkey_line(key) + document[at:]
 
 
-def document_prompt(documents: list[str], rng: random.Random, per_prompt: int = DOCUMENTS_PER_PROMPT) -> DocumentPrompt:
+def document_prompt(
+    documents: list[str], rng: random.Random, per_prompt: int = DOCUMENTS_PER_PROMPT, document_set: int = 0
+) -> DocumentPrompt:
     """`per_prompt` of `documents` in a random order, a fresh key planted in one of them."""
     chosen = rng.sample(documents, per_prompt)
     carrier, key = rng.randrange(per_prompt), passkey(rng)
     chosen[carrier] = plant(chosen[carrier], key, rng)
-    return DocumentPrompt(tuple(chosen), carrier, key)
+    return DocumentPrompt(tuple(chosen), carrier, key, document_set)
+
+
+def document_prompts(
+    data: bytes, rng: random.Random, size: int, count: int, per_set: int = PROMPTS_PER_SET
+) -> list[DocumentPrompt]:
+    """`count` prompts of documents of about `size` bytes, `per_set` from each fresh document set
+    (numbered in `DocumentPrompt.document_set`)."""
+    prompts: list[DocumentPrompt] = []
+    while len(prompts) < count:
+        number, documents = len(prompts) // per_set, document_set(data, rng, size)
+        drawn = min(per_set, count - len(prompts))
+        prompts += [document_prompt(documents, rng, document_set=number) for _ in range(drawn)]
+    return prompts

@@ -25,14 +25,14 @@ def memory_section(results: Results) -> str:
     multiples = bpb_multiples(data)
     lines = [f"| scheme | {' | '.join(f'{round(float(m) * train)} tokens ({m}x)' for m in multiples)} |",
              "|---|" + "---|" * len(multiples)]  # fmt: skip
-    for scheme in results.schemes:
+    for model in [m for scheme in results.schemes for m in results.seeded(scheme, data).values()]:
         cells = []
         for m in multiples:
-            chosen = cheapest_within(data.get(scheme), m, train, ratio)
+            chosen = cheapest_within(data.get(model), m, train, ratio)
             cells.append(
                 "not servable" if chosen is None else f"{chosen[0]}: {binary_bytes(chosen[1])} ({chosen[2]:+.1%})"
             )
-        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
     int8_lengths = sorted(
         {
             m

@@ -44,8 +44,12 @@ def figure_bpb(results: Results) -> Figure:
     for scheme in results.schemes:
         xs, ys = series(results.quality.get(scheme, {}))
         ax.plot([x * train for x in xs], ys, label=scheme, **style(scheme).kwargs())
+        for model in results.models_of(scheme)[1:]:  # further training seeds: thin lines in its colour
+            xs, ys = series(results.quality.get(model, {}))
+            ax.plot([x * train for x in xs], ys, linewidth=0.6, alpha=0.5, color=style(scheme).color)
+    seeded = {model for scheme in results.schemes for model in results.models_of(scheme)}
     for name, data in results.quality.items():
-        if name not in results.schemes:  # scaling variants (rope-ntk-x4, ...)
+        if name not in seeded:  # scaling variants (rope-ntk-x4, ...)
             xs, ys = series(data)
             ax.scatter([x * train for x in xs], ys, label=name, **style(name).kwargs())
     ax.axvline(train, color=REFERENCE, linestyle=":", label="training context")
@@ -108,7 +112,7 @@ def figure_retrieval(results: Results) -> Figure:
 
 
 def figure_retrieval_depth(results: Results) -> Figure:
-    schemes = results.schemes
+    schemes = [s for s in results.schemes if results.copy_depth(s)]  # a rerun may have measured only some
     columns = min(3, max(1, len(schemes)))
     rows = -(-len(schemes) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.4 * rows), squeeze=False, layout="constrained")

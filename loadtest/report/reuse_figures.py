@@ -18,6 +18,7 @@ from loadtest.report.reuse_tables import (
     repair_k,
     repairs_of,
     seeds_of,
+    served_reuse,
 )
 from loadtest.report.titles import PLOTS
 from loadtest.study.results import Results
@@ -28,9 +29,10 @@ REUSE_MODES = ("as_is", "rotate")  # then the repairs, in order of k
 def figure_reuse(results: Results) -> Figure:
     """Top: TTFT p50 and goodput against users (solid: the prefix cache; dashed: without). Bottom, per
     form: the answer's bpb change from the full recompute, one bar per scheme and mode."""
-    forms = sorted({f for r in results.reuse.values() for f in r["documents"]}, key=["short", "long"].index)
+    served = {s: results.reuse[s] for s in results.schemes if "shared_prefix" in results.reuse.get(s, {})}
+    forms = sorted({f for r in served.values() for f in r["documents"]}, key=["short", "long"].index)
     fig, axes = plt.subplots(2, max(2, len(forms)), figsize=(13, 8.5), squeeze=False)
-    for scheme, reuse in results.reuse.items():
+    for scheme, reuse in served.items():
         shared = reuse["shared_prefix"]
         for data, line, label in ((shared["cache"], "-", scheme), (shared["no_cache"], "--", f"{scheme}, no cache")):
             users = sorted(data, key=int)
@@ -43,7 +45,7 @@ def figure_reuse(results: Results) -> Figure:
     axes[0][1].set(xlabel="concurrent users", ylabel="goodput (requests/s within targets)",
                    title="Shared prefix: goodput, admission control on")  # fmt: skip
     axes[0][1].legend(fontsize=6, ncol=2)
-    ticks = sorted({int(u) for r in results.reuse.values() for u in r["shared_prefix"]["cache"]})
+    ticks = sorted({int(u) for r in served.values() for u in r["shared_prefix"]["cache"]})
     for ax in axes[0][:2]:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks])
@@ -52,7 +54,7 @@ def figure_reuse(results: Results) -> Figure:
         ax.axis("off")
     for ax, form in zip(axes[1], forms, strict=False):
         schemes = [s for s in results.schemes if s in results.reuse]
-        measured = {m for r in results.reuse.values() for m in r["documents"].get(form, {"modes": {}})["modes"]}
+        measured = {m for r in served.values() for m in r["documents"].get(form, {"modes": {}})["modes"]}
         repairs = [m for m in repairs_of(dict.fromkeys(measured)) if m != "repair:all"]
         modes = [*REUSE_MODES, *repairs]
         width = 0.8 / len(modes)
@@ -84,7 +86,7 @@ def figure_repair_curve(results: Results) -> Figure:
     """Per form: the answer's bpb change from the full recompute against the repair's k (0: as placed;
     the whole document last; the sink-kept precompute apart at the right), one line per scheme, solid
     for the served prompt sample and dashed for the others, with the paired 95% intervals."""
-    reusing = {s: r for s, r in results.reuse.items() if r["segment_reuse"] != "recompute"}
+    reusing = {s: r for s, r in served_reuse(results).items() if r["segment_reuse"] != "recompute"}
     forms = sorted({f for r in reusing.values() for f in r["documents"]}, key=["short", "long"].index)
     fig, axes = plt.subplots(1, max(1, len(forms)), figsize=(6.5 * max(1, len(forms)), 4.8), squeeze=False)
     for ax, form in zip(axes[0], forms, strict=False):

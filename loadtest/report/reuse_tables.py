@@ -8,8 +8,10 @@ import math
 
 from contract.manifest import REUSE_RECOMPUTE
 from loadtest.report.formatting import cell, fmt
+from loadtest.report.seeds import label
 from loadtest.study.results import Cell, Results, Reuse, ReuseMode, SharedPrefix
 from loadtest.study.rounds import Spread
+from loadtest.workloads import DOCUMENTS, DOCUMENTS_PER_PROMPT, PROMPTS_PER_SET
 
 TTFT_RATIO_GOAL = 0.1  # issue 31: TTFT p50 at one user with the cache over without
 GOODPUT_GAIN_GOAL = 3.0  # issue 31: goodput at the most users with the cache over without
@@ -24,6 +26,7 @@ MODE_NAMES = {
     "repair:all": "repair, whole document",
 }
 WHOLE = 1 << 30  # where `repair:all` sorts among the repairs
+RECOMPUTES = "cannot: positions enter every layer's input, so the server recomputes each document (`recompute`)"
 
 
 def mode_name(mode: str) -> str:
@@ -90,34 +93,41 @@ def finding(reuse: Reuse, form: str, seed: str | None = None) -> str:
     """Whether the scheme reuses a document at any offset within 1% bpb of the full recompute, needs
     the repair or the sink-kept precompute (the smallest k that does), cannot, or is undecided: each
     from the paired 95% interval of the answer's change, never from a point estimate."""
+    return judge(reuse, form, seed)[1]
+
+
+def judge(reuse: Reuse, form: str, seed: str | None = None) -> tuple[str, str]:
+    """`finding`'s verdict as (its kind, in a few words; its sentence)."""
     if reuse["segment_reuse"] == REUSE_RECOMPUTE:
-        return "cannot: positions enter every layer's input, so the server recomputes each document (`recompute`)"
+        return "recomputes", RECOMPUTES
     figures = reuse["documents"].get(form)
     changes = mode_changes(reuse, form, seed)
     if figures is None or figures["modes"].get("full") is None or changes is None:
-        return "not measured (the prompts do not fit the model)"
+        return "not measured", "not measured (the prompts do not fit the model)"
     full = figures["modes"]["full"]["bpb"]  # type: ignore[index]
     if full is not None and full["value"] > GUESSING_BPB:
-        return f"no baseline: the full recompute does not retrieve here (answer {full['value']:.2f} bpb, guessing 3.32)"
+        return "no baseline", (f"no baseline: the full recompute does not retrieve here (answer {full['value']:.2f} "
+                               "bpb, guessing 3.32)")  # fmt: skip
     placement = reuse["segment_reuse"]
     change = changes.get(placement)
     said = verdict(change)
     if change is None or said is None:
-        return "not measured (no paired interval: a run before issue 48)"
+        return "not measured", "not measured (no paired interval: a run before issue 48)"
     how = "as is" if placement == "as_is" else "re-rotated"
     n = int(change["n"])
     if said == "within":
-        return f"reuses a document at any offset {how}, within 1% ({change_text(change)} bpb)"
+        return "within 1%", f"reuses a document at any offset {how}, within 1% ({change_text(change)} bpb)"
     fixes = [(mode_name(m), changes[m]) for m in ["sink", *repairs_of(changes)] if m in changes and m != "repair:all"]
     for name, fixed in fixes:
         if verdict(fixed) == "within":
-            return f"needs {name}: {how} {change_text(change)} bpb, with it {change_text(fixed)}"  # type: ignore[arg-type]
+            return f"needs {name}", f"needs {name}: {how} {change_text(change)} bpb, with it {change_text(fixed)}"  # type: ignore[arg-type]
     if said == "undecided":
-        return f"undecided at {n} prompts: {how} {change_text(change)} bpb"
+        return "undecided", f"undecided at {n} prompts: {how} {change_text(change)} bpb"
     if any(verdict(fixed) == "undecided" for _, fixed in fixes):
-        return f"cannot as placed ({how} {change_text(change)} bpb); a repair or the sink is undecided at {n} prompts"
-    return (f"cannot within 1%: {how} {change_text(change)} bpb; no repair short of the whole document, nor the "
-            "sink-kept precompute, brings it within 1%")  # fmt: skip
+        return "cannot as placed", (f"cannot as placed ({how} {change_text(change)} bpb); a repair or the sink is "
+                                    f"undecided at {n} prompts")  # fmt: skip
+    return "cannot", (f"cannot within 1%: {how} {change_text(change)} bpb; no repair short of the whole document, nor "
+                      "the sink-kept precompute, brings it within 1%")  # fmt: skip
 
 
 def scheme_verdict(results: Results, scheme: str) -> str | None:
@@ -130,6 +140,51 @@ def scheme_verdict(results: Results, scheme: str) -> str | None:
     if reuse["segment_reuse"] == REUSE_RECOMPUTE:
         return finding(reuse, forms[0]) if forms else None
     return "; ".join(f"{form} documents: {finding(reuse, form)}" for form in forms)
+
+
+def clustered(results: Results) -> bool:
+    """Whether the run drew a fresh document set every few prompts and resampled the sets (issue 55),
+    rather than one set of 8 documents per prompt sample with an interval over prompts."""
+    return any(
+        "clusters" in (mode.get("change") or {})
+        for reuse in results.reuse.values()
+        for form in reuse["documents"].values()
+        for mode in form["modes"].values()
+        if mode is not None
+    )
+
+
+def documents_method(results: Results) -> str:
+    """How the documents workload's prompts were drawn, and what their intervals are over."""
+    if clustered(results):
+        drawn = (f"a fresh set of {DOCUMENTS} documents of held-out text for every {PROMPTS_PER_SET} prompts; each "
+                 f"prompt holds {DOCUMENTS_PER_PROMPT} of its set's documents in a random order")  # fmt: skip
+        over = "one observation per document set: prompts of a set share documents"
+    else:
+        drawn = (f"{DOCUMENTS} documents of held-out text per prompt sample; each prompt holds {DOCUMENTS_PER_PROMPT} "
+                 "of them in a random order")  # fmt: skip
+        over = "one observation per prompt"
+    return (
+        f"**Documents in varying order** (RAG-like): {drawn}, a fresh 5-digit key planted in one as a line of "
+        "code, asked for at the end (the passkey probe's wording). Accuracy: the share of the key's digits the "
+        f"server's greedy generation gets (95% Wilson interval, {over}). TTFT: the server's. "
+    )
+
+
+def samples_note(results: Results) -> str:
+    """What the paired interval holds, and why the verdict is asked of more than one prompt sample."""
+    if clustered(results):
+        return (
+            "The interval resamples whole document sets (each set's prompts share documents), so it holds the "
+            "variation between documents as well as between prompts: a fresh prompt sample's figure should fall "
+            "inside it about 4 times in 5 (the two samples' difference has twice one sample's variance). The "
+            "verdict is asked of every sample."
+        )
+    return (
+        f"Each prompt sample draws its own {DOCUMENTS} documents, and the interval is over prompts given them: two "
+        "samples can differ by more than their intervals (the documents are a second source of variation the "
+        "interval does not hold), which is why the verdict is asked of both."
+    )
 
 
 def shared_prefix_table(results: Results) -> str:
@@ -208,6 +263,11 @@ def documents_table(results: Results, form: str) -> str:
     return "\n".join(rows) + "\n"
 
 
+def served_reuse(results: Results) -> dict[str, Reuse]:
+    """The served models' reuse figures by scheme (a further training seed's are under its own name)."""
+    return {scheme: results.reuse[scheme] for scheme in results.schemes if scheme in results.reuse}
+
+
 def seeds_of(reuse: Reuse) -> list[str]:
     """The prompt samples a scheme was scored on, the served one first."""
     return [str(reuse.get("seed", 32)), *reuse.get("samples", {})]
@@ -216,7 +276,7 @@ def seeds_of(reuse: Reuse) -> list[str]:
 def repair_curve_table(results: Results, form: str) -> str:
     """Per scheme and prompt sample: the change from the full recompute as placed (k = 0), at each
     repair's k, with the whole document repaired, and with the sink-kept precompute."""
-    reusing = {s: r for s, r in results.reuse.items() if r["segment_reuse"] != REUSE_RECOMPUTE}
+    reusing = {s: r for s, r in served_reuse(results).items() if r["segment_reuse"] != REUSE_RECOMPUTE}
     columns: list[str] = []
     for reuse in reusing.values():
         for seed in seeds_of(reuse):
@@ -256,10 +316,10 @@ def contradictions(reuse: Reuse, form: str) -> tuple[list[str], list[str]]:
 
 def samples_table(results: Results, forms: list[str]) -> str:
     """Each scheme's verdict on every prompt sample, and whether the samples agree."""
-    seeds = list(dict.fromkeys(seed for r in results.reuse.values() for seed in seeds_of(r)))
+    seeds = list(dict.fromkeys(seed for r in served_reuse(results).values() for seed in seeds_of(r)))
     rows = ["| scheme | form | " + " | ".join(f"prompt seed {s}" for s in seeds) + " | samples agree? |",
             "|" + "---|" * (3 + len(seeds))]  # fmt: skip
-    for scheme, reuse in results.reuse.items():
+    for scheme, reuse in served_reuse(results).items():
         if reuse["segment_reuse"] == REUSE_RECOMPUTE:
             continue
         for form in forms:
@@ -272,11 +332,32 @@ def samples_table(results: Results, forms: list[str]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def training_seeds_table(results: Results, forms: list[str]) -> str:
+    """Per scheme with several training seeds and form: each seed's change as the scheme places documents
+    and its verdict, on the served prompt sample, and whether the seeds agree (empty: no such scheme)."""
+    rows = ["| scheme | form | training seed: change as placed, verdict | seeds agree? |", "|---|---|---|---|"]
+    for scheme in results.schemes:
+        models = {seed: model for seed, model in results.seeded(scheme, results.reuse).items() if seed is not None}
+        if len(models) < 2 or results.reuse[scheme]["segment_reuse"] == REUSE_RECOMPUTE:
+            continue
+        for form in forms:
+            judged = {seed: judge(results.reuse[model], form) for seed, model in models.items()}
+            placement = results.reuse[scheme]["segment_reuse"]
+            changes = {seed: (mode_changes(results.reuse[model], form) or {}).get(placement)
+                       for seed, model in models.items()}  # fmt: skip
+            cells = "; ".join(f"{seed}: {'-' if changes[seed] is None else change_text(changes[seed])} {kind}"  # type: ignore[arg-type]
+                              for seed, (kind, _) in judged.items())  # fmt: skip
+            kinds = {kind for kind, _ in judged.values()}
+            agree = "yes" if len(kinds) == 1 else "**no**: " + ", ".join(sorted(kinds))
+            rows.append(f"| {scheme} | {form} | {cells} | {agree} |")
+    return "" if len(rows) == 2 else "\n".join(rows) + "\n"
+
+
 def reuse_section(results: Results) -> str:
     """The whole section, ending in a blank line (empty when the run has no reuse figures)."""
-    if not results.reuse:
+    if not served_reuse(results):
         return ""
-    some = next(iter(results.reuse.values()))
+    some = next(iter(served_reuse(results).values()))
     forms = list(some["documents"])
     trials = {form: some["documents"][form]["trials"] for form in forms}
     document_bytes = {form: some["documents"][form]["document_bytes"] for form in forms}
@@ -291,11 +372,8 @@ def reuse_section(results: Results) -> str:
         "other). Goodput and TTFT as in the load section (TTFT measured by the client).\n",
         "![reuse](reuse.png)\n",
         shared_prefix_table(results),
-        "**Documents in varying order** (RAG-like): 8 documents of held-out text; each prompt holds 4 of them in "
-        "a random order, a fresh 5-digit key planted in one as a line of code, asked for at the end "
-        "(the passkey probe's wording). Accuracy: the share of the key's digits the server's greedy "
-        "generation gets (95% Wilson interval, one observation per prompt). TTFT: the server's. The "
-        "answer's bits per byte are computed in-process through the engine's own prompt assembly "
+        documents_method(results)
+        + "The answer's bits per byte are computed in-process through the engine's own prompt assembly "
         "(loadtest/study/reuse_scoring.py): the service returns no log-probabilities from `Generate`. "
         "`reuse as is` for rope is that in-process figure only: the server always re-rotates rope's keys. "
         "The exact prefix cache's K/V is a fresh prefill's, so its bpb is the full recompute's.\n",
@@ -309,7 +387,8 @@ def reuse_section(results: Results) -> str:
         parts.append("### The repair curve and EPIC's sink-kept precompute\n")
         parts.append(
             "The answer's bits per byte against the full recompute of the same prompts (paired 95% bootstrap "
-            "interval over prompts, in-process), on every prompt sample: the documents as the scheme places them "
+            f"interval over {'document sets' if clustered(results) else 'prompts'}, in-process), on every prompt "
+            "sample: the documents as the scheme places them "
             "(k = 0), the first k tokens of each document recomputed in context, every token of it recomputed "
             "(which must read +0.0%: a check, not a mode worth serving), and EPIC's precompute, each document "
             "computed after a BOS of its own (a sink) that is dropped when the document is placed. Why more "
@@ -329,18 +408,21 @@ def reuse_section(results: Results) -> str:
     parts.append(
         'Each verdict comes from the paired 95% interval of the change from the full recompute: "within 1%" '
         'only when the interval lies inside +-1%, "cannot" only when it lies wholly outside, otherwise '
-        '"undecided" at that many prompts. Each prompt sample draws its own 8 documents, and the interval is '
-        "over prompts given them: two samples can differ by more than their intervals (the documents are a "
-        "second source of variation the interval does not hold), which is why the verdict is asked of both. "
-        "Every prompt sample's verdict, and whether they agree:\n"
+        '"undecided" at that many prompts. ' + samples_note(results) + " Every prompt sample's verdict, and "
+        "whether they agree:\n"
     )
     parts.append(samples_table(results, forms))
+    seeded = training_seeds_table(results, forms)
+    if seeded:
+        parts.append(
+            "Every training seed of a scheme, on the served prompt sample (each seed's own paired interval; a "
+            "further seed is scored in-process only), and whether the seeds' verdicts agree:\n"
+        )
+        parts.append(seeded)
     header = "| scheme | declared (ListModels) | " + " | ".join(f"{form} form" for form in forms) + " |"
     lines = [header, "|" + "---|" * (2 + len(forms))]
-    for scheme in results.schemes:
-        reuse = results.reuse.get(scheme)
-        if reuse is not None:
-            found = " | ".join(finding(reuse, form) for form in forms)
-            lines.append(f"| {scheme} | `{reuse['segment_reuse']}` | {found} |")
+    for scheme, reuse in served_reuse(results).items():
+        found = " | ".join(finding(reuse, form) for form in forms)
+        lines.append(f"| {label(results, scheme)} | `{reuse['segment_reuse']}` | {found} |")
     parts.append("\n".join(lines) + "\n")
     return "\n".join(parts) + "\n"

@@ -3,6 +3,9 @@ scheme buys, and training."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from loadtest.report.analysis import (
     GOODPUT_RATIO_GOAL,
     REFUSALS_PER_GOOD_GOAL,
@@ -16,6 +19,7 @@ from loadtest.report.analysis import (
     verdict,
 )
 from loadtest.report.formatting import cell, fmt
+from loadtest.report.seeds import agreement, label
 from loadtest.study.results import ByLength, Probe, Results, TrainingCurve
 from loadtest.study.rounds import Spread, goodput_ratio_rounds
 from models import emergence
@@ -191,8 +195,14 @@ def goodput_text(results: Results, series: str, scheme: str, users: str, figures
     return fmt(figures.get("goodput_per_s"), 2, missing="-") if spread is None else spread.text()
 
 
+def every_seed(results: Results, section: Mapping[str, Any]) -> list[str]:
+    """Every model of every scheme that `section` has figures for: each scheme's served model, then its
+    further training seeds (`rope@seed2`)."""
+    return [model for scheme in results.schemes for model in results.seeded(scheme, section).values()]
+
+
 def probe_table(title: str, results: Results, probe: Probe, column: str) -> str:
-    data = {s: results.probe(s, probe) for s in results.schemes}
+    data = {m: results.probe(m, probe) for m in every_seed(results, results.retrieval) or results.schemes}
     keys = sorted({k for v in data.values() for k in v if k != "all"}, key=int)
     extra = ["all"] if any("all" in v for v in data.values()) else []
     lines = [f"### {title}", "", f"| scheme \\ {column} | " + " | ".join(keys + extra) + " |",
@@ -204,7 +214,7 @@ def probe_table(title: str, results: Results, probe: Probe, column: str) -> str:
 
 
 def depth_table(results: Results) -> str:
-    grids = {s: results.copy_depth(s) for s in results.schemes}
+    grids = {m: results.copy_depth(m) for m in every_seed(results, results.retrieval) or results.schemes}
     depths = sorted({d for grid in grids.values() for row in grid.values() for d in row}, key=float)
     lines = ["### Copy accuracy by context length and depth of the first copy", "",
              "| scheme | context bytes | " + " | ".join(f"depth {d}" for d in depths) + " |",
@@ -217,32 +227,48 @@ def depth_table(results: Results) -> str:
 
 
 def what_each_scheme_buys(results: Results) -> str:
-    """Extrapolation (bits per byte past the training context) beside retrieval, per scheme, and
-    where the two disagree. The verdicts are rules over the measured figures, stated below."""
-    lines = ["| scheme | bpb @1x | bpb @longest servable | copy @<=128 B | copy @longest | passkey @longest "
+    """Extrapolation (bits per byte past the training context) beside retrieval, per scheme and training
+    seed, and where the two disagree. The verdicts are rules over the measured figures, stated below;
+    a scheme with several seeds gets a line on whether its seeds' verdicts agree."""
+    lines = ["| model | bpb @1x | bpb @longest servable | copy @<=128 B | copy @longest | passkey @longest "
              "| repeated-n-gram bpb, farthest bucket | verdict |", "|" + "---|" * 8]  # fmt: skip
+    across: list[str] = []
     for scheme in results.schemes:
-        quality = {float(k): v for k, v in results.quality.get(scheme, {}).items() if v is not None}
-        copy = results.probe(scheme, "copy")
-        near, far = pooled(copy, 128), largest(copy)
-        natural = results.probe(scheme, "natural")
-        far_natural = largest({k: v for k, v in natural.items() if v is not None})
-        longest = max(quality, default=None)
-        decided = verdict(quality, near, far, results.span_chance)
-        lines.append(
-            f"| {scheme} | {fmt(quality.get(1.0))} | {fmt(quality.get(longest) if longest else None)} "
-            f"({longest:g}x) | {cell(near)} | {cell(far)} | {cell(largest(results.probe(scheme, 'passkey')))} | "
-            f"{cell(far_natural, 3)} | {decided} |"
-            if longest
-            else f"| {scheme} | - | - | {cell(near)} | {cell(far)} | - | - | {decided} |"
-        )
+        models = results.seeded(scheme, results.retrieval) or {None: scheme}
+        said = {str(seed): buys_row(results, model, lines) for seed, model in models.items()}
+        if len(said) > 1:
+            across.append(f"- {scheme}: {agreement(said)}")
     chance = chance_fraction(results.span_chance)
-    return "\n".join(lines) + (
-        "\n\nRules: *extrapolates* when bits per byte at the longest servable multiple stay within 15% of "
-        f"1x; *copies* when the lower end of copy accuracy at <= 128 bytes is above chance ({chance} per "
-        "character); *retrieves far* when it copies and copy accuracy at the longest distance keeps at "
-        "least half of that and its lower end stays above chance.\n"
+    return (
+        "\n".join(lines)
+        + (
+            "\n\nRules: *extrapolates* when bits per byte at the longest servable multiple stay within 15% of "
+            f"1x; *copies* when the lower end of copy accuracy at <= 128 bytes is above chance ({chance} per "
+            "character); *retrieves far* when it copies and copy accuracy at the longest distance keeps at "
+            "least half of that and its lower end stays above chance.\n"
+        )
+        + ("\nOver each scheme's training seeds:\n\n" + "\n".join(across) + "\n" if across else "")
     )
+
+
+def buys_row(results: Results, model: str, lines: list[str]) -> str:
+    """One model's row of `what_each_scheme_buys`, appended to `lines`; its verdict."""
+    quality = {float(k): v for k, v in results.quality.get(model, {}).items() if v is not None}
+    copy = results.probe(model, "copy")
+    near, far = pooled(copy, 128), largest(copy)
+    natural = results.probe(model, "natural")
+    far_natural = largest({k: v for k, v in natural.items() if v is not None})
+    longest = max(quality, default=None)
+    decided = verdict(quality, near, far, results.span_chance)
+    shown = label(results, model) if model in results.schemes else model
+    lines.append(
+        f"| {shown} | {fmt(quality.get(1.0))} | {fmt(quality.get(longest) if longest else None)} "
+        f"({longest:g}x) | {cell(near)} | {cell(far)} | {cell(largest(results.probe(model, 'passkey')))} | "
+        f"{cell(far_natural, 3)} | {decided} |"
+        if longest
+        else f"| {shown} | - | - | {cell(near)} | {cell(far)} | - | - | {decided} |"
+    )
+    return decided
 
 
 def training_section(training: dict[str, TrainingCurve]) -> str:
@@ -271,5 +297,6 @@ def runs_line(results: Results) -> str:
     for run in results.config.get("runs", [])[1:]:
         commit = run["environment"]["commit"]
         short = commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")
-        lines.append(f"\nRerun: {', '.join(run['sections'])} at `{short}`.")
+        schemes = f" ({', '.join(run['schemes'])})" if "schemes" in run else ""
+        lines.append(f"\nRerun: {', '.join(run['sections'])}{schemes} at `{short}`.")
     return "".join(lines)

@@ -58,6 +58,9 @@ class Budget:
     routing_uses: int = 16
     routing_prefix_bytes: int = 512
     routing_users: int = 8
+    # The scored sections (quality, retrieval, cache, reuse's answers) and speculation on every further
+    # training seed of a scheme (models/weights/seed<N>/<scheme>; issue 55), not only the served model.
+    extra_seeds: bool = True
 
     def cache_plan(self) -> CacheBudgetPlan:
         return CacheBudgetPlan(
@@ -74,7 +77,7 @@ class Budget:
         headline's 8x on two trials and one copy distance; the load levels are shorter and only 1 and 32
         users (three rounds, as the full run's); quality scores fewer texts per length; reuse runs 1 s
         at 1 and 32 users and 4 short-form document prompts with one repair (so that README command 1,
-        with the reuse section, keeps its ten minutes)."""
+        with the reuse section, keeps its ten minutes); the served models only, not further training seeds."""
         return cls(
             prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 32),
             load_seconds=2.0, load_new_tokens=16, score_windows=2, retrieval_trials=4,
@@ -83,12 +86,12 @@ class Budget:
             cache_copy_distances=(512,), reuse_users=(1, 32), reuse_seconds=1.0, reuse_trials=4,
             reuse_forms=("short",), reuse_repairs=(4,), reuse_seeds=(32,), speculative_prompts=4,
             speculative_new_tokens=64,
-            evaluation_choices=20,
+            evaluation_choices=20, extra_seeds=False,
         )  # fmt: skip
 
     @classmethod
     def tiny(cls) -> Budget:
-        """For tests: every measurement once, as small as it gets."""
+        """For tests: every measurement once, as small as it gets (further seeds only when asked)."""
         return cls(
             prompt_lengths=(64, 512), itl_contexts=(128, 512), concurrency=(1, 2), load_seconds=0.5,
             load_new_tokens=4, context_multiples=(0.5, 2.0), scaling_multiples=(2.0,), score_windows=1,
@@ -98,4 +101,5 @@ class Budget:
             cache_passkey_context=1.0, int8_multiples=(1.0,), reuse_users=(1, 2), reuse_seconds=0.5, reuse_trials=2,
             reuse_repairs=(4,), speculative_prompts=2, speculative_new_tokens=16,
             evaluation_choices=4, routing_prefixes=4, routing_uses=3, routing_prefix_bytes=272, routing_users=2,
+            extra_seeds=False,
         )  # fmt: skip

@@ -12,9 +12,15 @@ from models.corpus import load_corpus
 class HeldOut:
     """Text from the corpus's test split, never seen in training."""
 
-    def __init__(self, seed: int = 0) -> None:
-        self.data = load_corpus().text_bytes("test")
+    def __init__(self, seed: int = 0, data: bytes | None = None) -> None:
+        self.data = load_corpus().text_bytes("test") if data is None else data
+        self.seed = seed
         self.rng = random.Random(seed)
+
+    def again(self) -> HeldOut:
+        """The same text drawn again from the start: each model scored on it sees the same texts, so
+        two training seeds' figures differ by their checkpoints, not by what they were asked."""
+        return HeldOut(self.seed, self.data)
 
     def text(self, length: int) -> str:
         """About `length` bytes of held-out text, valid UTF-8, at least `length` - 3 bytes."""

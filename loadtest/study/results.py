@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
+from contract.names import seed_model_name
+
 # A graded figure with its 95% interval (loadtest/probes.py, `Interval.as_dict()`): value, low, high, n.
 Cell = dict[str, float]
 # Cells by length in bytes (or a natural-text distance bucket, with "all"); None: not servable.
@@ -98,11 +100,16 @@ class Reuse(TypedDict):
     """One scheme's KV reuse: its declared segment reuse (ListModels), both workloads."""
 
     segment_reuse: str  # as_is, rotate or recompute
-    shared_prefix: SharedPrefix
+    shared_prefix: NotRequired[SharedPrefix]  # absent for a further training seed (scored in-process only)
     documents: dict[str, DocumentsForm]  # "short", "long"
     seed: NotRequired[int]  # the documents' prompt sample (absent in older runs: 32)
     # Other prompt samples, scored in-process only: seed -> form -> mode -> paired change (None: does not fit).
     samples: NotRequired[dict[str, dict[str, dict[str, Cell | None]]]]
+
+
+# One speculative cell (loadtest/speculative.py): speedup, acceptance, proposed, guesses, tokens/s each way,
+# and acceptance_interval (a Cell over prompts; absent in older runs).
+SpeculativeCell = dict[str, Any]
 
 
 class TrainingCurve(TypedDict):
@@ -137,6 +144,7 @@ class RunRecord(TypedDict):
     sections: list[str]
     environment: Environment
     budget: dict[str, Any]  # asdict(Budget)
+    schemes: NotRequired[list[str]]  # the schemes it measured (absent in older runs)
 
 
 class RunConfig(TypedDict, total=False):
@@ -170,7 +178,7 @@ class Results:
     cache_budget: dict[str, CacheBudget] = field(default_factory=dict)
     reuse: dict[str, Reuse] = field(default_factory=dict)  # KV reuse (loadtest/study/reuse.py)
     # Speculative decoding (loadtest/speculative.py): scheme -> "workload@streams" -> figures.
-    speculative: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    speculative: dict[str, dict[str, SpeculativeCell]] = field(default_factory=dict)
     # Routing through HAProxy (loadtest/study/routing.py): "round_robin" and "affinity" -> medians
     # (prefix_hit_rate, ttft_p50_s, ttft_p99_s, goodput_per_s) and their rounds; "kill"; "setup".
     routing: dict[str, Any] = field(default_factory=dict)
@@ -180,6 +188,21 @@ class Results:
     training: dict[str, TrainingCurve] = field(default_factory=dict)
     # The characters the retrieval section's copy spans were drawn from (models.spans.SPAN_ALPHABET).
     span_alphabet: str = LEGACY_SPAN_ALPHABET
+    # Each scheme's training seeds, the served model's first (issue 55). A further seed's figures are kept
+    # under its model name (`rope@seed2`, contract.names) in quality, retrieval, cache_budget, reuse and
+    # speculative; a scheme missing here has its served model's only (a run from before seeds).
+    seeds: dict[str, list[int]] = field(default_factory=dict)
+
+    def models_of(self, scheme: str) -> list[str]:
+        """The scheme's model names, one a training seed, the served one first."""
+        extra = self.seeds.get(scheme, [])[1:]
+        return [scheme, *(seed_model_name(scheme, seed) for seed in extra)]
+
+    def seeded(self, scheme: str, section: dict[str, Any]) -> dict[int | None, str]:
+        """Seed -> model name of the scheme's models that `section` (e.g. `results.quality`) has figures
+        for, the served one first (seed None where the run did not record the scheme's seeds)."""
+        seeds = self.seeds.get(scheme) or [None]
+        return {seed: model for seed, model in zip(seeds, self.models_of(scheme), strict=False) if model in section}
 
     @property
     def span_chance(self) -> float:

@@ -14,14 +14,16 @@ one with --no-prefix-cache, one with the prefix cache (the default). Each runs
   served k (the rest of the repair curve, the whole-document repair and EPIC's sink-kept precompute
   are scored in-process only). A scheme
   whose declaration is `recompute` reuses nothing: its reuse modes are not requested (the report
-  gives the declaration). The documents are sent once as segments before the timed requests, so
-  the timings are those of documents already cached; the planted key makes the carrier document
-  new each time, computed on its own and placed.
+  gives the declaration). The prompts come from a fresh document set every few prompts
+  (loadtest/workloads.py, `document_prompts`); each set's documents are sent as segments before
+  its timed requests, so the timings are those of documents already cached; the planted key makes
+  the carrier document new each time, computed on its own and placed.
 
 Then, with the servers stopped, the answer's bits per byte under each mode are computed in-process
 (loadtest/study/reuse_scoring.py), each mode's change from the full recompute with a paired
-bootstrap interval; and the same on each further prompt sample (`budget.reuse_seeds` after the
-first), scored only, so that the report can say where two samples' verdicts agree.
+bootstrap interval over the document sets; the same on each further prompt sample (`budget.reuse_seeds`
+after the first), scored only, so that the report can say where two samples' verdicts agree; and the
+same on the served prompts for every further training seed of a scheme (issue 55), in-process only.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ import grpc
 from tqdm import tqdm
 
 from contract.manifest import REUSE_RECOMPUTE
-from loadtest.probes import wilson
+from loadtest.probes import clustered_wilson
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
-from loadtest.study.results import Cell, DocumentsForm, LoadFigures, Results, ReuseMode
+from loadtest.study.results import Cell, DocumentsForm, LoadFigures, Results, Reuse, ReuseMode
 from loadtest.study.reuse_scoring import AnswerScorer, cells, paired_change, scored_modes
 from loadtest.study.rounds import medians
 from loadtest.study.serving import COMPUTED, model_info, serving
@@ -49,8 +51,7 @@ from loadtest.workloads import (
     LONG_DOCUMENT_BYTES,
     SHARED_NEW_TOKENS,
     DocumentPrompt,
-    document_prompt,
-    document_set,
+    document_prompts,
     held_out_slice,
     shared_prefix_sizes,
     shared_prefix_text,
@@ -77,8 +78,7 @@ class Workloads:
         sizes = {"short": short_document_bytes(train_context), "long": LONG_DOCUMENT_BYTES}
         forms = {}
         for form in budget.reuse_forms:
-            documents = document_set(held_out.data, rng, sizes[form])
-            forms[form] = [document_prompt(documents, rng) for _ in range(budget.reuse_trials)]
+            forms[form] = document_prompts(held_out.data, rng, sizes[form], budget.reuse_trials)
         return cls(held_out.data, forms, {form: sizes[form] for form in budget.reuse_forms})
 
     def shared_prompt(self, limit: int) -> tuple[int, int, Callable[[random.Random], str]]:
@@ -110,11 +110,22 @@ def request(model: str, prompt: DocumentPrompt, segments: bool, repair: int = 0)
     return pb.GenerateRequest(model=model, segments=parts, max_new_tokens=new_tokens, segment_repair_tokens=repair)
 
 
+def warm(server: ServerProcess, model: str, documents: set[str]) -> None:
+    """Each document sent once as a reusable segment, so that the timed requests find it cached."""
+    for document in sorted(documents):
+        generate(server, pb.GenerateRequest(model=model, segments=[pb.PromptSegment(text=document, reusable=True),
+                 pb.PromptSegment(text="\n")], max_new_tokens=1))  # fmt: skip
+
+
 def served_mode(server: ServerProcess, model: str, prompts: list[DocumentPrompt], segments: bool, repair: int = 0
                 ) -> ReuseMode:  # fmt: skip
-    """Accuracy and time to first token of the prompts sent one after another."""
+    """Accuracy and time to first token of the prompts sent one after another; as segments, each
+    document set's documents are sent first (untimed), so the timings are those of documents already
+    cached (a set at a time: every set's documents at once could outgrow the cache)."""
     hits, ttfts, cached, reused = [], [], [], []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
+        if segments and (index == 0 or prompt.document_set != prompts[index - 1].document_set):
+            warm(server, model, {d for p in prompts if p.document_set == prompt.document_set for d in p.reused})
         response = generate(server, request(model, prompt, segments, repair))
         answer = prompt.answer
         hits.append(sum(a == b for a, b in zip(response.text, answer, strict=False)) / len(answer))
@@ -122,8 +133,8 @@ def served_mode(server: ServerProcess, model: str, prompts: list[DocumentPrompt]
         cached.append(response.usage.cached_prompt_tokens / response.usage.prompt_tokens)
         reused.append(response.usage.reused_prompt_tokens / response.usage.prompt_tokens)
     return {
-        "accuracy": wilson(sum(hits) / len(hits), len(hits)).as_dict(), "bpb": None, "teacher_forced": None,
-        "ttft_s": statistics.median(ttfts), "cached_share": statistics.mean(cached),
+        "accuracy": clustered_wilson(hits, [p.document_set for p in prompts]).as_dict(), "bpb": None,
+        "teacher_forced": None, "ttft_s": statistics.median(ttfts), "cached_share": statistics.mean(cached),
         "reused_share": statistics.mean(reused),
     }  # fmt: skip
 
@@ -142,9 +153,6 @@ def measure_documents(
     modes = {"prefix": served_mode(server, model, prompts, False)}
     if declared == REUSE_RECOMPUTE:
         return modes
-    for document in {d for p in prompts for i, d in enumerate(p.documents) if i != p.carrier}:
-        generate(server, pb.GenerateRequest(model=model, segments=[pb.PromptSegment(text=document, reusable=True),
-                 pb.PromptSegment(text="\n")], max_new_tokens=1))  # fmt: skip
     modes[declared] = served_mode(server, model, prompts, True)
     for k in repairs:
         modes[f"repair:{k}"] = served_mode(server, model, prompts, True, k)
@@ -159,26 +167,28 @@ def unserved() -> ReuseMode:
 
 def scored_form(
     scorer: AnswerScorer, declared: str, prompts: list[DocumentPrompt], document_bytes: int,
-    served: dict[str, ReuseMode], repairs: tuple[int, ...],
+    served: dict[str, ReuseMode] | None, repairs: tuple[int, ...],
 ) -> DocumentsForm:  # fmt: skip
-    """One form's modes: what the servers measured, with the answers' bits per byte in-process and
-    their paired change from the full recompute (every mode None where the prompts do not fit the
-    model: nothing was served)."""
+    """One form's modes: what the servers measured (`served`; None where the prompts do not fit the
+    model, and every mode is None), with the answers' bits per byte in-process and their paired
+    change from the full recompute. A further training seed is scored in-process only: `served` empty."""
     modes: dict[str, ReuseMode | None] = {}
     full_bits: list[float] = []
+    clusters = [p.document_set for p in prompts]
     for name, placement, k in scored_modes(declared, repairs):
-        mode = served.get(name, unserved()) if served else None
+        mode = None if served is None else served.get(name, unserved())
         if mode is not None:
             scores = scorer.scores(prompts, placement, k)
             full_bits = full_bits or [s.bits for s in scores]  # "full" comes first
-            mode["bpb"], mode["teacher_forced"] = cells(scores)
-            mode["change"] = paired_change([s.bits for s in scores], full_bits)
+            mode["bpb"], mode["teacher_forced"] = cells(scores, clusters)
+            mode["change"] = paired_change([s.bits for s in scores], full_bits, clusters)
         modes[name] = mode
     full = modes["full"]
-    prefix = served.get("prefix")
+    prefix = None if served is None else served.get("prefix")
     if prefix is not None and full is not None:  # the prefix cache's K/V is a fresh prefill's: full's answers
         prefix["bpb"], prefix["teacher_forced"] = full["bpb"], full["teacher_forced"]
-    modes["prefix"] = prefix
+    if prefix is not None:
+        modes["prefix"] = prefix
     mean_bytes = statistics.mean(len(p.text.encode()) for p in prompts)
     return {"document_bytes": document_bytes, "prompt_bytes": mean_bytes, "trials": len(prompts), "modes": modes}
 
@@ -189,21 +199,32 @@ def scored_sample(scorer: AnswerScorer, declared: str, prompts: list[DocumentPro
     the prompts do not fit the model)."""
     if not fits(limit, prompts):
         return None
+    clusters = [p.document_set for p in prompts]
     full_bits = [s.bits for s in scorer.scores(prompts, "full")]
     return {
-        name: paired_change([s.bits for s in scorer.scores(prompts, placement, k)], full_bits)
+        name: paired_change([s.bits for s in scorer.scores(prompts, placement, k)], full_bits, clusters)
         for name, placement, k in scored_modes(declared, repairs)
     }
 
 
-def measure_reuse(
+@dataclass
+class Served:
+    """What the servers measured of every scheme, for the in-process scoring after them."""
+
+    workloads: Workloads
+    infos: dict[str, pb.ModelInfo]
+    modes: dict[str, dict[str, dict[str, ReuseMode]]]  # scheme -> form -> mode -> figures
+    loads: dict[bool, dict[str, dict[str, list[LoadFigures]]]]  # prefix cache -> scheme -> users -> rounds
+    sizes: dict[str, tuple[int, int]]  # scheme -> shared prefix and tail bytes
+
+
+def measure_served(
     repository: Path, threads: int, schemes: list[str], held_out: HeldOut, budget: Budget, results: Results,
     progress: tqdm,
-) -> None:  # fmt: skip
-    """Both workloads on both server sets, then the answers' bits per byte in-process."""
+) -> Served:  # fmt: skip
+    """Both workloads on both server sets (the schemes' served models)."""
     loads: dict[bool, dict[str, dict[str, list[LoadFigures]]]] = {False: {}, True: {}}  # each round's
     served: dict[str, dict[str, dict[str, ReuseMode]]] = {s: {f: {} for f in budget.reuse_forms} for s in schemes}
-    declared: dict[str, str] = {}
     sizes: dict[str, tuple[int, int]] = {}
     admission = ("--ttft-slo-seconds", str(ADMISSION_TTFT_SLO_S))
     # Both sets run at once and each level measures a scheme without and with the cache back to back
@@ -235,45 +256,63 @@ def measure_reuse(
         for cache, servers in sets.items():
             progress.set_postfix(part=f"reuse, documents, prefix cache {'on' if cache else 'off'}")
             for scheme in rotated(schemes, int(cache)):
-                declared[scheme] = infos[scheme].segment_reuse
+                declared = infos[scheme].segment_reuse
                 for form, prompts_of_form in workloads.forms.items():
                     if fits(infos[scheme].max_positions, prompts_of_form):
                         served[scheme][form] |= measure_documents(
-                            servers[scheme], scheme, declared[scheme], prompts_of_form, cache, budget.reuse_repairs
+                            servers[scheme], scheme, declared, prompts_of_form, cache, budget.reuse_repairs
                         )
                 progress.update()
-    for scheme in schemes:
-        progress.set_postfix(part="reuse, answers' bits per byte", scheme=scheme)
-        scorer = AnswerScorer(repository, scheme, threads)
-        documents = {
-            form: scored_form(
-                scorer,
-                declared[scheme],
-                prompts,
-                workloads.document_bytes[form],
-                served[scheme][form],
-                budget.reuse_repairs,
-            )
-            for form, prompts in workloads.forms.items()
+    return Served(workloads, infos, served, loads, sizes)
+
+
+def scored_reuse(
+    repository: Path, threads: int, model: str, scheme: str, measured: Served, held_out: HeldOut, budget: Budget
+) -> Reuse:
+    """One model's answers' bits per byte in-process, on the served prompts (`model` a further training
+    seed of `scheme`: in-process only) and, for the served model, on every further prompt sample."""
+    info, declared = measured.infos[scheme], measured.infos[scheme].segment_reuse
+    scorer = AnswerScorer(repository, model, threads)
+    workloads = measured.workloads
+
+    def served(form: str, prompts: list[DocumentPrompt]) -> dict[str, ReuseMode] | None:
+        if not fits(info.max_positions, prompts):
+            return None
+        return measured.modes[scheme][form] if model == scheme else {}
+
+    documents = {
+        form: scored_form(scorer, declared, prompts, workloads.document_bytes[form], served(form, prompts),
+                          budget.reuse_repairs)
+        for form, prompts in workloads.forms.items()
+    }  # fmt: skip
+    samples: dict[str, dict[str, dict[str, Cell | None]]] = {}
+    for seed in budget.reuse_seeds[1:] if model == scheme else ():
+        other = Workloads.build(held_out, budget, info.train_context, seed)
+        samples[str(seed)] = {
+            form: found
+            for form, prompts in other.forms.items()
+            if (found := scored_sample(scorer, declared, prompts, info.max_positions, budget.reuse_repairs)) is not None
         }
-        samples: dict[str, dict[str, dict[str, Cell | None]]] = {}
-        for seed in budget.reuse_seeds[1:]:
-            progress.set_postfix(part=f"reuse, answers' bits per byte, prompt seed {seed}", scheme=scheme)
-            other = Workloads.build(held_out, budget, train_context, seed)
-            samples[str(seed)] = {
-                form: found
-                for form, prompts in other.forms.items()
-                if (found := scored_sample(scorer, declared[scheme], prompts, infos[scheme].max_positions,
-                                           budget.reuse_repairs)) is not None
-            }  # fmt: skip
-        prefix_bytes, tail_bytes = sizes[scheme]
-        results.reuse[scheme] = {
-            "segment_reuse": declared[scheme],
-            "shared_prefix": {"prefix_bytes": prefix_bytes, "tail_bytes": tail_bytes, "new_tokens": SHARED_NEW_TOKENS,
-                              "no_cache": medians(loads[False][scheme]), "cache": medians(loads[True][scheme]),
-                              "rounds": {"no_cache": loads[False][scheme], "cache": loads[True][scheme]}},
-            "documents": documents,
-            "seed": budget.reuse_seeds[0],
-            "samples": samples,
+    return {"segment_reuse": declared, "documents": documents, "seed": budget.reuse_seeds[0], "samples": samples}
+
+
+def measure_reuse(
+    repository: Path, threads: int, models: dict[str, list[str]], held_out: HeldOut, budget: Budget,
+    results: Results, progress: tqdm,
+) -> None:  # fmt: skip
+    """Both workloads on both server sets for each scheme's served model (the first of `models`), then
+    the answers' bits per byte in-process for every one of the scheme's models (its training seeds)."""
+    schemes = list(models)
+    measured = measure_served(repository, threads, schemes, held_out, budget, results, progress)
+    for scheme in schemes:
+        for model in models[scheme]:
+            progress.set_postfix(part="reuse, answers' bits per byte", model=model)
+            results.reuse[model] = scored_reuse(repository, threads, model, scheme, measured, held_out, budget)
+            progress.update()
+        prefix_bytes, tail_bytes = measured.sizes[scheme]
+        loads = {cache: measured.loads[cache][scheme] for cache in (False, True)}
+        results.reuse[scheme]["shared_prefix"] = {
+            "prefix_bytes": prefix_bytes, "tail_bytes": tail_bytes, "new_tokens": SHARED_NEW_TOKENS,
+            "no_cache": medians(loads[False]), "cache": medians(loads[True]),
+            "rounds": {"no_cache": loads[False], "cache": loads[True]},
         }  # fmt: skip
-        progress.update()

@@ -1,5 +1,6 @@
-"""The scored sections, through the `Score` RPC one server per scheme (rope with its scaling
-variants beside it): quality (bits per byte by context), graded retrieval probes, cache budgets."""
+"""The scored sections, through the `Score` RPC one server per scheme (with its further training
+seeds beside it, and rope with its scaling variants): quality (bits per byte by context), graded
+retrieval probes, cache budgets, on every seed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from loadtest.study.budget import Budget
 from loadtest.study.cache_budget import measure_cache_budgets, score_bpb
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Results, Retrieval
-from loadtest.study.serving import COMPUTED, model_info, start
+from loadtest.study.serving import COMPUTED, Repository, model_info, start
 from models.spans import SPAN_ALPHABET
 from service.process import ServerProcess
 
@@ -52,16 +53,16 @@ def measure_retrieval(
 
 
 def measure_quality(
-    server: ServerProcess, scheme: str, train_context: int, rope_variants: list[str], held_out: HeldOut,
+    server: ServerProcess, model: str, train_context: int, rope_variants: list[str], held_out: HeldOut,
     budget: Budget, results: Results, progress: tqdm,
 ) -> None:  # fmt: skip
-    """Bits per byte at each context multiple; for rope, each scaling variant at its own factor."""
+    """Bits per byte at each context multiple; for rope's served model, each scaling variant at its own factor."""
     contexts = [int(m * train_context) for m in budget.context_multiples]
-    results.quality[scheme] = {
-        f"{m:g}": score_bpb(server, scheme, held_out.windows(c, budget.score_windows))
+    results.quality[model] = {
+        f"{m:g}": score_bpb(server, model, held_out.windows(c, budget.score_windows))
         for m, c in zip(budget.context_multiples, contexts, strict=True)
     }
-    if scheme == "rope":
+    if model == "rope":
         for name in rope_variants:
             factor = float(name.rsplit("-x", 1)[1])
             length = int(factor * train_context)
@@ -70,33 +71,46 @@ def measure_quality(
             progress.update()
 
 
+def measure_model(
+    server: ServerProcess, model: str, sections: set[str], rope_variants: list[str], held_out: HeldOut,
+    budget: Budget, results: Results, progress: tqdm,
+) -> None:  # fmt: skip
+    """The scored sections asked for, on one served model (a scheme's, or a further seed of it), each
+    section on the same held-out texts for every model (whichever sections run)."""
+    info = model_info(server, model, results)
+    if "quality" in sections:
+        progress.set_postfix(model=model, part="quality")
+        measure_quality(server, model, info.train_context, rope_variants, held_out, budget, results, progress)
+        progress.update()
+    if "retrieval" in sections:
+        progress.set_postfix(model=model, part="retrieval")
+        results.span_alphabet = SPAN_ALPHABET
+        results.retrieval[model] = measure_retrieval(
+            server, model, info.max_positions, info.train_context, held_out.again(), budget
+        )
+        progress.update()
+    if "cache" in sections:
+        progress.set_postfix(model=model, part="cache budgets")
+        results.cache_budget[model] = measure_cache_budgets(
+            server, model, info, held_out.again().text, held_out.windows, budget.cache_plan()
+        )
+        progress.update()
+
+
 def measure_scored_sections(
-    repository: Path, threads: int, schemes: list[str], sections: set[str], rope_variants: list[str],
+    repository: Path, threads: int, schemes: list[str], sections: set[str], served: Repository,
     held_out: HeldOut, budget: Budget, results: Results, progress: tqdm,
 ) -> None:  # fmt: skip
-    """The scored sections asked for, scheme after scheme, each on a server of its own."""
+    """The scored sections asked for, scheme after scheme, each on a server of its own with the
+    scheme's further training seeds (and rope's scaling variants) beside it: every seed's figures
+    are kept under its model name."""
     for scheme in schemes:
+        variants = served.rope_variants if scheme == "rope" else []
         # No prefix cache: the cache section's cost is what each policy's row holds, not cached prompts.
-        server = start(repository, threads, [scheme, *(rope_variants if scheme == "rope" else [])], *COMPUTED)
+        server = start(repository, threads, [scheme, *served.extra(scheme), *variants], *COMPUTED)
         try:
             server.wait_serving()
-            info = model_info(server, scheme, results)
-            if "quality" in sections:
-                progress.set_postfix(scheme=scheme, part="quality")
-                measure_quality(server, scheme, info.train_context, rope_variants, held_out, budget, results, progress)
-                progress.update()
-            if "retrieval" in sections:
-                progress.set_postfix(scheme=scheme, part="retrieval")
-                results.span_alphabet = SPAN_ALPHABET
-                results.retrieval[scheme] = measure_retrieval(
-                    server, scheme, info.max_positions, info.train_context, held_out, budget
-                )
-                progress.update()
-            if "cache" in sections:
-                progress.set_postfix(scheme=scheme, part="cache budgets")
-                results.cache_budget[scheme] = measure_cache_budgets(
-                    server, scheme, info, held_out.text, held_out.windows, budget.cache_plan()
-                )
-                progress.update()
+            for model in [scheme, *served.extra(scheme)]:
+                measure_model(server, model, sections, variants, held_out, budget, results, progress)
         finally:
             server.stop()

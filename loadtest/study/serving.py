@@ -3,15 +3,20 @@ what they say about their models."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from contract.manifest import MANIFEST
-from export.repository import ExportOptions, rope_scaled_name
+from contract.manifest import MANIFEST, Manifest
+from contract.names import SeedModel, seed_model_name
+from export.repository import ExportOptions, model_variants, rope_scaled_name, training_seed
 from export.repository import run as export_run
 from loadtest.study.results import Results
+from models.checkpoints import WEIGHTS_DIR
 from models.config import RopeScaling
+from models.train_config import TrainConfig
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
 
@@ -26,27 +31,52 @@ SERVER_LIMITS = (
 COMPUTED = ("--no-prefix-cache",)
 
 
-def ensure_repository(repository: Path, schemes: list[str], scaling_multiples: tuple[float, ...]) -> list[str]:
-    """Export any missing model, including rope scaling variants; return the rope variant names.
+@dataclass(frozen=True)
+class Repository:
+    """What a comparison serves from its model repository: rope's scaling variants, and each
+    scheme's models, one a training seed (the served one first; `<scheme>@seed<N>`, contract.names)."""
+
+    rope_variants: list[str]
+    models: dict[str, list[str]]
+    seeds: dict[str, list[int]]
+
+    def extra(self, scheme: str) -> list[str]:
+        """The scheme's further training seeds' model names (not the served one)."""
+        return self.models.get(scheme, [scheme])[1:]
+
+
+def ensure_repository(
+    repository: Path, schemes: list[str], scaling_multiples: tuple[float, ...], extra_seeds: bool = True
+) -> Repository:
+    """Export any missing model: the schemes, rope's scaling variants and (with `extra_seeds`) every
+    further training seed of the schemes in models/weights; say which models each scheme has (with
+    `extra_seeds`, every `<scheme>@seed<N>` in the repository too).
 
     The variants are derived from the repository's rope graphs by rewriting their rotary constants
     (export/rope_variants.py) rather than traced again, so adding them is cheap.
     """
     scalings = [f"{kind}:{m:g}" for kind in ROPE_SCALINGS for m in scaling_multiples] if "rope" in schemes else []
     names = [rope_scaled_name(RopeScaling.parse(s)) for s in scalings]
-    missing_schemes = [s for s in schemes if not (repository / s / MANIFEST).is_file()]
-    missing_scalings = [s for s, n in zip(scalings, names, strict=True) if not (repository / n / MANIFEST).is_file()]
-    if missing_schemes or missing_scalings:
-        export_run(
-            ExportOptions(
-                out=repository,
-                schemes=tuple(missing_schemes),
-                rope_scaling=tuple(missing_scalings),
-                verify=False,
-                fp16=False,
-            )
-        )
-    return names
+    options = ExportOptions(out=repository, schemes=tuple(schemes), rope_scaling=tuple(scalings), verify=False,
+                            fp16=False, extra_seeds=extra_seeds)  # fmt: skip
+    missing = tuple(spec.name for spec in model_variants(options) if not (repository / spec.name / MANIFEST).is_file())
+    if missing:
+        export_run(replace(options, names=missing))
+    found = [SeedModel.parse(p.name) for p in repository.iterdir() if (p / MANIFEST).is_file()] if extra_seeds else []
+    extra = {scheme: sorted(m.seed for m in found if m.scheme == scheme and m.seed is not None) for scheme in schemes}
+    models = {scheme: [scheme, *(seed_model_name(scheme, seed) for seed in extra[scheme])] for scheme in schemes}
+    seeds = {scheme: [served_seed(repository / scheme), *extra[scheme]] for scheme in schemes}
+    return Repository(names, models, seeds)
+
+
+def served_seed(folder: Path) -> int:
+    """The training seed of a scheme's served model: its manifest's, else its weights' training.json's
+    (an export from before manifests recorded it), else the recipe's default."""
+    seed = Manifest.load(folder).training_seed
+    if seed is None:
+        training = WEIGHTS_DIR / folder.name / "training.json"
+        seed = training_seed(json.loads(training.read_text())) if training.is_file() else None
+    return TrainConfig().seed if seed is None else seed
 
 
 def generate(

@@ -60,13 +60,18 @@ class Engine:
         if not folders:
             raise ManifestError(f"{repository}: no model folders with a manifest.json")
         manifests = [Manifest.load(p) for p in folders]
-        if not names:  # the default set: the schemes themselves; scaling variants only when named
+        if not names:  # the default set: the schemes themselves; scaling variants and further seeds only when named
             variants = [m.folder.name for m in manifests if m.is_scaling_variant]
             if variants:
                 logger.info("not serving rope scaling variants %s (name them in --models)", ", ".join(variants))
-            manifests = [m for m in manifests if not m.is_scaling_variant]
+            seeds = [m.folder.name for m in manifests if m.is_extra_seed]
+            if seeds:
+                logger.info("not serving further training seeds %s (name them in --models)", ", ".join(seeds))
+            manifests = [m for m in manifests if m.served_by_default]
             if not manifests:
-                raise ManifestError(f"{repository}: only rope scaling variants; name the ones to serve in --models")
+                raise ManifestError(
+                    f"{repository}: only rope scaling variants and further seeds; name the ones to serve in --models"
+                )
         for manifest in manifests:
             check_kv_budget(manifest, config)
         return cls({m.folder.name: ModelEngine(m, config, metrics, publish) for m in manifests}, output_sink)

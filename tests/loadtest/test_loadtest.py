@@ -210,7 +210,7 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     assert results["ttft"]["alibi"]["512"] is not None and results["ttft"]["learned"]["512"] is None
     assert results["load"]["alibi"]["2"]["requests"] > 0 and results["load_admission"]["learned"]["1"]["errors"] == 0
     assert results["memory"]["alibi"]["process_peak_bytes"] > 0
-    assert "Rerun: latency, load at `" in (out / "report.md").read_text()
+    assert "Rerun: latency, load (alibi, learned) at `" in (out / "report.md").read_text()
 
 
 def test_rotated_puts_each_scheme_first_once_per_cycle() -> None:

@@ -79,6 +79,18 @@ def test_paired_bootstrap_gives_the_known_interval() -> None:
     assert half == paired_change([1.02 if i % 2 else 1.0 for i in range(400)], ones)  # fixed seed
 
 
+def test_the_paired_bootstrap_resamples_document_sets_whole() -> None:
+    """Two sets, one 4% worse and one unchanged: over prompts the interval would be narrow; over the
+    two sets it spans both (a resample holds the first set 0, 1 or 2 times)."""
+    full = [1.0] * 200
+    bits = [1.04] * 100 + [1.0] * 100
+    prompts = paired_change(bits, full)
+    sets = paired_change(bits, full, [0] * 100 + [1] * 100)
+    assert prompts["value"] == sets["value"] == pytest.approx(0.02)
+    assert prompts["high"] - prompts["low"] < 0.01
+    assert (sets["low"], sets["high"], sets["n"], sets["clusters"]) == pytest.approx((0.0, 0.04, 200, 2))
+
+
 def test_verdicts_come_from_the_paired_interval() -> None:
     assert verdict({"value": 0.005, "low": -0.004, "high": 0.009, "n": 96}) == "within"
     assert verdict({"value": 0.005, "low": -0.004, "high": 0.011, "n": 96}) == "undecided"

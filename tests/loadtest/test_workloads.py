@@ -9,10 +9,12 @@ from loadtest.workloads import (
     DOCUMENTS,
     DOCUMENTS_PER_PROMPT,
     LONG_DOCUMENT_BYTES,
+    PROMPTS_PER_SET,
     SHARED_NEW_TOKENS,
     SHARED_PREFIX_BYTES,
     SHARED_TAIL_BYTES,
     document_prompt,
+    document_prompts,
     document_set,
     shared_prefix_sizes,
     shared_prefix_text,
@@ -66,3 +68,19 @@ def test_a_document_prompt_holds_four_documents_in_random_order_with_the_key_in_
         assert [reusable for _, reusable in segments] == [True] * DOCUMENTS_PER_PROMPT + [False]
         orders.add(tuple(documents.index(d) for d in others))
     assert len(orders) > 20  # the order varies
+
+
+def test_the_comparisons_prompts_draw_a_fresh_document_set_every_few_prompts() -> None:
+    """Prompts of one set share documents (the reuse a segment cache serves); sets share none, so an
+    interval over sets covers documents the study did not draw (issue 55)."""
+    letters = random.Random(4)
+    data = bytes(letters.choice(b"abcdefgh ij\n") for _ in range(100_000))
+    prompts = document_prompts(data, random.Random(3), 40, 4 * PROMPTS_PER_SET + 2)
+    assert [p.document_set for p in prompts] == [i // PROMPTS_PER_SET for i in range(4 * PROMPTS_PER_SET + 2)]
+    documents = {}
+    for prompt in prompts:
+        documents.setdefault(prompt.document_set, set()).update(prompt.reused)
+        assert prompt.reused == set(prompt.documents) - {prompt.documents[prompt.carrier]}
+    assert len(documents[0]) <= DOCUMENTS and len(documents[0]) > DOCUMENTS_PER_PROMPT - 1  # some come back
+    assert all(not documents[a] & documents[b] for a in documents for b in documents if a < b)
+    assert prompts == document_prompts(data, random.Random(3), 40, 4 * PROMPTS_PER_SET + 2)  # seeded

@@ -1,0 +1,119 @@
+"""The report over training seeds (issue 55), on the reference results with further seeds made up
+from the served ones: figures as the seeds' mean and range, verdicts that say whether they hold on
+every seed (and which seed says what where they do not), one-seed schemes marked, the README table."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+
+from contract.paths import REPOSITORY_ROOT
+from loadtest.palette import style
+from loadtest.report.document import write_report
+from loadtest.report.findings import findings_section, quality_verdict, retrieval_verdict, reuse_verdict
+from loadtest.report.readme import readme_table
+from loadtest.report.seeds import AcrossSeeds, agreement, label
+from loadtest.study.results import Results
+
+REFERENCE = REPOSITORY_ROOT / "reports" / "reference"
+
+
+def scaled(figures: dict, factor: float) -> dict:  # type: ignore[type-arg]
+    """A copy of a nested figures dict with every number (not n) times `factor`."""
+    out = copy.deepcopy(figures)
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(value, float) and key != "n":
+                    node[key] = value * factor
+                else:
+                    walk(value)
+
+    walk(out)
+    return out
+
+
+@pytest.fixture()
+def seeded() -> Results:
+    """Reference results where relative, alibi and rope have a second seed: relative's and alibi's a
+    little different (the same verdicts), rope's reuse within 1% where the served one's is not."""
+    results = Results.read(REFERENCE / "results.json")
+    short = {s: results.reuse[s]["documents"]["short"]["modes"] for s in ("rope", "alibi")}
+    short["rope"]["rotate"]["change"] = {"value": 0.023, "low": 0.012, "high": 0.035, "n": 192}  # type: ignore[index]
+    short["alibi"]["as_is"]["change"] = {"value": 0.19, "low": 0.163, "high": 0.215, "n": 192}  # type: ignore[index]
+    for scheme, factor in (("relative", 1.02), ("alibi", 0.99), ("rope", 1.01)):
+        model = f"{scheme}@seed2"
+        results.quality[model] = scaled(results.quality[scheme], factor)
+        results.retrieval[model] = copy.deepcopy(results.retrieval[scheme])
+        results.cache_budget[model] = scaled(results.cache_budget[scheme], factor)
+        results.speculative[model] = scaled(results.speculative[scheme], factor)
+        reuse = copy.deepcopy(results.reuse[scheme])
+        del reuse["shared_prefix"], reuse["samples"]
+        results.reuse[model] = reuse
+        results.seeds[scheme] = [1234, 2]
+    results.seeds.update({s: [1234] for s in ("sinusoidal", "learned", "none")})
+    within = {"value": 0.002, "low": -0.004, "high": 0.008, "n": 192}
+    results.reuse["rope@seed2"]["documents"]["short"]["modes"]["rotate"]["change"] = within  # type: ignore[index]
+    return results
+
+
+def test_a_figure_over_seeds_is_their_mean_and_range() -> None:
+    assert AcrossSeeds({"1234": 1.40, "2": 1.44, "3": 1.42}).text() == "1.420 (1.400 to 1.440)"
+    assert AcrossSeeds({"1234": 0.019}).text(1, 100, "%", sign=True) == "+1.9%"
+    assert agreement({"1234": "extrapolates", "2": "extrapolates"}) == "holds on all 2 seeds"
+    assert agreement({"1234": "a", "2": "b", "3": "a"}) == "**seeds disagree**: a on seeds 1234, 3; b on seed 2"
+    assert agreement({"1234": "a"}) == ""
+
+
+def test_verdicts_say_whether_they_hold_on_every_seed(seeded: Results) -> None:
+    quality = quality_verdict(seeded, "alibi")
+    assert quality.startswith("extrapolates: 1.414 (1.407 to 1.421) bits/byte at 1x")
+    assert quality.endswith("holds on all 2 seeds")
+    assert retrieval_verdict(seeded, "relative").startswith("retrieves far: copies 1.00 (1.00 to 1.00)")
+    rope = reuse_verdict(seeded, "rope")
+    assert "**seeds disagree**" in rope and "within 1% on seed 2" in rope and "cannot" in rope
+    assert reuse_verdict(seeded, "alibi").startswith("short documents: cannot: as is +19.0% (+19.0% to +19.0%)")
+    assert (label(seeded, "rope"), label(seeded, "none")) == ("rope (2 seeds)", "none (one seed)")
+    findings = findings_section(seeded)
+    assert "- **none (one seed)**: does not extrapolate" in findings
+    assert "Training seeds scored per scheme: sinusoidal 1, learned 1, relative 2, rope 2, alibi 2, none 1" in findings
+    assert findings.count("holds on all 2 seeds") >= 6
+    assert "- **relative**: 34.25" in findings  # load: the served model's, no seed count
+    assert "- **alibi (2 seeds)**: 4096 B/token; window:256 keeps 1.283 (1.276 to 1.289) bits/byte at 8x; " in findings
+
+
+def test_the_readme_table_shows_the_range_over_seeds(seeded: Results) -> None:
+    table = readme_table(seeded)
+    assert "| relative (2 seeds) | 1.440 (1.426 to 1.454) |" in table
+    assert "| sinusoidal (one seed) | 1.453 | 4.113 |" in table
+    assert "re-rotated: +2.3% [+1.2, +3.5]; over seeds +1.2% (+0.2% to +2.3%), **seeds disagree**" in table
+    assert "2.27x (2.25x to 2.29x)" in table  # relative's speedup
+
+
+def test_the_readme_table_is_the_reference_reports() -> None:
+    table = readme_table(Results.read(REFERENCE / "results.json"))
+    assert table in (REPOSITORY_ROOT / "README.md").read_text()
+
+
+def test_a_report_with_seeds_is_written_with_every_seeds_rows(seeded: Results, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    shutil.copytree(REFERENCE, out)
+    seeded.write(out / "results.json")
+    text = write_report(out).read_text()
+    assert "| rope@seed2 |" in text and "| alibi@seed2 |" in text  # each seed's own figures
+    assert "Every training seed of a scheme, on the served prompt sample" in text
+    assert (
+        "| rope | short | 1234: +2.3% [+1.2%, +3.5%] cannot as placed; 2: +0.2% [-0.4%, +0.8%] within 1% | **no**"
+        in text
+    )
+    assert (out / "bpb_vs_context.png").stat().st_size > 0 and (out / "reuse.png").stat().st_size > 0
+
+
+def test_a_further_seed_is_drawn_in_its_schemes_style() -> None:
+    assert style("rope@seed2") == style("rope") and style("rope-ntk-x4@seed2") == style("rope-ntk-x4")
+    with pytest.raises(KeyError):
+        style("nope@seed2")
