@@ -62,7 +62,7 @@ def test_where_eviction_puts_positions_and_what_a_model_must_have() -> None:
     assert window.original_positions(CacheEviction("original"))
     with pytest.raises(CachePolicyError, match="no eviction rule"):
         window.original_positions(None)
-    old = SimpleNamespace(cache_eviction=None, has_int8_cache=False)
+    old = SimpleNamespace(cache_eviction=None, has_int8_cache=False, is_hybrid=False)
     assert FULL_POLICY.missing(old) is None  # type: ignore[arg-type]
     assert "before cache policies" in (window.missing(old) or "")  # type: ignore[arg-type]
     assert "serving-int8" in (parse_cache_policy("int8").missing(old) or "")  # type: ignore[arg-type]
@@ -83,3 +83,10 @@ def test_a_policy_holds_one_policy_per_layer_group() -> None:
     with pytest.raises(CachePolicyError, match="keeps sinks beyond the last 128 tokens"):
         parse_cache_policy("sinks:100+window:60").within(windows)
     assert FULL_POLICY.group("local") == FULL_POLICY  # no groups: every layer follows it
+
+
+def test_a_hybrid_refuses_bounded_policies_naming_the_form() -> None:
+    hybrid = SimpleNamespace(cache_eviction=None, has_int8_cache=True, is_hybrid=True)
+    assert "'window'" in (parse_cache_policy("window:64").missing(hybrid) or "")  # type: ignore[arg-type]
+    assert parse_cache_policy("int8").missing(hybrid) is None  # type: ignore[arg-type]
+    assert FULL_POLICY.missing(hybrid) is None  # type: ignore[arg-type]
