@@ -26,6 +26,7 @@ from service.routing import ROUTING_HEADER, routing_key
 # How a gRPC client sees a stream cut by its replica's death behind the proxy (HAProxy ends it with
 # END_STREAM and no status: "Stream removed").
 STREAM_CUT = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+LONG_STREAM = 4000
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,9 @@ def haproxy(tool: Callable[[str], str]) -> str:
 
 @pytest.fixture
 def replicas(repository: Path, haproxy: str) -> Iterator[list[ServerProcess]]:
-    started = [ServerProcess(repository, "--models", "alibi") for _ in range(2)]
+    # Streams long enough to be cut by a kill on a fast machine (1,000 tokens ended before it on CI).
+    started = [ServerProcess(repository, "--models", "alibi", "--max-new-tokens-limit", str(LONG_STREAM))
+               for _ in range(2)]  # fmt: skip
     try:
         yield [replica.wait_serving() for replica in started]
     finally:
@@ -77,7 +80,7 @@ def keys_on(replica: ServerProcess, stub: generation_pb2_grpc.GenerationStub, ke
 
 
 def long_stream(stub: generation_pb2_grpc.GenerationStub, key: str) -> Iterator[pb.GenerateStreamResponse]:
-    request = pb.GenerateRequest(model="alibi", prompt=f"# {key}\n", max_new_tokens=1000, ignore_eos=True)
+    request = pb.GenerateRequest(model="alibi", prompt=f"# {key}\n", max_new_tokens=LONG_STREAM, ignore_eos=True)
     return stub.GenerateStream(request, metadata=[(ROUTING_HEADER, key)], timeout=120)
 
 
