@@ -7,6 +7,8 @@ import numpy as np
 
 from service.engine.kv import KVLayout, KVStore, SplitKV, local_width
 from service.engine.kv.prefix import block_hashes
+from service.engine.request import Request, SamplingParams
+from service.engine.sched.scheduler import Scheduler
 
 BLOCK = 16
 WINDOW = 64
@@ -122,3 +124,18 @@ def test_a_prefix_hit_carries_the_local_window_before_it_and_its_blocks_count_gl
     # A prompt sharing only the first blocks: their local K/V were not kept, so no hit.
     other = tokens[:500] + [5] * 100
     assert store.cached_past(other, block_hashes(other, BLOCK, extra), extra, 599) is None
+
+
+def test_the_scheduler_admits_three_times_as_many_4kb_hybrid_requests_under_one_budget() -> None:
+    """Admission asks the store, whose reservations are its allocations: under the budget that admits
+    N concurrent 4,000-token rope requests, at least 3N hybrid ones run at once."""
+    budget = 3 * KVStore.minimum_budget(ROPE, 4096, BLOCK)
+
+    def admitted(layout: KVLayout) -> int:
+        scheduler = Scheduler(KVStore(layout, budget, BLOCK, 4096), max_batch_size=64, max_queue=64)
+        for index in range(40):
+            scheduler.add(Request(f"r{index}", "m", [1] * 4000, SamplingParams(max_new_tokens=90), eos_token_id=257))
+        return len(scheduler.schedule().admitted)
+
+    rope, hybrid = admitted(ROPE), admitted(HYBRID)
+    assert rope >= 1 and hybrid >= 3 * rope, (rope, hybrid)
