@@ -384,6 +384,8 @@ class KVStore:
         """Keep a reusable segment's K/V computed on its own, (2 x layers, heads, T, head_dim), as one
         entry of the prefix cache (same budget, same eviction). False: no room without evicting rows."""
         nbytes = len(tokens) * self.layout.token_bytes
+        if isinstance(kv, SplitKV):  # and the local K/V of its last tokens
+            nbytes += int(kv.local_kv.shape[2]) * (self._local_block_bytes // self.block_size)
         if key in self.prefix.blocks or not self._room_for_cached(nbytes, frozenset((key,))):
             return False
         self._add_cached(key, CachedBlock(0, tokens, kv, nbytes, form))

@@ -364,14 +364,18 @@ class ModelRunner:
         the local layers' only the window before a chunk and the chunk (window - 1 + chunk_tokens columns,
         whatever the prompt's length): after each chunk its last window - 1 tokens move to the front.
         A cached past brings the local window before it (KVStore.cached_past)."""
-        assert past is None or isinstance(past, CachedPast), "a split layout's past is a prefix-cache hit"
         layout, room = self.layout, len(token_ids) - done
         keep = layout.window - 1
-        if past is None:
+        if isinstance(past, CachedPast):
+            cache, local, held = past.assemble(room, scratch), past.assemble_local(), past.local_tokens
+        else:  # none, or a past assembled by the caller (reused segments): SplitKV (2 x layers, 1, heads, P, hd)
+            assert past is None or isinstance(past, SplitKV), "a split layout's past carries its local window"
             cache = self.backend.zeros((layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim), self.dtype)
             local, held = None, 0
-        else:
-            cache, local, held = past.assemble(room, scratch), past.assemble_local(), past.local_tokens
+            if past is not None:
+                cache[:, :, :, :done] = past.global_kv
+                local = past.local_kv[:, :, :, -keep:]
+                held = int(local.shape[3])
         columns = keep + min(chunk_tokens, room)
         buffer = self.backend.zeros((layout.local_tensors, 1, layout.n_heads, columns, layout.head_dim), self.dtype)
         if local is not None:
