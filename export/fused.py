@@ -13,6 +13,9 @@ Contract (decode only, one token per row; `contract.manifest.FusedAttention`):
 - outputs logits (B, 1, vocab) and present.{i}.key|value, which the caller binds to the very
   buffers it feeds as past (GroupQueryAttention's share-buffer mode): the kernel writes the new
   token's K/V into column `length` of each row itself, and the caller must not append it again.
+- a hybrid's windowed layers (contract.manifest.LocalCache) read a past of their own width (a row's
+  local columns, service/engine/kv/local.py), whose lengths come from `local_attention_mask`
+  (B, local past + 1) as the others' come from attention_mask.
 
 The positional scheme enters through one small unit per scheme (`FUSED_POSITIONS`), the way
 `models.positional` isolates them: an input embedding (sinusoidal, learned), an attention bias
