@@ -121,6 +121,10 @@ class PrefixCache:
         """Tokens a lookup would find now (admission's estimate; touches nothing)."""
         return len(self._matched(token_ids, hashes, extra)) * self.block_size
 
+    def peek_blocks(self, token_ids: list[int], hashes: list[int], extra: Hashable) -> list[CachedBlock]:
+        """The blocks a lookup would find now (touches nothing; dict reads only)."""
+        return [block for _, block in self._matched(token_ids, hashes, extra)]
+
     def lookup(self, token_ids: list[int], hashes: list[int], extra: Hashable) -> list[CachedBlock]:
         """The cached leading blocks, touched (the root last: most recently used)."""
         found = self._matched(token_ids, hashes, extra)

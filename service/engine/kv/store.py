@@ -327,6 +327,14 @@ class KVStore:
         local = self._local_window(blocks, tokens) if self.layout.split else None
         return CachedPast(parts, self.backend, self.layout.dtype, local)
 
+    def peek_cached(self, token_ids: list[int], hashes: list[int], extra: object) -> int:
+        """Tokens a lookup would find now (admission's estimate; touches nothing): for split rows, as
+        far as the local window before the hit is held (`_local_hit`)."""
+        if not self.layout.split:
+            return self.prefix.peek(token_ids, hashes, extra)
+        blocks = self.prefix.peek_blocks(token_ids, hashes, extra)
+        return self._local_hit(blocks, len(blocks) * self.block_size)
+
     def _local_hit(self, blocks: list[CachedBlock], tokens: int) -> int:
         """The longest hit, at most `tokens`, whose local window (the `window - 1` tokens before it,
         which the next token's local layers attend to) every block covering it holds: a hit ends at

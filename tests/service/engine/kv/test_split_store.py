@@ -121,9 +121,11 @@ def test_a_prefix_hit_carries_the_local_window_before_it_and_its_blocks_count_gl
     assert past is not None and past.tokens == 992 and past.local_tokens == WINDOW - 1
     local = past.assemble_local()
     np.testing.assert_array_equal(local[:, 0], kv.local_kv[:, :, 992 - 1000 + 144 - (WINDOW - 1) : 992 - 1000 + 144])
-    # A prompt sharing only the first blocks: their local K/V were not kept, so no hit.
+    # A prompt sharing only the first blocks: their local K/V were not kept, so no hit (nor in admission's estimate).
     other = tokens[:500] + [5] * 100
     assert store.cached_past(other, block_hashes(other, BLOCK, extra), extra, 599) is None
+    assert store.peek_cached(other, block_hashes(other, BLOCK, extra), extra) == 0
+    assert store.peek_cached(tokens, hashes, extra) == 992
 
 
 def test_the_scheduler_admits_three_times_as_many_4kb_hybrid_requests_under_one_budget() -> None:
