@@ -79,6 +79,8 @@ class RunnerTimings:
     cache: float = 0.0
 
 
+# A text scored on a split layout goes through the prompt graph in chunks of this many tokens.
+SCORE_CHUNK_TOKENS = 512
 # A prompt streaming through a bounded policy lets other prompts run after this many tokens.
 STREAM_TOKENS_PER_YIELD = 64
 # The fused prompt session keeps a memory arena (with glibc's mmap threshold pinned, service/malloc.py,
@@ -359,11 +361,13 @@ class ModelRunner:
         past: Array | CachedPast | None,
         session: ModelSession | None = None,
         scratch: ScratchArray | None = None,
+        all_logits: list[np.ndarray] | None = None,
     ) -> Iterator[PrefilledPrompt | None]:
         """`_chunks_in_place` for a split layout: the global layers' cache array holds the whole prompt,
         the local layers' only the window before a chunk and the chunk (window - 1 + chunk_tokens columns,
         whatever the prompt's length): after each chunk its last window - 1 tokens move to the front.
-        A cached past brings the local window before it (KVStore.cached_past)."""
+        A cached past brings the local window before it (KVStore.cached_past). `all_logits`: gets every
+        chunk's logits (S, vocab) (Score)."""
         layout, room = self.layout, len(token_ids) - done
         keep = layout.window - 1
         if isinstance(past, CachedPast):
@@ -382,7 +386,10 @@ class ModelRunner:
             buffer[:, :, :, :held] = local
         for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
             local_mask = np.ones((1, held + ids.shape[1]), dtype=np.int64)
-            logits, cache = self._prompt_in_place(ids, mask, positions, cache, session, (local_mask, buffer))
+            last_only = all_logits is None
+            logits, cache = self._prompt_in_place(ids, mask, positions, cache, session, (local_mask, buffer), last_only)
+            if all_logits is not None:
+                all_logits.append(logits[0])
             held += ids.shape[1]
             if end == len(token_ids):
                 start = max(0, held - layout.local_width)
@@ -402,12 +409,14 @@ class ModelRunner:
         cache: Array,
         session: ModelSession | None = None,
         local: tuple[np.ndarray, Array] | None = None,
+        last_only: bool = True,
     ) -> tuple[np.ndarray, Array]:
         """One row's chunk through the fused prompt graph with its past in place: `cache`
         (2L, 1, heads, N, hd), N >= P + S, the past in its first P columns (P + S: the mask's
-        width), gets the chunk's K/V in the S columns after them. Host logits of the chunk's last
-        token (1, 1, vocab) and the cache. `session`: the prefill worker's unless given; `local`: a split
-        layout's local mask and buffer (bound in place the same way)."""
+        width), gets the chunk's K/V in the S columns after them. Host logits of the chunk's last token
+        (1, 1, vocab; with `last_only` False every token's, (1, S, vocab)) and the cache. `session`: the
+        prefill worker's unless given; `local`: a split layout's local mask and buffer (bound in place
+        the same way)."""
         session = session or self.prefill_session
         assert session is not None, "open_prefill_session() first"
         backend = self.backend
@@ -417,7 +426,7 @@ class ModelRunner:
         session.run(binding)
         if session is self.prefill_session:  # the tail session's small arena is kept (not released when idle)
             self._prompt_memory_held = True
-        return backend.download(logits[:, -1:]).astype(np.float32), cache
+        return backend.download(logits[:, -1:] if last_only else logits).astype(np.float32), cache
 
     def prefill_chunked(
         self, request_id: str, token_ids: list[int], chunk_tokens: int, aborted: Callable[[], bool] = lambda: False
@@ -441,6 +450,11 @@ class ModelRunner:
             *_, streamed = self.stream_through_policy("score", inputs, policy, len(inputs), True, head)
             assert streamed is not None and streamed.all_logits is not None
             logits = streamed.all_logits
+        elif self.layout.split:  # in chunks: the local layers never hold more than a window and a chunk
+            kept: list[np.ndarray] = []
+            for _ in self._split_chunks("score", inputs, SCORE_CHUNK_TOKENS, 0, None, all_logits=kept):
+                pass
+            logits = np.concatenate(kept)
         else:
             ids = np.asarray([inputs], dtype=np.int64)
             positions = np.arange(ids.shape[1], dtype=np.int64)[None]

@@ -138,3 +138,14 @@ def test_speculative_blocks_keep_what_plain_decoding_keeps(repository: Path, mod
             done[rid] += accepted
         spec.verifier.commit(kept)
     assert min(done.values()) > 60  # past the local columns' width: they shifted
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_a_long_text_is_scored_in_chunks_as_pytorch_scores_it(repository: Path, model: str) -> None:
+    runner = runner_for(repository, model)
+    text = prompt_of(1300)
+    scored = runner.score(text)
+    expected = torch.log_softmax(torch.from_numpy(pytorch_logits(model, text[:-1])).double(), -1).numpy()
+    np.testing.assert_allclose(scored.logprobs, expected[np.arange(len(text) - 1), text[1:]], atol=1e-4)
+    assert scored.greedy.tolist() == expected.argmax(-1).tolist()
