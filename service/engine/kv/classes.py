@@ -133,8 +133,9 @@ class CapacityClass:
 
     @property
     def resizes_in_place(self) -> bool:
-        """Its arrays can change their row count where they are (host memory with a reserve)."""
-        return self.storage.memory.in_place
+        """Its arrays can change their row count where they are (host memory with a reserve; a split
+        row's local columns too)."""
+        return self.storage.memory.in_place and (self.local is None or self.local.memory.in_place)
 
     @classmethod
     def resized_from(cls, old: CapacityClass, rows: int) -> CapacityClass:

@@ -141,3 +141,20 @@ def test_the_scheduler_admits_three_times_as_many_4kb_hybrid_requests_under_one_
 
     rope, hybrid = admitted(ROPE), admitted(HYBRID)
     assert rope >= 1 and hybrid >= 3 * rope, (rope, hybrid)
+
+
+def test_a_class_of_split_rows_grows_in_place_with_its_local_columns() -> None:
+    """On the host a class changes its row count in place (region.py): the local columns too, members kept."""
+    store = KVStore(HYBRID, 1 << 28, BLOCK, 4096)
+    assert store.reserve("a", 100)
+    kv = split_kv(90, 90, 3.0)
+    store.write("a", kv, 90)
+    first = next(store.batches())
+    assert first.resizes_in_place and first.local is not None
+    for index in range(12):  # more rows than the class had: it grows, in place
+        assert store.reserve(f"s{index}", 100)
+        store.write(f"s{index}", split_kv(90, 90, 1.0), 90)
+    klass = next(store.batches())
+    assert klass.rows > first.rows and klass.local is not None
+    np.testing.assert_array_equal(klass.local.raw(klass.members.index("a")), kv.local_kv)
+    assert store.physical_bytes == allocated(store)
