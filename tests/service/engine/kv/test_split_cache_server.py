@@ -11,12 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from contract.manifest import Manifest
 from models.checkpoints import WEIGHTS_DIR
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
+from service.engine.engine import Engine
+from service.engine.kv import KVLayout, KVStore
+from service.engine.messages import EngineConfig, GenerateInput
+from service.metrics import ServiceMetrics
 from service.process import ServerProcess
 from tests.service.engine.test_engine_process import kill_core, read_until
 from tests.service.engine.worker.test_fused_attention import pytorch_greedy
@@ -124,3 +129,22 @@ def test_a_stream_resumes_after_kill_9_of_the_core_with_the_uninterrupted_text(
     text += [chunk.text for chunk in stream]
     assert "".join(text) == alone
     server.wait_serving()
+
+
+def test_one_budget_admits_three_times_as_many_4kb_hybrid_requests(repository: Path) -> None:
+    """The engine's own scheduler and store (the runner's layout, as the service builds them) under one
+    --kv-cache-bytes that admits N concurrent 4,000-byte rope requests: at least 3N of each hybrid's."""
+    if any(Manifest.load(repository / model).local_cache is None for model in HYBRIDS):
+        pytest.skip("an export from before per-group caches")
+    budget = 3 * KVStore.minimum_budget(KVLayout(4, 4, 32, "float32"), 4096, 16)
+    config = EngineConfig(kv_cache_bytes=budget, threads=1, max_batch_size=64, max_queue=64)
+    engine = Engine.from_repository(repository, config, ServiceMetrics(CollectorRegistry()), ["rope", *HYBRIDS])
+    admitted = {}
+    for name, model in engine.models.items():
+        for index in range(40):
+            raw = GenerateInput(name, text_of(4000), max_new_tokens=90)
+            model.scheduler.add(model.inputs.request(raw, f"{name}-{index}"))
+        admitted[name] = len(model.scheduler.schedule().admitted)
+    print(f"admitted under {budget} bytes: {admitted}")
+    assert admitted["rope"] >= 1
+    assert all(admitted[model] >= 3 * admitted["rope"] for model in HYBRIDS), admitted
