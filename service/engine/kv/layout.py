@@ -20,8 +20,8 @@ class KVLayout:
 
     A hybrid model served with per-group caches (`local_layers` non-empty) keeps its local layers'
     K/V apart: a row holds the global layers' K/V of every token (`tensors`, `token_bytes`) and a
-    fixed `local_width` columns of the local layers' K/V (`local_row_bytes`), since a local layer
-    never attends further back than its `window`."""
+    fixed number of columns of the local layers' K/V (`local_columns`: `local_width`, or the row's
+    capacity where that is less), since a local layer never attends further back than its `window`."""
 
     n_layers: int
     n_heads: int
@@ -58,13 +58,23 @@ class KVLayout:
         return self.tensors * self.n_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
+    def local_token_bytes(self) -> int:
+        """One token's K/V in the local layers (0 when not split)."""
+        return self.local_tensors * self.n_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
     def local_row_bytes(self) -> int:
-        """A row's local columns, whatever its length (0 when not split)."""
-        return self.local_tensors * self.n_heads * self.head_dim * self.local_width * DTYPE_BYTES[self.dtype]
+        """The local columns of a row of a class at least `local_width` wide (0 when not split)."""
+        return self.local_width * self.local_token_bytes
+
+    def local_columns(self, capacity: int) -> int:
+        """The local columns of a row of `capacity` tokens: never more than the row's own tokens, so a
+        short row never pays for the window's slack (0 when not split)."""
+        return min(capacity, self.local_width)
 
     def row_bytes(self, capacity: int, kind: str) -> int:
         """One row of a class of `capacity` tokens and storage `kind`: its global columns and its local ones."""
-        return capacity * self.kind_token_bytes(kind) + self.local_row_bytes
+        return capacity * self.kind_token_bytes(kind) + self.local_columns(capacity) * self.local_token_bytes
 
     def kind_token_bytes(self, kind: str) -> int:
         """One token's bytes in rows of a storage kind (INT8: int8 values plus a float32 scale per head;

@@ -1,8 +1,9 @@
 """A capacity class's local columns: a hybrid model's sliding-window layers' K/V, bounded by the window.
 
 A local layer attends to its last `window` tokens (its query's own included), so a row keeps at most
-`local_width` of its local layers' K/V, left-aligned like the global columns (the fused kernel writes
-each new token at column `length` and finds the window by column), whatever the sequence's length.
+`local_width` of its local layers' K/V (fewer in a class narrower than that: `KVLayout.local_columns`),
+left-aligned like the global columns (the fused kernel writes each new token at column `length` and
+finds the window by column), whatever the sequence's length.
 RoPE keys are stored rotated at their true positions, so a shift moves columns, never positions: the
 query is fed at its true position and the kernel's causal window by column is the window by token.
 When a row's local columns are full it shifts its last `window - 1` tokens to the front: one copy of
@@ -25,9 +26,13 @@ class LocalRows:
     """The local layers' K/V of a class's rows, (2 x local layers, rows, heads, local_width, head_dim),
     with their own mask (rows, local_width + 1; the last column is the step's token) and lengths."""
 
-    def __init__(self, backend: Backend, layout: KVLayout, rows: int, reserve_bytes: int = 0) -> None:
+    def __init__(self, backend: Backend, layout: KVLayout, rows: int, capacity: int, reserve_bytes: int = 0) -> None:
+        """The local columns of rows of `capacity` tokens (`KVLayout.local_columns`). A class narrower
+        than the window never shifts: its rows' local columns fill only as their global ones do, and a
+        full row moves to a wider class, its local K/V with it, before its next step."""
         self.backend, self.layout = backend, layout
-        self.width, self.keep_tokens = layout.local_width, layout.window - 1
+        self.width, self.keep_tokens = layout.local_columns(capacity), layout.window - 1
+        self.shifts = self.width > self.keep_tokens
         self.memory = RowMemory(backend, reserve_bytes)
         shape = (layout.local_tensors, rows, layout.n_heads, self.width, layout.head_dim)
         self.cache = self.memory.zeros(shape, layout.dtype)
@@ -37,7 +42,7 @@ class LocalRows:
 
     @property
     def nbytes(self) -> int:
-        return int(self.lengths.shape[0]) * self.layout.local_row_bytes
+        return int(self.lengths.shape[0]) * self.width * self.layout.local_token_bytes
 
     def resize(self, rows: int, kept: int) -> None:
         """Its array laid out again with `rows` rows in place (host memory with a reserve), masks and lengths alike."""
@@ -59,8 +64,9 @@ class LocalRows:
         """A row's local K/V, (2 x local layers, heads, m, head_dim), the sequence's last m tokens:
         the last `width - 1` at most are kept (room for the next token)."""
         count = int(kv.shape[2])
-        if count >= self.width:
+        if count >= self.width and self.shifts:
             kv, count = kv[:, :, count - self.keep_tokens :], self.keep_tokens
+        assert count <= self.width, "a row's local K/V never outnumber its tokens"
         self.cache[:, row, :, :count] = kv
         self._set_length(row, count)
 
@@ -81,7 +87,7 @@ class LocalRows:
     def make_room(self, row: int, tokens: int) -> None:
         """Shift the row back to its last `window - 1` tokens if `tokens` more would not fit after them."""
         length = int(self.lengths[row])
-        if length + tokens <= self.width or length <= self.keep_tokens:
+        if length + tokens <= self.width or length <= self.keep_tokens or not self.shifts:
             return
         start = length - self.keep_tokens
         self.cache[:, row, :, : self.keep_tokens] = self.backend.copy(self.cache[:, row, :, start:length])

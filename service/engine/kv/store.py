@@ -85,16 +85,16 @@ class KVStore:
         self.physical_bytes = 0  # rows and the prefix cache's blocks
         self.peak_physical_bytes = 0
         self.prefix = PrefixCache(block_size)
-        self._local_block_bytes = layout.local_row_bytes // max(layout.local_width, 1) * block_size
+        self._local_block_bytes = layout.local_token_bytes * block_size
 
     @staticmethod
     def minimum_budget(layout: KVLayout, max_tokens: int, block_size: int) -> int:
         """One sequence of `max_tokens`, including its move from the class below (both rows alive)."""
         ladder = capacity_ladder(max_tokens, block_size)
         below = ladder[-2] if len(ladder) > 1 else 0
-        rows = 2 if below else 1  # a split row's local columns, in each row alive at once
         whole_blocks = -(-(ladder[-1] + below) // block_size) * block_size
-        return whole_blocks * layout.token_bytes + rows * layout.local_row_bytes
+        local = layout.local_columns(ladder[-1]) + layout.local_columns(below)  # a split row's, in each row alive
+        return whole_blocks * layout.token_bytes + local * layout.local_token_bytes
 
     def class_for(self, tokens: int) -> int:
         for capacity in self.ladder:
@@ -393,7 +393,7 @@ class KVStore:
         entry of the prefix cache (same budget, same eviction). False: no room without evicting rows."""
         nbytes = len(tokens) * self.layout.token_bytes
         if isinstance(kv, SplitKV):  # and the local K/V of its last tokens
-            nbytes += int(kv.local_kv.shape[2]) * (self._local_block_bytes // self.block_size)
+            nbytes += int(kv.local_kv.shape[2]) * self.layout.local_token_bytes
         if key in self.prefix.blocks or not self._room_for_cached(nbytes, frozenset((key,))):
             return False
         self._add_cached(key, CachedBlock(0, tokens, kv, nbytes, form))

@@ -158,3 +158,40 @@ def test_a_class_of_split_rows_grows_in_place_with_its_local_columns() -> None:
     assert klass.rows > first.rows and klass.local is not None
     np.testing.assert_array_equal(klass.local.raw(klass.members.index("a")), kv.local_kv)
     assert store.physical_bytes == allocated(store)
+
+
+def test_a_short_row_never_holds_more_local_columns_than_tokens() -> None:
+    """A class narrower than `local_width` gives its rows as many local columns as it has tokens: a
+    hybrid's short row costs no more than rope's."""
+    rope, hybrid = KVStore(ROPE, 1 << 26, BLOCK, 4096), KVStore(HYBRID, 1 << 26, BLOCK, 4096)
+    for store in (rope, hybrid):
+        assert store.reserve("a", 20)
+    assert allocated(hybrid) == hybrid.physical_bytes <= allocated(rope)
+    klass = next(iter(hybrid.all_classes()))
+    assert klass.capacity == 64 and klass.local is not None and klass.local.width == 64
+
+
+def test_rows_narrower_than_the_window_keep_every_token_s_local_k_v_across_moves() -> None:
+    """Classes narrower than the window never shift: a full row moves up with all its local K/V, and
+    decoding on through wider classes (where it shifts) keeps exactly the last tokens, in order."""
+    layout = KVLayout(4, 4, 32, "float32", local_layers=(0, 1, 2), window=WINDOW, local_width=local_width(WINDOW, 4))
+    store = KVStore(layout, 1 << 28, 4, 4096)
+    assert store.ladder[0] == 16  # narrower than the window
+
+    def kv(start: int, stop: int) -> SplitKV:
+        values = np.arange(start, stop, dtype=np.float32)[None, None, :, None]
+        shape = (4, stop - start, 32)
+        return SplitKV(np.broadcast_to(values, (2, *shape)).copy(), np.broadcast_to(values, (6, *shape)).copy())
+
+    assert store.reserve("a", 11)
+    store.write("a", kv(0, 10), 10)
+    for token in range(10, 300):  # each step: room for the token, the kernel's write, the store's advance
+        assert store.reserve("a", token + 1)
+        klass = next(store.batches())
+        assert klass.local is not None
+        column = int(klass.local.lengths[0])
+        assert column < klass.local.width
+        klass.local.cache[:, 0, :, column] = token
+        klass.append_step(None)
+        last = min(token + 1, WINDOW - 1)  # the window the next token's local layers attend to
+        np.testing.assert_array_equal(klass.local.raw(0)[0, 0, -last:, 0], np.arange(token + 1)[-last:])
