@@ -149,3 +149,17 @@ def test_a_long_text_is_scored_in_chunks_as_pytorch_scores_it(repository: Path, 
     expected = torch.log_softmax(torch.from_numpy(pytorch_logits(model, text[:-1])).double(), -1).numpy()
     np.testing.assert_allclose(scored.logprobs, expected[np.arange(len(text) - 1), text[1:]], atol=1e-4)
     assert scored.greedy.tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_the_explicit_graphs_serve_a_hybrid_with_whole_rows(repository: Path, model: str) -> None:
+    """`--attention explicit` (and a GPU) keep whole rows: the traced graphs read every layer at full
+    width, the windows in their masks; PyTorch's logits all the same."""
+    runner = runner_for(repository, model, "explicit")
+    assert not runner.layout.split
+    prompt = prompt_of(300)
+    computed = runner.prefill_chunked("r", prompt, chunk_tokens=128)
+    assert computed is not None and runner.store.reserve("r", len(prompt) + 1)
+    runner.join([computed])
+    tokens, seen = greedy(runner, "r", computed.logits, 40)
+    np.testing.assert_allclose(np.stack(seen), pytorch_logits(model, prompt + tokens)[299:339], atol=2e-3)
