@@ -67,6 +67,18 @@ class KVLayout:
         """The local columns of a row of a class at least `local_width` wide (0 when not split)."""
         return self.local_width * self.local_token_bytes
 
+    @property
+    def repair_tokens(self) -> int:
+        """Tokens one prompt call recomputes, after the global K/V of a prefix-cache hit, to rebuild the
+        local layers' window before it when the cache kept none there: a layer's K/V at a token are exact
+        once its input is, and each local layer reaches `window - 1` tokens further back, so with every
+        local layer below every global one (whose K/V the cache holds) the last window is exact after
+        `local layers x (window - 1)` tokens. 0: not split, or a global layer below a local one (its
+        output would need the call's own, inexact, global K/V)."""
+        if not self.split or (self.global_layers and max(self.local_layers) > min(self.global_layers)):
+            return 0
+        return len(self.local_layers) * (self.window - 1)
+
     def local_columns(self, capacity: int) -> int:
         """The local columns of a row of `capacity` tokens: never more than the row's own tokens, so a
         short row never pays for the window's slack (0 when not split)."""

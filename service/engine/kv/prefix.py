@@ -39,14 +39,21 @@ class CachedPast:
     looks the blocks up; a block evicted meanwhile stays alive while referenced here)."""
 
     def __init__(
-        self, parts: list[Array], backend: Backend, dtype: str, local_parts: list[Array] | None = None
+        self,
+        parts: list[Array],
+        backend: Backend,
+        dtype: str,
+        local_parts: list[Array] | None = None,
+        repair: int = 0,
     ) -> None:
         """`local_parts`: a split row's local K/V of the last tokens before the hit (the window a
-        local layer of the next token attends to), in order; None where the rows are not split."""
+        local layer of the next token attends to), in order; None where the rows are not split, or
+        where the cache kept none there: then `repair` > 0, the tokens before the hit whose local K/V
+        the caller recomputes (KVLayout.repair_tokens)."""
         self.parts = parts  # each (2 x layers, heads, n, head_dim), in order
         self.tokens = sum(int(part.shape[2]) for part in parts)
         self.backend, self.dtype = backend, dtype
-        self.local_parts = local_parts
+        self.local_parts, self.repair = local_parts, repair
         self.local_tokens = sum(int(part.shape[2]) for part in local_parts or ())
 
     def assemble_local(self, room: int = 0) -> Array:

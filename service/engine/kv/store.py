@@ -317,23 +317,33 @@ class KVStore:
     def cached_past(self, token_ids: list[int], hashes: list[int], extra: object, limit: int) -> CachedPast | None:
         """`cached_prefix`'s blocks, not yet copied (None: a miss)."""
         blocks = self.prefix.lookup(token_ids, hashes, extra)
-        tokens = min(len(blocks) * self.block_size, limit)
-        if self.layout.split:
-            tokens = self._local_hit(blocks, tokens)
+        tokens, repair = self._split_hit(blocks, min(len(blocks) * self.block_size, limit))
         if tokens <= 0:
             return None
         whole, rest = divmod(tokens, self.block_size)
         parts = [block.kv for block in blocks[:whole]] + ([blocks[whole].kv[:, :, :rest]] if rest else [])
-        local = self._local_window(blocks, tokens) if self.layout.split else None
-        return CachedPast(parts, self.backend, self.layout.dtype, local)
+        local = self._local_window(blocks, tokens) if self.layout.split and not repair else None
+        return CachedPast(parts, self.backend, self.layout.dtype, local, repair)
+
+    def _split_hit(self, blocks: list[CachedBlock], tokens: int) -> tuple[int, int]:
+        """A hit of at most `tokens` and the tokens before it whose local K/V are to be recomputed (0:
+        none). Split rows need the local window before a hit: where the cache holds it (the blocks near a
+        cached prompt's end), as is; else the window is recomputed after the global K/V
+        (KVLayout.repair_tokens) where that costs fewer tokens than stepping back to a held window."""
+        if not self.layout.split:
+            return tokens, 0
+        held, repair = self._local_hit(blocks, tokens), self.layout.repair_tokens
+        if held == tokens or not repair or tokens - held <= repair:
+            return held, 0
+        return tokens, repair
 
     def peek_cached(self, token_ids: list[int], hashes: list[int], extra: object) -> int:
         """Tokens a lookup would find now (admission's estimate; touches nothing): for split rows, as
-        far as the local window before the hit is held (`_local_hit`)."""
+        `cached_past` rules on their local window (`_split_hit`)."""
         if not self.layout.split:
             return self.prefix.peek(token_ids, hashes, extra)
         blocks = self.prefix.peek_blocks(token_ids, hashes, extra)
-        return self._local_hit(blocks, len(blocks) * self.block_size)
+        return self._split_hit(blocks, len(blocks) * self.block_size)[0]
 
     def _local_hit(self, blocks: list[CachedBlock], tokens: int) -> int:
         """The longest hit, at most `tokens`, whose local window (the `window - 1` tokens before it,

@@ -134,11 +134,6 @@ def _batched(kv: Array) -> Array:
     return SplitKV(kv.global_kv[:, None], kv.local_kv[:, None]) if isinstance(kv, SplitKV) else kv[:, None]
 
 
-def _assembled(past: CachedPast | None) -> Array | None:
-    """A prefix-cache hit as a one-row past (a split layout's: with the local window before it)."""
-    if past is None:
-        return None
-    return SplitKV(past.assemble(), past.assemble_local()) if past.local_parts else past.assemble()
 
 
 class SegmentReuser:
@@ -169,7 +164,11 @@ class SegmentReuser:
         segments = [tuple(token_ids[start:end]) for start, end in spans]
         cached = [self.store.cached_segment(self._key(request, tokens), tokens) for tokens in segments]
         repair = request.segment_repair_tokens
-        return lambda: self.assembly.run(request.request_id, token_ids, spans, cached, repair, _assembled(past))
+        runner = self.assembly.runner
+        return lambda: self.assembly.run(
+            request.request_id, token_ids, spans, cached, repair,
+            None if past is None else runner.one_row_past(past, token_ids),
+        )  # fmt: skip
 
     def keep(self, request: Request, prompt: PrefilledPrompt) -> None:
         """Segments computed for this prompt are kept; the usage learns how many tokens were reused."""

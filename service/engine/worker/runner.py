@@ -370,7 +370,11 @@ class ModelRunner:
         chunk's logits (S, vocab) (Score)."""
         layout, room = self.layout, len(token_ids) - done
         keep = layout.window - 1
-        if isinstance(past, CachedPast):
+        if isinstance(past, CachedPast) and past.repair:  # the cache kept no local window before the hit
+            cache = past.assemble(room, scratch)
+            local = self._repair_window(token_ids, done, past.repair, cache, session)
+            held = int(local.shape[3])
+        elif isinstance(past, CachedPast):
             cache, local, held = past.assemble(room, scratch), past.assemble_local(), past.local_tokens
         else:  # none, or a past assembled by the caller (reused segments): SplitKV (2 x layers, 1, heads, P, hd)
             assert past is None or isinstance(past, SplitKV), "a split layout's past carries its local window"
@@ -400,6 +404,34 @@ class ModelRunner:
                 buffer[:, :, :, :keep] = self.backend.copy(buffer[:, :, :, held - keep : held])
                 held = keep
             yield None
+
+    def one_row_past(self, past: CachedPast, token_ids: list[int]) -> Array:
+        """A prefix-cache hit of `token_ids` as a one-row past, (2 x layers, 1, heads, P, head_dim); a split
+        layout's `SplitKV`, with the local window before it (kept by the cache, or recomputed)."""
+        cache = past.assemble()
+        if not self.layout.split:
+            return cache
+        if past.repair:
+            return SplitKV(cache, self._repair_window(token_ids, past.tokens, past.repair, cache, None))
+        return SplitKV(cache, past.assemble_local())
+
+    def _repair_window(
+        self, token_ids: list[int], end: int, repair: int, cache: Array, session: ModelSession | None
+    ) -> Array:
+        """The local layers' K/V of the window before token `end`, which the prefix cache did not keep:
+        one call over the `repair` tokens before it (KVLayout.repair_tokens) after the cached global K/V
+        in `cache`, whose own global K/V of those tokens (computed from a local past it did not have)
+        are put back as cached. Returns (2 x local layers, 1, heads, window - 1 at most, head_dim)."""
+        layout, start = self.layout, max(0, end - repair)
+        cached = self.backend.copy(cache[:, :, :, start:end])
+        shape = (layout.local_tensors, 1, layout.n_heads, end - start, layout.head_dim)
+        buffer = self.backend.zeros(shape, self.dtype)
+        ids = np.asarray([token_ids[start:end]], dtype=np.int64)
+        positions = np.arange(start, end, dtype=np.int64)[None]
+        local_mask = np.ones((1, end - start), dtype=np.int64)
+        self._prompt_in_place(ids, np.ones((1, end), dtype=np.int64), positions, cache, session, (local_mask, buffer))
+        cache[:, :, :, start:end] = cached
+        return buffer[:, :, :, max(0, end - start - (layout.window - 1)) :]
 
     def _prompt_in_place(
         self,

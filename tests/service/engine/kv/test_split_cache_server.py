@@ -96,6 +96,21 @@ def test_a_repeated_2kb_prompt_hits_the_prefix_cache(server: ServerProcess, mode
     assert again.text == first.text
 
 
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_a_prompt_sharing_only_a_cached_prompt_s_start_hits_with_its_window_recomputed(
+    server: ServerProcess, model: str
+) -> None:
+    """The cache kept the local K/V of a prompt's last blocks only; a prompt that shares its first 1,000
+    bytes and then differs for 300 hits those blocks anyway (the local window before the hit is
+    recomputed from the global K/V), and its greedy text is PyTorch's."""
+    shared = text_of(1000).replace("line", "item")
+    generate(server, model, shared + text_of(600), 8)
+    prompt = shared + "import sys\n" * 30
+    hit = generate(server, model, prompt, 48)
+    assert hit.usage.cached_prompt_tokens == (len(shared) + 1) // 16 * 16
+    assert list(hit.text.encode()) == pytorch_greedy(model, prompt, 48)[: len(hit.text.encode())]
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("model", HYBRIDS)
 def test_streaming_log_probabilities_and_score_are_pytorch_s(server: ServerProcess, model: str) -> None:

@@ -121,11 +121,20 @@ def test_a_prefix_hit_carries_the_local_window_before_it_and_its_blocks_count_gl
     assert past is not None and past.tokens == 992 and past.local_tokens == WINDOW - 1
     local = past.assemble_local()
     np.testing.assert_array_equal(local[:, 0], kv.local_kv[:, :, 992 - 1000 + 144 - (WINDOW - 1) : 992 - 1000 + 144])
-    # A prompt sharing only the first blocks: their local K/V were not kept, so no hit (nor in admission's estimate).
-    other = tokens[:500] + [5] * 100
-    assert store.cached_past(other, block_hashes(other, BLOCK, extra), extra, 599) is None
-    assert store.peek_cached(other, block_hashes(other, BLOCK, extra), extra) == 0
     assert store.peek_cached(tokens, hashes, extra) == 992
+    # A prompt sharing only the first blocks, whose local K/V were not kept: the hit takes their global
+    # K/V and has the window recomputed (3 local layers x 63 tokens), in admission's estimate too.
+    other = tokens[:500] + [5] * 100
+    other_hashes = block_hashes(other, BLOCK, extra)
+    past = store.cached_past(other, other_hashes, extra, 599)
+    assert past is not None and past.tokens == 496 and past.local_parts is None and past.repair == 189
+    assert store.peek_cached(other, other_hashes, extra) == 496
+    # Without that rule (a global layer below a local one) the hit steps back to a held window: none here.
+    interleaved = KVLayout(4, 4, 32, "float32", local_layers=(0, 2, 3), window=WINDOW, local_width=HYBRID.local_width)
+    assert interleaved.repair_tokens == 0 and HYBRID.repair_tokens == 189
+    store = KVStore(interleaved, 1 << 26, BLOCK, 4096)
+    store.cache_prompt(tokens, hashes, extra, kv, "full")
+    assert store.cached_past(other, other_hashes, extra, 599) is None
 
 
 def test_the_scheduler_admits_three_times_as_many_4kb_hybrid_requests_under_one_budget() -> None:

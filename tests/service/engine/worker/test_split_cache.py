@@ -25,6 +25,9 @@ TEXT = (
 )
 
 
+TAIL = "import sys\nfor line in sys.stdin:\n    print(line)\n"
+
+
 def prompt_of(tokens: int) -> list[int]:
     return TOKENIZER.encode(TEXT * (tokens // len(TEXT) + 1))[:tokens]
 
@@ -94,6 +97,29 @@ def test_a_prefix_hit_needs_only_the_local_window_before_it(repository: Path, mo
     assert hit is not None
     np.testing.assert_allclose(hit.logits, whole.logits, atol=1e-4)
     np.testing.assert_allclose(np.asarray(hit.cache.global_kv), np.asarray(whole.cache.global_kv), atol=1e-4)
+
+
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_a_prefix_hit_whose_window_was_not_kept_recomputes_only_the_window(repository: Path, model: str) -> None:
+    """A prompt that shares the first 500 tokens of a cached 1,000-token one: the cache kept the local K/V
+    of that prompt's last blocks only, so the hit (496 tokens) takes the global K/V and recomputes the
+    local window from the 189 tokens before it; the rest of the prompt then equals a fresh prefill."""
+    runner = runner_for(repository, model)
+    store, cached = runner.store, prompt_of(1000)
+    extra = ("m", "full")
+    first = runner.prefill_chunked("c", cached, chunk_tokens=256)
+    assert first is not None
+    store.cache_prompt(cached, block_hashes(cached, 16, extra), extra, first.cache, "full")
+    other = cached[:500] + TOKENIZER.encode(TAIL * 6)[1:]
+    past = store.cached_past(other, block_hashes(other, 16, extra), extra, len(other) - 1)
+    assert past is not None and past.tokens == 496 and past.repair == 189
+    *_, hit = runner.prefill_chunks("h", other, 128, past)
+    fresh = runner.prefill_chunked("f", other, chunk_tokens=128)
+    assert hit is not None and fresh is not None
+    np.testing.assert_allclose(hit.logits, fresh.logits, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(hit.cache.global_kv), np.asarray(fresh.cache.global_kv), atol=1e-4)
+    window = np.asarray(hit.cache.local_kv)[:, :, -63:], np.asarray(fresh.cache.local_kv)[:, :, -63:]
+    np.testing.assert_allclose(*window, atol=1e-4)  # what the next token's local layers attend to
 
 
 @pytest.mark.parametrize("model", HYBRIDS)
