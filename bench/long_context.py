@@ -1,0 +1,60 @@
+"""The long-context section: inter-token latency at long contexts for every scheme, hybrids beside rope.
+
+A hybrid's local layers read at most their window however long the context, so its decode step
+should fall behind rope's less as the context grows; the section prints that as a ratio measured
+in the same run (`rnope-swa / rope  0.xx`), never as an absolute time.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench.runners import batch_runner, step_seconds
+from contract.manifest import Manifest
+
+LONG_CONTEXTS = (256, 1024, 4096)  # tokens of context the decode step reads
+BASELINE = "rope"
+
+
+def long_context_steps(folders: list[Path], args: argparse.Namespace, steps: int) -> dict[str, dict[int, float]]:
+    """Median decode step seconds (batch 1, the served default graph) per model and context; a
+    context at or past a model's position limit is left out."""
+    table: dict[str, dict[int, float]] = {}
+    for folder in folders:
+        manifest = Manifest.load(folder)
+        if not manifest.served_by_default:
+            continue
+        row = table.setdefault(manifest.name, {})
+        for context in LONG_CONTEXTS:
+            if manifest.max_positions is not None and context >= manifest.max_positions:
+                continue
+            row[context] = step_seconds(batch_runner(folder, 1, context, args.threads, args.device), steps)
+    return table
+
+
+def hybrid_ratios(table: dict[str, dict[int, float]], context: int) -> dict[str, float]:
+    """Each hybrid's (a name ending in -swa) step time over rope's at `context`, where both ran."""
+    base = table.get(BASELINE, {}).get(context)
+    if base is None:
+        return {}
+    return {
+        name: row[context] / base for name, row in table.items() if name.endswith("-swa") and context in row
+    }
+
+
+def print_long_context(folders: list[Path], args: argparse.Namespace, steps: int) -> None:
+    """Print the inter-token latency table (ms, median of `steps` decode steps) and each hybrid's
+    ratio to rope at every context."""
+    print(
+        f"\nInter-token latency at long context (ms, median of {steps} decode steps, batch 1, "
+        f"{args.threads} intra-op thread(s)):"
+    )
+    table = long_context_steps(folders, args, steps)
+    print("  " + f"{'model':<12}" + "".join(f"{c:>10}" for c in LONG_CONTEXTS))
+    for name, row in table.items():
+        cells = "".join(f"{row[c] * 1000:10.2f}" if c in row else f"{'-':>10}" for c in LONG_CONTEXTS)
+        print(f"  {name:<12}{cells}")
+    for context in LONG_CONTEXTS:
+        for name, ratio in hybrid_ratios(table, context).items():
+            print(f"  {name} / {BASELINE}  {ratio:.2f}   (at {context} tokens of context)")
