@@ -16,6 +16,7 @@ from loadtest.report.routing_tables import routing_section
 from loadtest.report.speculative_tables import speculative_section
 from loadtest.report.tables import (
     depth_table,
+    footprint_table,
     goodput_section,
     grid_table,
     headline_table,
@@ -116,6 +117,8 @@ sections send the same prompts again); what reuse buys is the KV reuse section's
 
 {memory_section(results)}
 {memory_table(results)}
+
+{footprint_table(results)}
 
 Per-step extras are per sequence for one decode step over 2048 keys, measured from each scheme's
 positional module (a bias tensor of heads x keys for `relative` and `alibi`, rotary tables for

@@ -19,6 +19,7 @@ from loadtest.report.analysis import (
     pooled,
 )
 from loadtest.report.formatting import cell, fmt
+from loadtest.report.hybrids import hybrids_section
 from loadtest.report.reuse_tables import judge, mode_changes, scheme_verdict
 from loadtest.report.seeds import AcrossSeeds, across, agreement, label, seed_models, seeds_note
 from loadtest.report.speculative_tables import SPEEDUP_GAIN
@@ -254,6 +255,8 @@ def findings_section(results: Results) -> str:
             if "repeats@1" in results.speculative.get(s, {})
         )
         blocks.append(f"**[Speculative decoding](#speculative-decoding-what-guessing-buys-each-scheme)**\n\n{lines}\n")
+    if hybrids := hybrids_section(results):
+        blocks.append(hybrids)
     return "## Findings\n\n" + seeds_note(results) + "\n" + "\n".join(blocks)
 
 
