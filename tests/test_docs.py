@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from contract.paths import REPOSITORY_ROOT
@@ -25,6 +26,7 @@ def nav_pages(nav: list[object]) -> list[str]:
     return pages
 
 
+@pytest.mark.server  # runs a subprocess
 def test_mkdocs_builds_the_site_strictly(tmp_path: Path) -> None:
     environment = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run(
