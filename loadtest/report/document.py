@@ -84,7 +84,9 @@ def _headline(results: Results) -> str:
 bpb: bits per byte on held-out text (the stdlib test split) through the `Score` RPC at multiples
 of the {train_context}-byte training context; "not servable" where the scheme has no positions for that length. Goodput
 counts requests with time to first token <= {targets["ttft_s"]} s and
-mean inter-token latency <= {targets["itl_s"] * 1000:.0f} ms.
+mean inter-token latency <= {targets["itl_s"] * 1000:.0f} ms; the headline's is without admission
+control (every request admitted), where the findings quote it with admission control (the Goodput
+section has both).
 
 ![bits per byte](bpb_vs_context.png)
 
