@@ -67,3 +67,26 @@ def test_the_report_s_headline_says_its_goodput_is_without_admission(results: Re
     for table in (compact_headline(results), headline_table(results)):
         header = table.splitlines()[0]
         assert "goodput req/s @32, no admission" in header
+
+
+def span(values: list[float], digits: int, scale: float = 1.0) -> str:
+    """`low-high` as the prose writes a range (thousands with a comma)."""
+    low, high = (f"{v * scale:,.{digits}f}" for v in (min(values), max(values)))
+    return f"{low}-{high}"
+
+
+def test_the_reference_page_s_load_and_latency_prose_is_the_headline_run_s(results: Results) -> None:
+    """The ranges the prose quotes from the latency and load columns: decode at 2048 bytes, tokens/s
+    and goodput at 32 users without admission, goodput with admission at 8-32 users."""
+    text = " ".join((DOCS / "reference.md").read_text().split())
+    unbounded = [s for s in results.schemes if results.itl.get(s, {}).get("2048") is not None]
+    top = {s: results.load[s]["32"] for s in unbounded}
+    admitted = [results.load_admission[s][u]["goodput_per_s"] for s in unbounded for u in ("8", "16", "32")]
+    expected = {
+        "decode at 2048 bytes": span([results.itl[s]["2048"] for s in unbounded], 2, 1000) + " ms per token",
+        "tokens/s at 32": "Tokens/s at 32 users: " + span([top[s]["tokens_per_s"] for s in unbounded], 0),
+        "goodput without admission": f"({span([top[s]['goodput_per_s'] for s in unbounded], 2)} requests/s at 32",
+        "goodput with admission": span(admitted, 2) + " requests/s of goodput at 8-32 users",
+    }
+    missing = {name: figure for name, figure in expected.items() if figure not in text}
+    assert missing == {}
