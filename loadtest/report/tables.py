@@ -54,7 +54,7 @@ def headline_table(results: Results) -> str:
     itl_ctx = max((int(c) for s in results.schemes for c in results.itl.get(s, {})), default=0)
     header = ["scheme", *[f"bpb@{m}x" for m in multiples], f"ITL ms @{itl_ctx}"]
     if top:
-        header += [f"p99 s @{top} users", f"tokens/s @{top}", f"goodput req/s @{top}"]
+        header += [f"p99 s @{top} users", f"tokens/s @{top}", f"goodput req/s @{top}, no admission"]
     header += ["KV B/token", "copy @<=128 B", "copy @8x", "passkey @8x"]
     cache = results.cache_budget
     if cache:  # what a bounded or int8 cache keeps: bpb at the longest text under window:256, int8 at 1x
