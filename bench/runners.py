@@ -12,6 +12,7 @@ import numpy as np
 
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from contract.manifest import NP_DTYPES, Manifest
+from service.engine.kv import SplitKV
 from service.engine.prompts.prompt import PrefilledPrompt
 from service.engine.worker.runner import ModelRunner, StoreConfig
 
@@ -51,8 +52,13 @@ def policy_runner(
     shape = (layout.tensors, layout.n_heads, cached, layout.head_dim)
     logits = np.zeros(runner.manifest.vocab_size, dtype=np.float32)
     prompts = []
+    # A hybrid's split rows (KVLayout.split): the local layers' K/V of the window before the next token.
+    local_shape = (layout.local_tensors, layout.n_heads, min(cached, max(layout.window - 1, 0)), layout.head_dim)
     for i in range(batch):
         cache = runner.backend.upload((rng.standard_normal(shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
+        if layout.split:
+            local = runner.backend.upload((rng.standard_normal(local_shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
+            cache = SplitKV(cache, local)
         runner.store.reserve(f"r{i}", policy.cached(history + 1), policy)
         row = runner.row_policy(policy)
         row.evicted = history - cached

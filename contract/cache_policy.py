@@ -168,7 +168,12 @@ class CachePolicy:
         if self.bounded and manifest.is_hybrid:
             return (
                 f"does not serve {self.form!r}: its local layers already keep only their sliding window, and a "
-                "window on its global layer alone is not built; it serves full and int8"
+                "window on its global layer alone is not built; it serves full"
+            )
+        if self.int8 and manifest.local_cache is not None:
+            return (
+                f"does not serve {self.form!r}: its local layers keep their window's K/V in columns of their own, "
+                "which only the float32 fused graphs read; it serves full"
             )
         if self.bounded and manifest.cache_eviction is None:
             return "was exported before cache policies and serves only full; re-export it (python -m export)"

@@ -25,6 +25,9 @@ LOGITS = "logits"
 PAST_KEY_VALUES = "past_key_values"
 PRESENT = "present"
 NEW_KEY_VALUES = "new_key_values"
+# A hybrid's fused graphs (serving-fused, prefill-fused): the local layers' past is a row's own local
+# columns, narrower than the global layers' (service/engine/kv/local.py), with this mask of its own.
+LOCAL_ATTENTION_MASK = "local_attention_mask"
 KV_KINDS = ("key", "value")
 SCALE_KINDS = ("key_scale", "value_scale")
 
@@ -41,6 +44,11 @@ def _kv_names(prefix: str, n_layers: int) -> list[str]:
 def past_names(n_layers: int) -> list[str]:
     """Cache inputs in graph order: layer 0 key, layer 0 value, layer 1 key, ..."""
     return _kv_names(PAST_KEY_VALUES, n_layers)
+
+
+def layer_kv_names(names: list[str], layers: tuple[int, ...]) -> list[str]:
+    """The key and value names of these layers, in order, from a (2 x layers) list of names."""
+    return [names[2 * layer + kind] for layer in layers for kind in (0, 1)]
 
 
 def past_scale_names(n_layers: int) -> list[str]:

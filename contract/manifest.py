@@ -129,6 +129,20 @@ class LayerGroupSpec:
 
 
 @dataclass(frozen=True)
+class LocalCache:
+    """A hybrid's fused graphs read its windowed layers' past apart (manifest key `local_cache`): `layers`
+    take past_key_values.{i}.* of their own width (a row's local columns) whose lengths come from `mask`
+    (B, local past + new), as attention_mask's do for the others; `window`: the tokens each attends to,
+    its query's own included; `variants`: the graphs that take them (the traced graphs read every layer
+    at full width)."""
+
+    layers: tuple[int, ...]
+    window: int
+    mask: str
+    variants: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class FusedAttention:
     """How the fused decode graph is fed (manifest key `fused_attention`).
 
@@ -248,6 +262,18 @@ class Manifest:
         return tuple(
             LayerGroupSpec(str(g["name"]), tuple(g["layers"]), g["window"], bool(g["rotates_keys"])) for g in raw
         )
+
+    @property
+    def local_cache(self) -> LocalCache | None:
+        """How the fused graphs read a hybrid's windowed layers apart; None: as every other layer (an
+        export from before per-group caches, or a model without windows)."""
+        raw = self.data.get("local_cache")
+        if not isinstance(raw, dict):
+            return None
+        return LocalCache(
+            tuple(int(layer) for layer in raw["layers"]), int(raw["window"]), str(raw["mask"]),
+            tuple(str(variant) for variant in raw["variants"]),
+        )  # fmt: skip
 
     @property
     def is_hybrid(self) -> bool:

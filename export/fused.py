@@ -13,6 +13,9 @@ Contract (decode only, one token per row; `contract.manifest.FusedAttention`):
 - outputs logits (B, 1, vocab) and present.{i}.key|value, which the caller binds to the very
   buffers it feeds as past (GroupQueryAttention's share-buffer mode): the kernel writes the new
   token's K/V into column `length` of each row itself, and the caller must not append it again.
+- a hybrid's windowed layers (contract.manifest.LocalCache) read a past of their own width (a row's
+  local columns, service/engine/kv/local.py), whose lengths come from `local_attention_mask`
+  (B, local past + 1) as the others' come from attention_mask.
 
 The positional scheme enters through one small unit per scheme (`FUSED_POSITIONS`), the way
 `models.positional` isolates them: an input embedding (sinusoidal, learned), an attention bias
@@ -46,6 +49,7 @@ from onnx import TensorProto, helper, numpy_helper
 from contract.graph import (
     ATTENTION_MASK,
     INPUT_IDS,
+    LOCAL_ATTENTION_MASK,
     LOGITS,
     POSITION_IDS,
     past_names,
@@ -290,12 +294,19 @@ class LayerAttention:
     rotary: tuple[str, str, str] | None
     bias: str | None
     local_window_size: int = -1
+    # A windowed group reads its own past (the row's local columns) with its own lengths: the kernel's
+    # seqlens_k and total_sequence_length from LOCAL_ATTENTION_MASK (None: the call's, from attention_mask).
+    lengths: tuple[str, str] | None = None
 
 
 class LocalGlobalHybrid(FusedPositions):
     """`models.positional.LocalGlobalHybrid`: the kernel's rotary and sliding window on the local
     layers, the global unit's (rotary for rope-swa, nothing for rnope-swa) on the global ones.
-    The angles are computed once and shared where both groups rotate."""
+    The angles are computed once and shared where both groups rotate. The local layers read a past of
+    their own (a row's local columns: at most its window and some slack, service/engine/kv/local.py),
+    whose lengths come from LOCAL_ATTENTION_MASK: RoPE keys are cached rotated at their true positions
+    and the query is rotated at its true position, so where a key sits in the buffer does not matter,
+    and the kernel's window by column is the window by token in a left-aligned buffer."""
 
     def layer_attention(self, g: GraphBuilder, step: StepInputs) -> list[LayerAttention]:
         rope = RotaryInKernel(self.model)
@@ -304,8 +315,21 @@ class LocalGlobalHybrid(FusedPositions):
         for group in self.model.positional.layer_groups():
             rotates = group.positional.rotates_keys
             window = -1 if group.window is None else group.window
-            attention.append(LayerAttention(group.layers, rotary if rotates else None, None, window))
+            lengths = None if group.window is None else _kernel_lengths(g, LOCAL_ATTENTION_MASK, step.prompt)
+            attention.append(LayerAttention(group.layers, rotary if rotates else None, None, window, lengths))
         return attention
+
+
+def _kernel_lengths(g: GraphBuilder, mask: str, prompt: bool) -> tuple[str, str]:
+    """GroupQueryAttention's seqlens_k (B,) int32 (each row's total length - 1) and total_sequence_length
+    () int32 from a mask (B, past + new): its width for a prompt (rows right-padded), else the longest
+    row + 1. Made once per mask name (the graph's nodes are shared by the layers that read it)."""
+    lengths = g.one("Sub", g.one("ReduceSum", mask, g.const(f"{mask}_axis_1", np.array([1])), keepdims=0), ONE)
+    if prompt:
+        total = g.one("Squeeze", g.one("Slice", g.one("Shape", mask), ONE_1D, TWO_1D), ZERO_1D)
+    else:
+        total = g.one("Add", g.one("ReduceMax", lengths, keepdims=0), ONE)
+    return g.one("Cast", lengths, to=TensorProto.INT32), g.one("Cast", total, to=TensorProto.INT32)
 
 
 # The one mapping of schemes to their fused units (every scheme of models.positional.SCHEMES).
@@ -344,7 +368,8 @@ def fused_graph(model: Transformer, prompt: bool = False, int8_scales: np.ndarra
     attention = positional.layer_attention(g, step)
     seqlens_k = g.one("Cast", lengths, to=TensorProto.INT32)  # (B,)
     _layers(g, model, positional, step, seqlens_k, g.one("Cast", total, to=TensorProto.INT32), attention, int8_scales)
-    return _model(g, config, prompt, int8_scales is not None)
+    local = tuple(layer for group in attention if group.lengths is not None for layer in group.layers)
+    return _model(g, config, prompt, int8_scales is not None, local)
 
 
 ZERO_1D, ONE_1D, TWO_1D = "zero_1d", "one_1d", "two_1d"
@@ -399,13 +424,14 @@ def _layers(
         qkv = linear(normed, f"{block}.attn.qkv")  # packed (B, S, 3d)
         layer = of_layer[i]
         cos, sin, rotary_positions = layer.rotary or ("", "", "")
+        layer_seqlens, layer_total = layer.lengths or (seqlens_k, total_i32)
         scales = []
         if int8_scales is not None:  # (heads, 1, head_dim) each: K's, then V's
             k_scale, v_scale = int8_scales[2 * i], int8_scales[2 * i + 1]
             scales = ["", g.const(f"{block}.k_scale", k_scale), g.const(f"{block}.v_scale", v_scale)]
         attended, _, _ = g.op(
             "GroupQueryAttention",
-            qkv, "", "", past[2 * i], past[2 * i + 1], seqlens_k, total_i32, cos, sin,
+            qkv, "", "", past[2 * i], past[2 * i + 1], layer_seqlens, layer_total, cos, sin,
             rotary_positions, layer.bias or "", *scales,
             outputs=3, domain="com.microsoft", num_heads=config.n_heads, kv_num_heads=config.n_heads,
             do_rotary=int(layer.rotary is not None), rotary_interleaved=0, scale=1.0 / math.sqrt(config.head_dim),
@@ -421,20 +447,35 @@ def _layers(
     g.nodes.append(helper.make_node("MatMul", [normed, lm_head], [LOGITS], name="lm_head"))
 
 
-def _model(g: GraphBuilder, config: ModelConfig, prompt: bool = False, int8: bool = False) -> onnx.ModelProto:
+def _model(
+    g: GraphBuilder, config: ModelConfig, prompt: bool = False, int8: bool = False, local: tuple[int, ...] = ()
+) -> onnx.ModelProto:
+    """The graph's inputs and outputs around its nodes; `local`: the layers that read a past of their
+    own (a hybrid's windowed layers), with dimensions and a mask (LOCAL_ATTENTION_MASK) of their own."""
     float_type, cache_type = TensorProto.FLOAT, TensorProto.INT8 if int8 else TensorProto.FLOAT
-    cache_dims = ["batch", config.n_heads, "past_sequence", config.head_dim]
-    present_dims = ["batch", config.n_heads, "total_sequence", config.head_dim] if prompt else cache_dims
     width = "sequence" if prompt else 1
+
+    def cache_dims(layer: int, present: bool) -> list[object]:
+        prefix = "local_" if layer in local else ""
+        length = "total_sequence" if present and prompt else "past_sequence"
+        return ["batch", config.n_heads, prefix + length, config.head_dim]
+
+    def caches(names: list[str], present: bool) -> list[onnx.ValueInfoProto]:
+        return [
+            helper.make_tensor_value_info(name, cache_type, cache_dims(index // 2, present))
+            for index, name in enumerate(names)
+        ]
+
+    masks = [(ATTENTION_MASK, "total_sequence")] + ([(LOCAL_ATTENTION_MASK, "local_total_sequence")] if local else [])
     inputs = [
         helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch", width]),
-        helper.make_tensor_value_info(ATTENTION_MASK, TensorProto.INT64, ["batch", "total_sequence"]),
+        *(helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", dim]) for name, dim in masks),
         helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, ["batch", width]),
-        *(helper.make_tensor_value_info(name, cache_type, cache_dims) for name in past_names(config.n_layers)),
+        *caches(past_names(config.n_layers), False),
     ]
     outputs = [
         helper.make_tensor_value_info(LOGITS, float_type, ["batch", width, config.vocab_size]),
-        *(helper.make_tensor_value_info(name, cache_type, present_dims) for name in present_names(config.n_layers)),
+        *caches(present_names(config.n_layers), True),
     ]
     name = "prefill_fused" if prompt else "serving_fused_int8" if int8 else "serving_fused"
     graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)

@@ -15,6 +15,7 @@ from contract.graph import (
     ATTENTION_MASK,
     INPUT_IDS,
     KV_KINDS,
+    LOCAL_ATTENTION_MASK,
     LOGITS,
     NEW_KEY_VALUES,
     PAST_KEY_VALUES,
@@ -22,7 +23,7 @@ from contract.graph import (
     PRESENT,
     kv_name,
 )
-from contract.manifest import DTYPE_BYTES, SERVING_FUSED, sha256_file
+from contract.manifest import DTYPE_BYTES, PREFILL_FUSED, SERVING_FUSED, SERVING_FUSED_INT8, sha256_file
 from models.checkpoints import WEIGHTS_DIR
 from models.config import ModelConfig
 from models.positional import SCHEMES, build_positional, rope_rotation_frequencies
@@ -68,6 +69,7 @@ def build_manifest(
         "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *_kv_patterns(PAST_KEY_VALUES, "{i}")],
         "outputs": [LOGITS, *_kv_patterns(PRESENT, "{i}")],
         "layer_groups": layer_groups(config),
+        **({"local_cache": local_cache(config)} if local_cache(config) and SERVING_FUSED in variants else {}),
         "cache_eviction": cache_eviction(config),
         "segment_reuse": segment_reuse(config),
         **({"fused_attention": fused_attention()} if SERVING_FUSED in variants else {}),
@@ -89,6 +91,20 @@ def layer_groups(config: ModelConfig) -> list[dict[str, object]]:
         }
         for group in build_positional(config).layer_groups()
     ]
+
+
+def local_cache(config: ModelConfig) -> dict[str, object] | None:
+    """A hybrid's fused graphs read its windowed layers' past apart (contract.manifest.LocalCache):
+    which layers, their window, and the mask their lengths come from. None: every layer is global."""
+    groups = [group for group in build_positional(config).layer_groups() if group.window is not None]
+    if not groups:
+        return None
+    return {
+        "layers": sorted(layer for group in groups for layer in group.layers),
+        "window": max(group.window for group in groups if group.window is not None),
+        "mask": LOCAL_ATTENTION_MASK,
+        "variants": [SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8],
+    }
 
 
 def cache_eviction(config: ModelConfig) -> dict[str, object] | None:

@@ -16,6 +16,7 @@ import onnxruntime as ort
 from contract.graph import (
     ATTENTION_MASK,
     INPUT_IDS,
+    LOCAL_ATTENTION_MASK,
     LOGITS,
     POSITION_IDS,
     left_pad_batch,
@@ -130,7 +131,10 @@ class FusedDecoder:
         self.lengths = np.zeros(batch, dtype=np.int64)
         self.logits = np.zeros((batch, 1, m.vocab_size), dtype=np.float32)
         self.binding = self.session.io_binding()
-        for name, array in ((INPUT_IDS, self.ids), (ATTENTION_MASK, self.mask), (POSITION_IDS, self.positions)):
+        # A hybrid's local layers read the same full-width rows here: their mask is the rows' own.
+        local_mask = ((LOCAL_ATTENTION_MASK, self.mask),) if m.local_cache else ()
+        feeds = ((INPUT_IDS, self.ids), (ATTENTION_MASK, self.mask), (POSITION_IDS, self.positions), *local_mask)
+        for name, array in feeds:
             self.binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         self.binding.bind_output(LOGITS, "cpu", 0, np.float32, list(self.logits.shape), self.logits.ctypes.data)
         names = zip(past_names(m.n_layers), present_names(m.n_layers), self.cache, strict=True)
@@ -175,6 +179,8 @@ class PromptGraph:
         """(logits (B, S, vocab), present: per layer key, value (B, heads, P + S, head_dim))."""
         check_positions(positions, self.manifest.max_positions)
         feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
+        if self.manifest.local_cache:  # a hybrid's local layers read the same full-width past here
+            feeds[LOCAL_ATTENTION_MASK] = mask
         feeds.update(zip(past_names(self.manifest.n_layers), past, strict=True))
         logits, *present = self.session.run(None, feeds)
         return logits, present

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bench.runners import batch_runner, bounded_step_seconds, policy_runner, step_seconds
-from contract.cache_policy import parse_cache_policy
+from contract.cache_policy import FULL_POLICY, parse_cache_policy
+from contract.manifest import Manifest
 from service.engine.kv import INT8, INT8_CHANNEL
 
 
@@ -48,3 +50,16 @@ def test_an_int8_policy_row_is_held_in_int8(repository: Path) -> None:
     (klass,) = window_int8.store.batches()
     assert klass.kind == INT8
     assert window_int8.store.stats().physical_bytes / window.store.stats().physical_bytes == (32 + 4) / (4 * 32)
+
+
+def test_a_hybrid_s_split_rows_hold_the_window_before_the_next_token(repository: Path) -> None:
+    """The bench times a hybrid's split rows as the service holds them: the global K/V of the whole
+    context, the local layers' of the window before the next token, and a step reads the same both times."""
+    if Manifest.load(repository / "rope-swa").local_cache is None:
+        pytest.skip("an export from before per-group caches")
+    runner = policy_runner(repository / "rope-swa", 2, 1000, FULL_POLICY, 1)
+    klass = next(runner.store.batches())
+    assert runner.layout.split and klass.local is not None
+    assert list(klass.local.lengths[:2]) == [63, 63] and list(klass.lengths[:2]) == [1000, 1000]
+    step_seconds(runner, 3)
+    assert list(klass.local.lengths[:2]) == [63, 63] and list(klass.lengths[:2]) == [1000, 1000]

@@ -62,7 +62,7 @@ def test_where_eviction_puts_positions_and_what_a_model_must_have() -> None:
     assert window.original_positions(CacheEviction("original"))
     with pytest.raises(CachePolicyError, match="no eviction rule"):
         window.original_positions(None)
-    old = SimpleNamespace(cache_eviction=None, has_int8_cache=False, is_hybrid=False)
+    old = SimpleNamespace(cache_eviction=None, has_int8_cache=False, is_hybrid=False, local_cache=None)
     assert FULL_POLICY.missing(old) is None  # type: ignore[arg-type]
     assert "before cache policies" in (window.missing(old) or "")  # type: ignore[arg-type]
     assert "serving-int8" in (parse_cache_policy("int8").missing(old) or "")  # type: ignore[arg-type]
@@ -86,7 +86,12 @@ def test_a_policy_holds_one_policy_per_layer_group() -> None:
 
 
 def test_a_hybrid_refuses_bounded_policies_naming_the_form() -> None:
-    hybrid = SimpleNamespace(cache_eviction=None, has_int8_cache=True, is_hybrid=True)
+    hybrid = SimpleNamespace(cache_eviction=None, has_int8_cache=True, is_hybrid=True, local_cache=None)
     assert "'window'" in (parse_cache_policy("window:64").missing(hybrid) or "")  # type: ignore[arg-type]
     assert parse_cache_policy("int8").missing(hybrid) is None  # type: ignore[arg-type]
     assert FULL_POLICY.missing(hybrid) is None  # type: ignore[arg-type]
+    # Served with per-group caches (contract.manifest.LocalCache), whose local columns only the fused
+    # float32 graphs read: int8 is refused, named.
+    split = SimpleNamespace(cache_eviction=None, has_int8_cache=True, is_hybrid=True, local_cache=object())
+    assert "'int8'" in (parse_cache_policy("int8").missing(split) or "")  # type: ignore[arg-type]
+    assert FULL_POLICY.missing(split) is None  # type: ignore[arg-type]

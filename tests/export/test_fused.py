@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from contract.graph import input_names, new_kv_names, past_names, present_names
+from contract.graph import ATTENTION_MASK, input_names, layer_kv_names, new_kv_names, past_names, present_names
 from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FUSED, Manifest
 from export.fused import FUSED_POSITIONS
 from export.repository import GRAPH_FILES
@@ -38,8 +38,33 @@ def test_one_attention_kernel_per_layer_and_the_serving_contract(repository: Pat
     assert ops.count("GroupQueryAttention") == manifest.n_layers
     # No attention outside the kernel: no Softmax, and MatMuls only for qkv, out_proj, up, down, lm head.
     assert "Softmax" not in ops and ops.count("MatMul") == 4 * manifest.n_layers + 1
-    assert [i.name for i in graph.input] == input_names(manifest.n_layers)
+    assert [i.name for i in graph.input] == fused_inputs(manifest)
     assert [o.name for o in graph.output][1:] == present_names(manifest.n_layers)
+
+
+def fused_inputs(manifest: Manifest) -> list[str]:
+    """The fused graphs' inputs: the serving contract's, and a hybrid's local mask after attention_mask,
+    its local layers' past taking a length dimension of their own (contract.manifest.LocalCache)."""
+    names = input_names(manifest.n_layers)
+    local = manifest.local_cache
+    if local is not None:
+        names.insert(names.index(ATTENTION_MASK) + 1, local.mask)
+    return names
+
+
+@pytest.mark.parametrize("scheme", trained_schemes())
+def test_a_hybrid_s_local_layers_read_a_past_of_their_own(repository: Path, scheme: str) -> None:
+    manifest = Manifest.load(repository / scheme)
+    local = manifest.local_cache
+    if local is None:
+        assert not manifest.is_hybrid or manifest.fused_attention is None
+        return
+    assert local.layers == next(g.layers for g in manifest.layer_groups if g.window is not None)
+    for variant in (SERVING_FUSED, PREFILL_FUSED):
+        graph = onnx.load(str(manifest.verify(variant))).graph
+        dims = {i.name: i.type.tensor_type.shape.dim[2].dim_param for i in graph.input if "past" in i.name}
+        local_names = set(layer_kv_names(past_names(manifest.n_layers), local.layers))
+        assert {name for name, dim in dims.items() if dim.startswith("local_")} == local_names
 
 
 @pytest.mark.parametrize("scheme", trained_schemes())
@@ -104,7 +129,7 @@ def test_the_fused_prompt_graph_has_no_score_tensor_and_equals_pytorch(repositor
     ops = [node.op_type for node in graph.node]
     assert ops.count("GroupQueryAttention") == manifest.n_layers
     assert "Softmax" not in ops and ops.count("MatMul") == 4 * manifest.n_layers + 1
-    assert [i.name for i in graph.input] == input_names(manifest.n_layers)
+    assert [i.name for i in graph.input] == fused_inputs(manifest)
     assert [o.name for o in graph.output][1:] == present_names(manifest.n_layers)
     model = Transformer.load(WEIGHTS_DIR / scheme)
     assert check_prefill_graph(model, repository / scheme, default_prompts(TOKENIZER.bos_token_id)) <= FP32_TOLERANCE

@@ -4,6 +4,7 @@
 - `arrays`: where the memory lives (`NumpyArrays` on the host, `TorchArrays` on CPU or CUDA).
 - `region`: host memory in which a class changes its row count in place (`RowRegion`).
 - `rows`: how a class stores its rows (`FloatRows`, `Int8Rows` with per-token scales).
+- `local`: a hybrid's sliding-window layers' K/V, a fixed number of columns per row (`LocalRows`).
 - `classes`: dense in-place batches of one row width (`CapacityClass`) on a ladder of widths,
   and a row's cache policy and eviction state (`RowPolicy`).
 - `store`: the owner of it all (`KVStore`), whose accounting is its allocation.
@@ -16,8 +17,9 @@ class.
 
 from service.engine.kv.arrays import Array, Backend, NumpyArrays, TorchArrays, make_backend
 from service.engine.kv.classes import CapacityClass, RowPolicy, capacity_ladder
-from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
-from service.engine.kv.rows import Int8KV
+from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout, local_width
+from service.engine.kv.local import LocalRows
+from service.engine.kv.rows import Int8KV, SplitKV
 from service.engine.kv.store import KVBudgetError, KVStore, StoreStats
 
 __all__ = [
@@ -30,10 +32,13 @@ __all__ = [
     "KVBudgetError",
     "KVLayout",
     "KVStore",
+    "LocalRows",
     "NumpyArrays",
     "RowPolicy",
+    "SplitKV",
     "StoreStats",
     "TorchArrays",
     "capacity_ladder",
+    "local_width",
     "make_backend",
 ]

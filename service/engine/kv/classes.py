@@ -19,7 +19,8 @@ import numpy as np
 
 from service.engine.kv.arrays import Array, Backend
 from service.engine.kv.layout import KVLayout
-from service.engine.kv.rows import Rows, make_rows
+from service.engine.kv.local import LocalRows
+from service.engine.kv.rows import Rows, SplitKV, make_rows
 
 GROWTH = 1.25  # capacity ratio between neighbouring classes: a row is >= 1/GROWTH full
 SMALLEST_CLASS_BLOCKS = 4
@@ -79,6 +80,7 @@ class CapacityClass:
         kind: str | None = None,
         reserve_bytes: int = 0,
         storage: Rows | None = None,
+        local: LocalRows | None = None,
     ) -> None:
         """`reserve_bytes`: the most its arrays may ever take (the budget), which lets host arrays
         change their row count in place (`resized_from`); `storage`: rows already laid out (that)."""
@@ -87,6 +89,8 @@ class CapacityClass:
         self.rotary_inv_freq = rotary_inv_freq
         self.storage = storage or make_rows(self.kind, backend, layout, rows, capacity, reserve_bytes)
         self.cache = self.storage.cache  # (2 x layers, rows, heads, capacity, head_dim)
+        # A hybrid's local layers' K/V (KVLayout.split), bounded by the window: kv/local.py.
+        self.local = local or (LocalRows(backend, layout, rows, reserve_bytes) if layout.split else None)
         # mask: (rows, capacity + 1); the last column is the token fed by the step, always 1.
         self.mask = backend.zeros((rows, capacity + 1), "int64")
         self.mask[:, capacity] = 1
@@ -121,7 +125,7 @@ class CapacityClass:
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.capacity * self.layout.kind_token_bytes(self.kind)
+        return self.rows * self.layout.row_bytes(self.capacity, self.kind)
 
     @property
     def free_rows(self) -> int:
@@ -129,15 +133,21 @@ class CapacityClass:
 
     @property
     def resizes_in_place(self) -> bool:
-        """Its arrays can change their row count where they are (host memory with a reserve)."""
-        return self.storage.memory.in_place
+        """Its arrays can change their row count where they are (host memory with a reserve; a split
+        row's local columns too)."""
+        return self.storage.memory.in_place and (self.local is None or self.local.memory.in_place)
 
     @classmethod
     def resized_from(cls, old: CapacityClass, rows: int) -> CapacityClass:
         """`old` with `rows` rows (at least its members), its arrays changed in place: no second
         array is ever allocated. `old` must not be used afterwards (its arrays' layout is gone)."""
         old.storage.resize(rows, len(old.members))
-        fresh = cls(old.backend, old.layout, old.capacity, rows, old.rotary_inv_freq, old.kind, storage=old.storage)
+        if old.local is not None:
+            old.local.resize(rows, len(old.members))
+        fresh = cls(
+            old.backend, old.layout, old.capacity, rows, old.rotary_inv_freq, old.kind,
+            storage=old.storage, local=old.local,
+        )  # fmt: skip
         fresh.copy_members_from(old, cache=False)
         return fresh
 
@@ -151,6 +161,8 @@ class CapacityClass:
         self.mask[:batch] = old.mask[:batch]
         self.positions[:batch] = old.positions[:batch]
         self.lengths[:batch] = old.lengths[:batch]
+        if self.local is not None and old.local is not None and self.local is not old.local:
+            self.local.copy_from(old.local, batch, cache)
         self.members, self.reserved, self.uniform = list(old.members), set(old.reserved), old.uniform
         self.policies, self.bounded = list(old.policies), old.bounded
 
@@ -159,6 +171,10 @@ class CapacityClass:
         (`row_cache` of a class of this kind), becomes the next member row."""
         policy = policy or RowPolicy()
         row = len(self.members)
+        if isinstance(kv, SplitKV):
+            assert self.local is not None, "a split row's cache goes to a class with local columns"
+            self.local.write(row, kv.local_kv)
+            kv = kv.global_kv
         self._put((slice(None), row, slice(None), slice(None, length)), kv)
         self.mask[row, : self.capacity] = 0
         self.mask[row, :length] = 1
@@ -171,7 +187,8 @@ class CapacityClass:
 
     def row_cache(self, row: int) -> Array:
         """A member's cache as a class of this kind takes it (for INT8, `Int8KV`)."""
-        return self.storage.raw((slice(None), row, slice(None), slice(None, int(self.lengths[row]))))
+        kv = self.storage.raw((slice(None), row, slice(None), slice(None, int(self.lengths[row]))))
+        return kv if self.local is None else SplitKV(kv, self.local.raw(row))
 
     def remove(self, sequence_id: str) -> None:
         """A member leaves: the last row moves into its place (one row's copy)."""
@@ -183,6 +200,8 @@ class CapacityClass:
             self.mask[row] = self.mask[last]
             self.positions[row] = self.positions[last]
             self.lengths[row] = self.lengths[last]
+            if self.local is not None:
+                self.local.move(row, last)
             self.members[row] = self.members[last]
             self.policies[row] = self.policies[last]
         self.members.pop()
@@ -216,6 +235,9 @@ class CapacityClass:
                 self._put((slice(None), rows, slice(None), columns), new_kv[:, :, :, 0], self.backend.rows_first)
             self.mask[rows, columns] = 1
         self.lengths[:batch] += 1
+        if self.local is not None:
+            assert new_kv is None, "split rows decode through the fused graph, which writes their K/V"
+            self.local.advance(batch)
         if evicted:
             self._reset_positions()
         else:
@@ -226,6 +248,7 @@ class CapacityClass:
         verified speculative block's kept tokens (service.engine.spec). A bounded row takes
         more than one only while they fit its budget; one token into a full bounded row evicts first,
         as `append_step` does."""
+        assert self.local is None, "split rows keep their speculative K/V through the fused graph (keep_written)"
         count = int(kv.shape[2])
         policy = self.policies[row]
         evicted = False
@@ -254,6 +277,8 @@ class CapacityClass:
         self.mask[row, column : column + count] = 1
         self.lengths[row] += count
         self.positions[row, 0] += count
+        if self.local is not None:
+            self.local.keep(row, count, written)
         self._update_uniform()
 
     def _evict_row(self, row: int) -> bool:
@@ -296,6 +321,8 @@ class CapacityClass:
         """Take back the last `steps` tokens of every member (benchmarks measure at a fixed context;
         `full` rows only)."""
         batch = len(self.members)
+        if self.local is not None:
+            self.local.rewind(batch, steps)
         for _ in range(steps):
             self.positions[:batch] -= 1
             self.lengths[:batch] -= 1

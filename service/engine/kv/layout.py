@@ -16,7 +16,12 @@ __all__ = ["INT8", "INT8_CHANNEL", "KVLayout"]
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one token's cache: K and V of every layer and head."""
+    """The shape of one token's cache: K and V of every layer and head.
+
+    A hybrid model served with per-group caches (`local_layers` non-empty) keeps its local layers'
+    K/V apart: a row holds the global layers' K/V of every token (`tensors`, `token_bytes`) and a
+    fixed `local_width` columns of the local layers' K/V (`local_row_bytes`), since a local layer
+    never attends further back than its `window`."""
 
     n_layers: int
     n_heads: int
@@ -25,14 +30,41 @@ class KVLayout:
     # The fixed per-channel scales of INT8_CHANNEL rows, (2 x layers, heads, 1, head_dim) float32, or
     # None: the model's export has no graph that reads them, and unbounded int8 rows are INT8 rows.
     channel_scales: np.ndarray | None = field(default=None, compare=False, repr=False)
+    local_layers: tuple[int, ...] = ()  # layers whose K/V live in the row's local columns
+    window: int = 0  # the tokens a local layer attends to, its query's own included
+    local_width: int = 0  # the local columns of a row: the window, slack for shifts, guesses, a block
+
+    @property
+    def split(self) -> bool:
+        """The local layers' K/V are kept apart, bounded by the window."""
+        return bool(self.local_layers)
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers whose K/V grow with the sequence (every layer when not split)."""
+        return tuple(layer for layer in range(self.n_layers) if layer not in self.local_layers)
 
     @property
     def tensors(self) -> int:
-        return 2 * self.n_layers
+        """K/V tensors per token of the row's main array (the global layers')."""
+        return 2 * len(self.global_layers)
+
+    @property
+    def local_tensors(self) -> int:
+        return 2 * len(self.local_layers)
 
     @property
     def token_bytes(self) -> int:
         return self.tensors * self.n_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def local_row_bytes(self) -> int:
+        """A row's local columns, whatever its length (0 when not split)."""
+        return self.local_tensors * self.n_heads * self.head_dim * self.local_width * DTYPE_BYTES[self.dtype]
+
+    def row_bytes(self, capacity: int, kind: str) -> int:
+        """One row of a class of `capacity` tokens and storage `kind`: its global columns and its local ones."""
+        return capacity * self.kind_token_bytes(kind) + self.local_row_bytes
 
     def kind_token_bytes(self, kind: str) -> int:
         """One token's bytes in rows of a storage kind (INT8: int8 values plus a float32 scale per head;
@@ -47,3 +79,11 @@ class KVLayout:
         """The storage kind of a row under a cache policy, on this model (CachePolicy.kind: INT8_CHANNEL
         only where the model has the channel scales its fused int8 graph reads)."""
         return policy.kind(self.dtype, self.channel_scales is not None)
+
+
+def local_width(window: int, block_size: int) -> int:
+    """A row's local columns: the window's past (window - 1 tokens) and the step's token, as much
+    again of slack so that a full row shifts its window back once every `window` steps instead of
+    every step (a speculative block of up to that many tokens fits too), and a block, so a computed
+    prompt hands the prefix cache the window before its last full block (prefix.py)."""
+    return 2 * window + block_size

@@ -38,10 +38,27 @@ class CachedPast:
     the prefill thread assembles them into its own call's cache array (the engine thread only
     looks the blocks up; a block evicted meanwhile stays alive while referenced here)."""
 
-    def __init__(self, parts: list[Array], backend: Backend, dtype: str) -> None:
+    def __init__(
+        self, parts: list[Array], backend: Backend, dtype: str, local_parts: list[Array] | None = None
+    ) -> None:
+        """`local_parts`: a split row's local K/V of the last tokens before the hit (the window a
+        local layer of the next token attends to), in order; None where the rows are not split."""
         self.parts = parts  # each (2 x layers, heads, n, head_dim), in order
         self.tokens = sum(int(part.shape[2]) for part in parts)
         self.backend, self.dtype = backend, dtype
+        self.local_parts = local_parts
+        self.local_tokens = sum(int(part.shape[2]) for part in local_parts or ())
+
+    def assemble_local(self, room: int = 0) -> Array:
+        """(2 x local layers, 1, heads, local tokens + room, head_dim): the local window, then `room` zeroed columns."""
+        assert self.local_parts, "a split hit carries the local window"
+        tensors, heads, _, head_dim = self.local_parts[0].shape
+        out = self.backend.zeros((tensors, 1, heads, self.local_tokens + room, head_dim), self.dtype)
+        start = 0
+        for part in self.local_parts:
+            out[:, 0, :, start : start + part.shape[2]] = part
+            start += part.shape[2]
+        return out
 
     def assemble(self, room: int = 0, scratch: ScratchArray | None = None) -> Array:
         """(2 x layers, 1, heads, tokens + room, head_dim): the blocks, then `room` zeroed columns
@@ -69,6 +86,9 @@ class CachedBlock:
     kv: Array
     nbytes: int
     form: str  # the cache-policy form of the requests that share it (the `policy` metric label)
+    # A split row's local layers' K/V of the block, (2 x local layers, heads, block_size, head_dim), kept
+    # only for the blocks within a window of a cached prompt's end (what a hit there needs); else None.
+    local: Array | None = None
 
 
 class PrefixCache:
@@ -101,6 +121,10 @@ class PrefixCache:
         """Tokens a lookup would find now (admission's estimate; touches nothing)."""
         return len(self._matched(token_ids, hashes, extra)) * self.block_size
 
+    def peek_blocks(self, token_ids: list[int], hashes: list[int], extra: Hashable) -> list[CachedBlock]:
+        """The blocks a lookup would find now (touches nothing; dict reads only)."""
+        return [block for _, block in self._matched(token_ids, hashes, extra)]
+
     def lookup(self, token_ids: list[int], hashes: list[int], extra: Hashable) -> list[CachedBlock]:
         """The cached leading blocks, touched (the root last: most recently used)."""
         found = self._matched(token_ids, hashes, extra)
@@ -119,6 +143,14 @@ class PrefixCache:
         for key in reversed(keys):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
+
+    def remove(self, key: int) -> int:
+        """Drop one entry (to keep it again with more of its K/V); its bytes."""
+        block = self.blocks.pop(key)
+        self.nbytes -= block.nbytes
+        self._bytes_by_form[block.form] -= block.nbytes
+        self.tokens -= len(block.tokens)
+        return block.nbytes
 
     def evict_oldest(self, keep: frozenset[int] = frozenset()) -> int:
         """Drop the least recently used block not in `keep`; its bytes (0: none left to drop)."""

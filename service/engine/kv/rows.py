@@ -33,6 +33,21 @@ class Int8KV:
         return Int8KV(self.values[index], self.scales[index])
 
 
+@dataclass(frozen=True)
+class SplitKV:
+    """A hybrid row's cache (KVLayout.split): the global layers' K/V of every token, (2 x global layers,
+    heads, n, head_dim), and the local layers' of the sequence's last m <= n tokens, (2 x local layers,
+    heads, m, head_dim). Moves between classes carry it as it is."""
+
+    global_kv: Array
+    local_kv: Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The global part's: its token count is the sequence's."""
+        return tuple(self.global_kv.shape)
+
+
 class _Rows:
     """What every kind shares: its arrays come from a `RowMemory`, and on the host they change their
     row count in place (`resize`)."""

@@ -24,6 +24,7 @@ from service.engine.kv.arrays import Array, Backend, NumpyArrays
 from service.engine.kv.classes import GROWTH, CapacityClass, RowPolicy, capacity_ladder
 from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
 from service.engine.kv.prefix import CachedBlock, CachedPast, PrefixCache
+from service.engine.kv.rows import SplitKV
 
 # A class moves up the ladder as a whole when each of its rows would be at least this full there.
 PROMOTED_FILL = 1 / GROWTH**2
@@ -84,13 +85,16 @@ class KVStore:
         self.physical_bytes = 0  # rows and the prefix cache's blocks
         self.peak_physical_bytes = 0
         self.prefix = PrefixCache(block_size)
+        self._local_block_bytes = layout.local_row_bytes // max(layout.local_width, 1) * block_size
 
     @staticmethod
     def minimum_budget(layout: KVLayout, max_tokens: int, block_size: int) -> int:
         """One sequence of `max_tokens`, including its move from the class below (both rows alive)."""
         ladder = capacity_ladder(max_tokens, block_size)
         below = ladder[-2] if len(ladder) > 1 else 0
-        return -(-(ladder[-1] + below) // block_size) * block_size * layout.token_bytes  # whole blocks
+        rows = 2 if below else 1  # a split row's local columns, in each row alive at once
+        whole_blocks = -(-(ladder[-1] + below) // block_size) * block_size
+        return whole_blocks * layout.token_bytes + rows * layout.local_row_bytes
 
     def class_for(self, tokens: int) -> int:
         for capacity in self.ladder:
@@ -211,7 +215,7 @@ class KVStore:
         first) a class row's worth at a time: a cached block goes before any sequence is refused or
         preempted. Nothing is evicted when evicting all it may would still leave no room (a class
         that cannot grow beside its old array, on a device): the cache would be lost for nothing."""
-        row_bytes = capacity * self.layout.kind_token_bytes(kind)
+        row_bytes = self.layout.row_bytes(capacity, kind)
         existing = self.kinds[kind].get(capacity)
         held = 0 if existing is None else existing.rows - existing.free_rows
         evictable = sum(block.nbytes for key, block in self.prefix.blocks.items() if key not in keep)
@@ -232,7 +236,7 @@ class KVStore:
         arrays change size in place (the difference); elsewhere a new array is allocated and
         filled while the old one is alive (the whole new array)."""
         old = self.kinds[kind].get(capacity)
-        new_bytes = rows * capacity * self.layout.kind_token_bytes(kind)
+        new_bytes = rows * self.layout.row_bytes(capacity, kind)
         return new_bytes - old.nbytes if old is not None and old.resizes_in_place else new_bytes
 
     def _reallocate(self, capacity: int, rows: int, kind: str) -> CapacityClass | None:
@@ -314,11 +318,45 @@ class KVStore:
         """`cached_prefix`'s blocks, not yet copied (None: a miss)."""
         blocks = self.prefix.lookup(token_ids, hashes, extra)
         tokens = min(len(blocks) * self.block_size, limit)
+        if self.layout.split:
+            tokens = self._local_hit(blocks, tokens)
         if tokens <= 0:
             return None
         whole, rest = divmod(tokens, self.block_size)
         parts = [block.kv for block in blocks[:whole]] + ([blocks[whole].kv[:, :, :rest]] if rest else [])
-        return CachedPast(parts, self.backend, self.layout.dtype)
+        local = self._local_window(blocks, tokens) if self.layout.split else None
+        return CachedPast(parts, self.backend, self.layout.dtype, local)
+
+    def peek_cached(self, token_ids: list[int], hashes: list[int], extra: object) -> int:
+        """Tokens a lookup would find now (admission's estimate; touches nothing): for split rows, as
+        far as the local window before the hit is held (`_local_hit`)."""
+        if not self.layout.split:
+            return self.prefix.peek(token_ids, hashes, extra)
+        blocks = self.prefix.peek_blocks(token_ids, hashes, extra)
+        return self._local_hit(blocks, len(blocks) * self.block_size)
+
+    def _local_hit(self, blocks: list[CachedBlock], tokens: int) -> int:
+        """The longest hit, at most `tokens`, whose local window (the `window - 1` tokens before it,
+        which the next token's local layers attend to) every block covering it holds: a hit ends at
+        a block boundary below `tokens` when the blocks just before it kept no local K/V."""
+        size, past = self.block_size, self.layout.window - 1
+        while tokens > 0:
+            first, last = max(0, tokens - past) // size, -(-tokens // size)
+            if all(block.local is not None for block in blocks[first:last]):
+                return tokens
+            tokens = (last - 1) * size
+        return 0
+
+    def _local_window(self, blocks: list[CachedBlock], tokens: int) -> list[Array]:
+        """The local K/V of the `window - 1` tokens before `tokens` (at most), as parts of the blocks that hold them."""
+        start, size = max(0, tokens - (self.layout.window - 1)), self.block_size
+        parts = []
+        for index in range(start // size, -(-tokens // size)):
+            low, high = max(start, index * size), min(tokens, (index + 1) * size)
+            local = blocks[index].local
+            assert local is not None
+            parts.append(local[:, :, low - index * size : high - index * size])
+        return parts
 
     def cache_prompt(self, token_ids: list[int], hashes: list[int], extra: object, kv: Array, form: str) -> int:
         """Keep the full blocks of a computed prompt, K/V (2 x layers, heads, length, head_dim), that
@@ -326,15 +364,25 @@ class KVStore:
         only this prompt's own blocks are left, the rest is not kept). Returns the blocks added."""
         chain, size, added = frozenset(hashes), self.block_size, 0
         parent = hash(extra)
+        local, local_start = None, 0
+        if isinstance(kv, SplitKV):  # the local K/V of the prompt's last tokens: kept for the blocks they cover
+            local, kv = kv.local_kv, kv.global_kv
+            local_start = int(kv.shape[2]) - int(local.shape[2])
         for index, key in enumerate(hashes):
-            if key not in self.prefix.blocks:
-                if not self._room_for_cached(self.block_bytes, chain):
+            start = index * size
+            block_local = None
+            if local is not None and start >= local_start:
+                block_local = self.backend.copy(local[:, :, start - local_start : start - local_start + size])
+            if key not in self.prefix.blocks or (block_local is not None and self.prefix.blocks[key].local is None):
+                nbytes = self.block_bytes + (0 if block_local is None else self._local_block_bytes)
+                if key in self.prefix.blocks:  # kept before without its local K/V: replaced with them
+                    self.physical_bytes -= self.prefix.remove(key)
+                if not self._room_for_cached(nbytes, chain):
                     self.prefix.touch(hashes[:index])
                     return added
-                start = index * size
                 tokens = tuple(token_ids[start : start + size])
                 copied = self.backend.copy(kv[:, :, start : start + size])
-                self._add_cached(key, CachedBlock(parent, tokens, copied, self.block_bytes, form))
+                self._add_cached(key, CachedBlock(parent, tokens, copied, nbytes, form, block_local))
                 added += 1
             parent = key
         self.prefix.touch(hashes)
@@ -344,6 +392,8 @@ class KVStore:
         """Keep a reusable segment's K/V computed on its own, (2 x layers, heads, T, head_dim), as one
         entry of the prefix cache (same budget, same eviction). False: no room without evicting rows."""
         nbytes = len(tokens) * self.layout.token_bytes
+        if isinstance(kv, SplitKV):  # and the local K/V of its last tokens
+            nbytes += int(kv.local_kv.shape[2]) * (self._local_block_bytes // self.block_size)
         if key in self.prefix.blocks or not self._room_for_cached(nbytes, frozenset((key,))):
             return False
         self._add_cached(key, CachedBlock(0, tokens, kv, nbytes, form))
@@ -399,11 +449,11 @@ class KVStore:
         return int(klass.lengths[klass.members.index(sequence_id)])
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes each sequence holds or is promised (its tokens in whole blocks of its storage kind):
-        the engine sums them by cache-policy form for the `policy` label."""
+        """Bytes each sequence holds or is promised (its tokens in whole blocks of its storage kind, and
+        a split row's local columns): the engine sums them by cache-policy form for the `policy` label."""
         blocks = {sequence: -(-tokens // self.block_size) for sequence, tokens in self.tokens.items()}
         return {
-            sequence: count * self.block_size * self.layout.kind_token_bytes(self.kind_of[sequence])
+            sequence: self.layout.row_bytes(count * self.block_size, self.kind_of[sequence])
             for sequence, count in blocks.items()
         }
 

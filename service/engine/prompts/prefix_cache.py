@@ -59,7 +59,7 @@ class PrefixReuse:
         key = self._key(request, request.prompt_ids)
         if key is None:
             return 0
-        found = self.store.prefix.peek(request.prompt_ids, key[1], key[0])
+        found = self.store.peek_cached(request.prompt_ids, key[1], key[0])
         request.cached_prompt_tokens = min(found, len(request.prompt_ids) - 1)
         return request.cached_prompt_tokens
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contract.manifest import REUSE_RECOMPUTE, REUSE_ROTATE, SegmentReuse
-from service.engine.kv import Array, KVStore
+from service.engine.kv import Array, KVStore, SplitKV
 from service.engine.kv.classes import rotate_keys
 from service.engine.kv.prefix import CachedPast
 from service.engine.prompts.prompt import PrefilledPrompt
@@ -46,18 +46,46 @@ class SegmentAssembly:
         assert result is not None
         return result
 
-    def _append(self, past: Array | None, piece: Array) -> Array:
-        """past (2 x layers, 1, heads, P, hd) and piece (2 x layers, heads, T, hd): one contiguous array."""
+    def _append(self, past: Array | None, piece: Array, start: int, stop: int) -> Array:
+        """past (2 x layers, 1, heads, P, hd) and the tokens [start, stop) of a segment's placed K/V
+        (2 x layers, heads, T, hd): one contiguous array. A split layout's (SplitKV): the global K/V
+        alike, and the local K/V of the last tokens, which the segment's own local K/V end (a segment
+        computed alone keeps its last `local_width` tokens' at most, and a span ends at most one token
+        before its segment's end: the window before the next computed token is always there)."""
         backend = self.runner.backend
-        piece = piece[:, None]
-        return backend.concatenate([piece] if past is None else [past, piece], axis=3)
+        if not isinstance(piece, SplitKV):
+            piece = piece[:, None, :, start:stop]
+            return backend.concatenate([piece] if past is None else [past, piece], axis=3)
+        length, held = int(piece.global_kv.shape[2]), int(piece.local_kv.shape[2])
+        first = max(start, length - held)  # the segment's first token whose local K/V it holds
+        local = piece.local_kv[:, None, :, first - (length - held) : stop - (length - held)]
+        glob = piece.global_kv[:, None, :, start:stop]
+        if past is None:
+            return SplitKV(glob, local)
+        if first == start:  # the local K/V run on from the past's
+            local = backend.concatenate([past.local_kv, local], axis=3)[:, :, :, -self.runner.layout.local_width :]
+        return SplitKV(backend.concatenate([past.global_kv, glob], axis=3), local)
 
     def _placed(self, kv: Array, offset: int) -> Array:
-        """A segment's K/V computed from position 0, as it serves at `offset`."""
+        """A segment's K/V computed from position 0, as it serves at `offset` (a split layout's: the
+        rotated layers' keys in the global and the local K/V alike)."""
         if self.reuse.mode != REUSE_ROTATE or offset == 0:
             return kv
+        if isinstance(kv, SplitKV):
+            layout = self.runner.layout
+            return SplitKV(
+                self._rotated(kv.global_kv, offset, layout.global_layers),
+                self._rotated(kv.local_kv, offset, layout.local_layers),
+            )
+        return self._rotated(kv, offset, tuple(range(kv.shape[0] // 2)))
+
+    def _rotated(self, kv: Array, offset: int, layers: tuple[int, ...]) -> Array:
+        """K/V of these layers, (2 x len(layers), heads, T, hd), with the rotated layers' keys turned by `offset`."""
         assert self.reuse.rotary_inv_freq is not None
-        rows = self.reuse.rotated_key_rows(kv.shape[0] // 2)
+        rotated = self.reuse.rotated_layers
+        rows = [2 * index for index, layer in enumerate(layers) if rotated is None or layer in rotated]
+        if not rows:
+            return kv
         keys = rotate_keys(self.runner.backend, kv[rows], offset, self.reuse.rotary_inv_freq, self.runner.dtype)
         placed = self.runner.backend.copy(kv)
         placed[rows] = keys
@@ -82,7 +110,7 @@ class SegmentAssembly:
         for (start, end), kv in zip(spans, cached, strict=True):
             if start > done:
                 prompt = self._compute(request_id, token_ids[:start], past)
-                past, done = prompt.cache[:, None], start
+                past, done = _batched(prompt.cache), start
             if kv is None:
                 segment = tuple(token_ids[start:end])
                 kv = self._compute(request_id, list(segment), None).cache
@@ -90,15 +118,27 @@ class SegmentAssembly:
             stop = min(end, last)
             if repair > 0 and start < stop:
                 prompt = self._compute(request_id, token_ids[: min(start + repair, stop)], past)
-                past, done = prompt.cache[:, None], min(start + repair, stop)
+                past, done = _batched(prompt.cache), min(start + repair, stop)
             if done < stop:
-                past = self._append(past, self._placed(kv, start)[:, :, done - start : stop - start])
+                past = self._append(past, self._placed(kv, start), done - start, stop - start)
                 reused += stop - done
                 done = stop
         if done < len(token_ids):
             prompt = self._compute(request_id, token_ids, past)
         assert prompt is not None and prompt.length == len(token_ids)
         return SegmentedPrompt(request_id, prompt.logits, prompt.cache, prompt.length, None, computed, reused)
+
+
+def _batched(kv: Array) -> Array:
+    """A row's K/V (2 x layers, heads, T, hd) as a one-row past (2 x layers, 1, heads, T, hd)."""
+    return SplitKV(kv.global_kv[:, None], kv.local_kv[:, None]) if isinstance(kv, SplitKV) else kv[:, None]
+
+
+def _assembled(past: CachedPast | None) -> Array | None:
+    """A prefix-cache hit as a one-row past (a split layout's: with the local window before it)."""
+    if past is None:
+        return None
+    return SplitKV(past.assemble(), past.assemble_local()) if past.local_parts else past.assemble()
 
 
 class SegmentReuser:
@@ -129,9 +169,7 @@ class SegmentReuser:
         segments = [tuple(token_ids[start:end]) for start, end in spans]
         cached = [self.store.cached_segment(self._key(request, tokens), tokens) for tokens in segments]
         repair = request.segment_repair_tokens
-        return lambda: self.assembly.run(
-            request.request_id, token_ids, spans, cached, repair, None if past is None else past.assemble()
-        )
+        return lambda: self.assembly.run(request.request_id, token_ids, spans, cached, repair, _assembled(past))
 
     def keep(self, request: Request, prompt: PrefilledPrompt) -> None:
         """Segments computed for this prompt are kept; the usage learns how many tokens were reused."""

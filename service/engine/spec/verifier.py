@@ -23,7 +23,7 @@ import numpy as np
 from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVStore
 from service.engine.messages import MAX_SPECULATIVE_TOKENS
 from service.engine.worker.decode_plan import DecodeCalls
-from service.engine.worker.model_session import GraphBinder, ModelSession
+from service.engine.worker.model_session import GraphBinder, LocalPast, ModelSession
 
 
 @dataclass
@@ -53,6 +53,7 @@ class InPlaceCall:
     mask: Array  # (1, capacity): all ones (the row is left-aligned; the view's width says how many count)
     positions: Array  # (1, tokens)
     logits: Array  # (1, tokens, vocab)
+    local_mask: Array | None = None  # (1, local_width): all ones, a split row's (the view says how many count)
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Pending:
 
     klass: CapacityClass
     new_kv: Array | None
-    written: int = 0
+    written: list[int] | None = None  # per row: the tokens the fused prompt graph wrote after it
 
 
 class BlockVerifier:
@@ -80,7 +81,7 @@ class BlockVerifier:
         self._open_prompt_session = prompt_session
         self._prompt_session: ModelSession | bool | None = False  # False: not opened yet
         self._verify_calls: dict[tuple[int, str], VerifyCall] = {}  # by class key
-        self._in_place_calls: dict[tuple[int, str], InPlaceCall] = {}  # by class key
+        self._in_place_calls: dict[tuple[int, str, int], InPlaceCall] = {}  # by class key and row
         self._pending: list[Pending] = []  # a verification's classes, until commit
 
     def verify(self, ids: list[str], fed: list[list[int]]) -> list[np.ndarray]:
@@ -107,9 +108,9 @@ class BlockVerifier:
                 klass.append_step(call.new_kv)
                 logits = self.backend.download(call.logits).astype(np.float32, copy=False)
             elif self._in_place(klass):
-                logits = self._verify_in_place(klass, fed[picks[0]])
+                logits = self._verify_rows_in_place(klass, [fed[pick] for pick in picks])
                 after_graph = time.perf_counter()
-                self._pending.append(Pending(klass, None, width))
+                self._pending.append(Pending(klass, None, widths))
             else:
                 verify = self._verify_call(klass, width)
                 tokens = np.full((len(picks), width), self.pad_token_id, dtype=np.int64)
@@ -137,7 +138,8 @@ class BlockVerifier:
             klass = pending.klass
             for row, member in enumerate(list(klass.members)):
                 if pending.new_kv is None:
-                    klass.keep_written(row, kept[member], pending.written)
+                    assert pending.written is not None
+                    klass.keep_written(row, kept[member], pending.written[row])
                 else:
                     klass.append_tokens(row, pending.new_kv[:, row, :, : kept[member]])
         self._pending = []
@@ -150,40 +152,69 @@ class BlockVerifier:
 
     def _in_place(self, klass: CapacityClass) -> bool:
         """A one-row class of full float32 rows decoding through the fused graph, where the export has
-        the fused prompt graph: its verification runs there, in place."""
-        if len(klass.members) != 1 or klass.kind != "float32" or not self.calls.fused(klass):
+        the fused prompt graph: its verification runs there, in place. A class of split rows always
+        does (one call per row: the explicit graph cannot read their local columns)."""
+        one_row = len(klass.members) == 1 and klass.kind == "float32" and self.calls.fused(klass)
+        if not one_row and klass.local is None:
             return False
         if self._prompt_session is False:
             self._prompt_session = self._open_prompt_session()
         return self._prompt_session is not None
 
-    def _verify_in_place(self, klass: CapacityClass, fed: list[int]) -> np.ndarray:
-        """The fused prompt graph over the row's fed tokens after its past, bound to the row itself:
-        host logits (1, len(fed), vocab), a view of the call's buffer (good until the next call)."""
+    def _verify_rows_in_place(self, klass: CapacityClass, fed: list[list[int]]) -> np.ndarray:
+        """`_verify_in_place` for each row: host logits (B, the longest fed, vocab)."""
+        if len(fed) == 1:
+            return self._verify_in_place(klass, fed[0], 0)
+        out = np.zeros((len(fed), max(map(len, fed)), self.binder.vocab_size), dtype=np.float32)
+        for row, tokens in enumerate(fed):
+            out[row, : len(tokens)] = self._verify_in_place(klass, tokens, row)[0]
+        return out
+
+    def _verify_in_place(self, klass: CapacityClass, fed: list[int], row: int) -> np.ndarray:
+        """The fused prompt graph over the row's fed tokens after its past, bound to the row itself
+        (a split row's local columns too, first shifted back to its window if the block would not fit
+        after them): host logits (1, len(fed), vocab), a view of the call's buffer (good until the next call)."""
         session = self._prompt_session
         assert isinstance(session, ModelSession)
-        call = self._in_place_calls.get(klass.key)
+        key = (*klass.key, row)
+        call = self._in_place_calls.get(key)
         backend, width = self.backend, len(fed)
         if call is None or call.version != klass.version:
-            most = MAX_SPECULATIVE_TOKENS + 1
-            ids, positions = backend.zeros((1, most), "int64"), backend.zeros((1, most), "int64")
-            mask = backend.zeros((1, klass.capacity), "int64")
-            mask[...] = 1
-            logits = backend.zeros((1, most, self.binder.vocab_size), "float32")
-            past = klass.arrays[0][:, :1]
-            binding, _ = self.binder.bind_prompt_in_place(session, ids[:, :1], mask[:, :1], positions[:, :1], past)
-            call = InPlaceCall(klass.version, binding, ids, mask, positions, logits)
-            self._in_place_calls[klass.key] = call
-        length = int(klass.lengths[0])
+            call = self._in_place_call(session, klass, row)
+            self._in_place_calls[key] = call
+        length = int(klass.lengths[row])
         assert length + width <= klass.capacity, "the scheduler reserves room for every guess"
         call.ids[0, :width] = backend.upload(np.asarray(fed, dtype=np.int64))
-        call.positions[0, :width] = klass.positions[0, 0] + backend.arange(width)
+        call.positions[0, :width] = klass.positions[row, 0] + backend.arange(width)
+        local_mask = None
+        if klass.local is not None:
+            klass.local.make_room(row, width)
+            local_mask = call.local_mask[:, : int(klass.local.lengths[row]) + width]
         self.binder.rebind_prompt(
             session, call.binding, call.ids[:, :width], call.mask[:, : length + width],
-            call.positions[:, :width], call.logits[:, :width],
+            call.positions[:, :width], call.logits[:, :width], local_mask,
         )  # fmt: skip
         session.run(call.binding)
         return backend.download(call.logits[:, :width])
+
+    def _in_place_call(self, session: ModelSession, klass: CapacityClass, row: int) -> InPlaceCall:
+        """A row's verification call through the fused prompt graph, bound to the row (each of its
+        tensors' row is contiguous) and to `MAX_SPECULATIVE_TOKENS + 1`-wide token buffers."""
+        backend, most = self.backend, MAX_SPECULATIVE_TOKENS + 1
+        ids, positions = backend.zeros((1, most), "int64"), backend.zeros((1, most), "int64")
+        mask = backend.zeros((1, klass.capacity), "int64")
+        mask[...] = 1
+        logits = backend.zeros((1, most, self.binder.vocab_size), "float32")
+        past = klass.arrays[0][:, row : row + 1]
+        local, local_mask = None, None
+        if klass.local is not None:
+            local_mask = backend.zeros((1, klass.local.width), "int64")
+            local_mask[...] = 1
+            local = LocalPast(local_mask[:, :1], klass.local.cache[:, row : row + 1])
+        binding, _ = self.binder.bind_prompt_in_place(
+            session, ids[:, :1], mask[:, :1], positions[:, :1], past, local
+        )  # fmt: skip
+        return InPlaceCall(klass.version, binding, ids, mask, positions, logits, local_mask)
 
     def _verify_call(self, klass: CapacityClass, width: int) -> VerifyCall:
         """The class's verification call for `width` tokens a row, bound once to its arrays (re-made
@@ -206,5 +237,5 @@ class BlockVerifier:
     def forget(self, exists: Any, everything: bool = False) -> None:
         """Drop the calls of classes that no longer exist (`exists(key)` false), or all of them."""
         for calls in (self._verify_calls, self._in_place_calls):
-            for key in [key for key in calls if everything or not exists(key)]:
+            for key in [key for key in calls if everything or not exists(key[:2])]:
                 del calls[key]

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.engine.kv import INT8_CHANNEL, Array, CapacityClass
-from service.engine.worker.model_session import GraphBinder, ModelSession
+from service.engine.worker.model_session import GraphBinder, LocalPast, ModelSession
 
 
 @dataclass
@@ -63,9 +63,11 @@ class DecodeCalls:
         if self.fused(klass):
             fused = self._sessions[klass.kind] if klass.kind == INT8_CHANNEL else self._fused_session
             assert fused is not None
-            binding, logits = self._binder.bind_in_place(fused, *inputs, past[0])
+            local = None if klass.local is None else LocalPast(klass.local.mask[:batch], klass.local.cache[:, :batch])
+            binding, logits = self._binder.bind_in_place(fused, *inputs, past[0], local)
             call = DecodeCall(klass.version, fused, binding, None, logits)
         else:
+            assert klass.local is None, "split rows decode through the fused graph (it reads their local columns)"
             session = self._sessions[klass.kind]
             binding, logits, new_kv = self._binder.bind(session, *inputs, past, klass.kind)
             call = DecodeCall(klass.version, session, binding, new_kv, logits)

@@ -24,9 +24,11 @@ from contract.cache_policy import kind_variant
 from contract.graph import (
     ATTENTION_MASK,
     INPUT_IDS,
+    LOCAL_ATTENTION_MASK,
     LOGITS,
     POSITION_IDS,
     cache_input_names,
+    layer_kv_names,
     new_kv_names,
     present_names,
 )
@@ -34,9 +36,10 @@ from contract.manifest import (
     NP_DTYPES,
     PREFILL_FUSED,
     FusedAttention,
+    LocalCache,
     Manifest,
 )
-from service.engine.kv import INT8, INT8_CHANNEL, Array, Backend, KVLayout
+from service.engine.kv import INT8, INT8_CHANNEL, Array, Backend, KVLayout, local_width
 from service.engine.worker import denormals
 from service.engine.worker.denormals import flush_denormals_on_this_thread
 
@@ -124,6 +127,17 @@ class ModelSession:
 
 
 @dataclass(frozen=True)
+class LocalPast:
+    """A split layout's local columns as a fused graph call takes them (contract.manifest.LocalCache):
+    `mask` (B, local past + new), `cache` (2 x local layers, B, heads, N, hd) bound as past (and as
+    present, unless `present` is a new array for past and new)."""
+
+    mask: Array
+    cache: Array
+    present: Array | None = None
+
+
+@dataclass(frozen=True)
 class CacheGraph:
     """The serving graph that reads classes of one storage kind, and how their arrays feed it."""
 
@@ -132,11 +146,13 @@ class CacheGraph:
     cache_names: list[list[str]]  # input names per cache array of the class (K/V; INT8: also scales)
 
 
-def cache_graphs(manifest: Manifest, dtype: str, int8_channel: bool = False) -> dict[str, CacheGraph]:
-    """The graph of each storage kind: the `dtype` serving graph, serving-int8 when exported, and with
-    `int8_channel` serving-fused-int8 (its rows are bound in place, past and present alike)."""
+def cache_graphs(
+    manifest: Manifest, dtype: str, int8_channel: bool = False, int8: bool = True
+) -> dict[str, CacheGraph]:
+    """The graph of each storage kind: the `dtype` serving graph, serving-int8 when exported (and
+    `int8`), and with `int8_channel` serving-fused-int8 (its rows are bound in place, past and present alike)."""
     graphs = {dtype: CacheGraph(kind_variant(dtype), dtype, cache_input_names(manifest.n_layers))}
-    if manifest.has_int8_cache:
+    if manifest.has_int8_cache and int8:
         graphs[INT8] = CacheGraph(kind_variant(INT8), "float32", cache_input_names(manifest.n_layers, int8=True))
     if int8_channel:
         graphs[INT8_CHANNEL] = CacheGraph(kind_variant(INT8_CHANNEL), "float32", cache_input_names(manifest.n_layers))
@@ -150,6 +166,27 @@ def int8_channel_scales(manifest: Manifest, dtype: str, attention: str, on_gpu: 
     if dtype != "float32" or attention == "explicit" or on_gpu:
         return None
     return manifest.int8_channel_scales
+
+
+def split_cache(manifest: Manifest, fused: FusedAttention | None, prompt_variant: str | None) -> LocalCache | None:
+    """A hybrid's local layers' K/V kept apart, bounded by their window (service/engine/kv/local.py):
+    where its export declares it and both fused graphs serve (they are the graphs that read the local
+    columns; the traced graphs read every layer at full width, so without them rows stay whole)."""
+    local = manifest.local_cache
+    if local is None or fused is None or prompt_variant is None:
+        return None
+    return local if {fused.variant, prompt_variant} <= set(local.variants) else None
+
+
+def split_layout(
+    manifest: Manifest, dtype: str, channel_scales: np.ndarray | None, local: LocalCache | None, block_size: int
+) -> KVLayout:
+    """The store's layout: every layer's K/V per token, or with `local` the global layers' per token
+    and the local layers' in a window's columns per row."""
+    shape = (manifest.n_layers, manifest.n_heads, manifest.head_dim, dtype, channel_scales)
+    if local is None:
+        return KVLayout(*shape)
+    return KVLayout(*shape, local.layers, local.window, local_width(local.window, block_size))
 
 
 def fused_graph(manifest: Manifest, dtype: str, attention: str) -> FusedAttention | None:
@@ -177,8 +214,21 @@ class GraphBinder:
     def __init__(self, backend: Backend, layout: KVLayout, vocab_size: int, graphs: dict[str, CacheGraph]) -> None:
         self.backend, self.layout, self.vocab_size, self.graphs = backend, layout, vocab_size, graphs
         self.new_names = new_kv_names(layout.n_layers)
-        self.fused_cache_names = cache_input_names(layout.n_layers)[0]
-        self.present_names = present_names(layout.n_layers)
+        # The fused graphs' cache names: a split layout's global layers' here, its local layers' apart.
+        past, present = cache_input_names(layout.n_layers)[0], present_names(layout.n_layers)
+        self.fused_cache_names = layer_kv_names(past, layout.global_layers)
+        self.present_names = layer_kv_names(present, layout.global_layers)
+        self.local_cache_names = layer_kv_names(past, layout.local_layers)
+        self.local_present_names = layer_kv_names(present, layout.local_layers)
+
+    def _local(self, inputs: dict[str, Array], outputs: dict[str, Array], local: LocalPast | None) -> None:
+        """A split layout's local past (and present: the same buffer, or `local.present`) and mask."""
+        if local is None:
+            return
+        inputs[LOCAL_ATTENTION_MASK] = local.mask
+        inputs.update(zip(self.local_cache_names, local.cache, strict=True))
+        present = local.cache if local.present is None else local.present
+        outputs.update(zip(self.local_present_names, present, strict=True))
 
     def bind(
         self, session: ModelSession, ids: Array, mask: Array, positions: Array, past: list[Array], kind: str
@@ -196,21 +246,26 @@ class GraphBinder:
         return session.bind(inputs, outputs), logits, new_kv
 
     def bind_in_place(
-        self, session: ModelSession, ids: Array, mask: Array, positions: Array, cache: Array
-    ) -> tuple[ort.IOBinding, Array]:
+        self, session: ModelSession, ids: Array, mask: Array, positions: Array, cache: Array,
+        local: LocalPast | None = None,
+    ) -> tuple[ort.IOBinding, Array]:  # fmt: skip
         """A fused decode call: `cache` (2L, B, heads, C, hd) bound as past and present alike, so the
-        kernel writes the new token's K/V into each row at its length; logits (B, 1, vocab) out."""
+        kernel writes the new token's K/V into each row at its length; logits (B, 1, vocab) out.
+        `local`: a split layout's local columns, bound the same way."""
         logits = self.backend.zeros((ids.shape[0], 1, self.vocab_size), "float32")
         inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
         inputs.update(zip(self.fused_cache_names, cache, strict=True))
         outputs = {LOGITS: logits, **dict(zip(self.present_names, cache, strict=True))}
+        self._local(inputs, outputs, local)
         return session.bind(inputs, outputs), logits
 
     def bind_prompt(
-        self, session: ModelSession, ids: Array, mask: Array, positions: Array, past: Array
-    ) -> tuple[ort.IOBinding, Array, Array]:
+        self, session: ModelSession, ids: Array, mask: Array, positions: Array, past: Array,
+        local: LocalPast | None = None,
+    ) -> tuple[ort.IOBinding, Array, Array]:  # fmt: skip
         """A fused prompt call (prefill-fused): `past` (2L, B, heads, P, hd) in; new arrays for logits
-        (B, S, vocab) and the whole cache, past and new, (2L, B, heads, P + S, hd) out."""
+        (B, S, vocab) and the whole cache, past and new, (2L, B, heads, P + S, hd) out. `local`: a
+        split layout's local past and mask, its present (past and new) in `local.present`."""
         layout, (batch, width) = self.layout, ids.shape
         total = past.shape[3] + width
         cache = self.backend.zeros((layout.tensors, batch, layout.n_heads, total, layout.head_dim), "float32")
@@ -218,27 +273,34 @@ class GraphBinder:
         inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
         inputs.update(zip(self.fused_cache_names, past, strict=True))
         outputs = {LOGITS: logits, **dict(zip(self.present_names, cache, strict=True))}
+        self._local(inputs, outputs, local)
         return session.bind(inputs, outputs), logits, cache
 
     def bind_prompt_in_place(
-        self, session: ModelSession, ids: Array, mask: Array, positions: Array, cache: Array
-    ) -> tuple[ort.IOBinding, Array]:
+        self, session: ModelSession, ids: Array, mask: Array, positions: Array, cache: Array,
+        local: LocalPast | None = None,
+    ) -> tuple[ort.IOBinding, Array]:  # fmt: skip
         """A fused prompt call whose past and present are one array: `cache` (2L, B, heads, P + S, hd)
         with the past in its first P columns, bound as both, so the kernel reads the past where it
         lies and writes the S new tokens' K/V after it (no second cache array, no copy of the
-        past); new logits (B, S, vocab) out."""
+        past); new logits (B, S, vocab) out. `local`: a split layout's local columns, bound the same way."""
         logits = self.backend.zeros((ids.shape[0], ids.shape[1], self.vocab_size), "float32")
         inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
         inputs.update(zip(self.fused_cache_names, cache, strict=True))
         outputs = {LOGITS: logits, **dict(zip(self.present_names, cache, strict=True))}
+        self._local(inputs, outputs, local)
         return session.bind(inputs, outputs), logits
 
     def rebind_prompt(
-        self, session: ModelSession, binding: ort.IOBinding, ids: Array, mask: Array, positions: Array, logits: Array
-    ) -> None:
+        self, session: ModelSession, binding: ort.IOBinding, ids: Array, mask: Array, positions: Array, logits: Array,
+        local_mask: Array | None = None,
+    ) -> None:  # fmt: skip
         """A fused prompt call bound in place (`bind_prompt_in_place`) for another number of new
-        tokens or past: its token inputs and logits bound anew, its cache as it was."""
+        tokens or past: its token inputs and logits bound anew, its cache as it was (`local_mask`: a split
+        layout's local mask, anew too)."""
         inputs = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions}
+        if local_mask is not None:
+            inputs[LOCAL_ATTENTION_MASK] = local_mask
         session.rebind(binding, inputs, {LOGITS: logits})
 
     def set_ids(self, target: Array, values: np.ndarray | list[int]) -> None:

@@ -38,7 +38,7 @@ from contract.cache_policy import CachePolicy
 from contract.graph import left_pad_batch, right_pad_batch
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
-from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVLayout, KVStore, RowPolicy, make_backend
+from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVStore, RowPolicy, SplitKV, make_backend
 from service.engine.kv.arrays import NumpyArrays
 from service.engine.kv.prefix import CachedPast
 from service.engine.kv.scratch import ScratchArray
@@ -49,6 +49,7 @@ from service.engine.spec.verifier import BlockVerifier
 from service.engine.worker.decode_plan import DecodeCall, DecodeCalls, DecodePlan
 from service.engine.worker.model_session import (
     GraphBinder,
+    LocalPast,
     ModelSession,
     cache_graphs,
     choose_providers,
@@ -56,6 +57,8 @@ from service.engine.worker.model_session import (
     fused_graph,
     int8_channel_scales,
     prompt_graph,
+    split_cache,
+    split_layout,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,6 +79,8 @@ class RunnerTimings:
     cache: float = 0.0
 
 
+# A text scored on a split layout goes through the prompt graph in chunks of this many tokens.
+SCORE_CHUNK_TOKENS = 512
 # A prompt streaming through a bounded policy lets other prompts run after this many tokens.
 STREAM_TOKENS_PER_YIELD = 64
 # The fused prompt session keeps a memory arena (with glibc's mmap threshold pinned, service/malloc.py,
@@ -106,23 +111,25 @@ class ModelRunner:
         self.variant = serving_variant(self.dtype)
         manifest.verify_all()
         self.backend = make_backend(self.on_gpu, backend)
-        channel_scales = int8_channel_scales(manifest, self.dtype, attention, self.on_gpu)
-        self.layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, self.dtype, channel_scales)
+        # The fused graphs, where exported and `attention` allows them: decode of full float rows, prompts.
+        self.fused = fused_graph(manifest, self.dtype, attention)
+        self.prompt_variant = prompt_graph(manifest, self.dtype, attention)
+        self.local_cache = split_cache(manifest, self.fused, self.prompt_variant)
+        # Split rows are float rows the fused graphs read: no int8-channel rows beside them.
+        channel_scales = None if self.local_cache else int8_channel_scales(manifest, self.dtype, attention, self.on_gpu)
+        self.layout = split_layout(manifest, self.dtype, channel_scales, self.local_cache, store.block_size)
         self.eviction = manifest.cache_eviction
         rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
         self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)
-        self.graphs = cache_graphs(manifest, self.dtype, channel_scales is not None)  # by storage kind
+        # By storage kind; split rows are float rows only (their int8 policies are refused: CachePolicy.missing).
+        self.graphs = cache_graphs(manifest, self.dtype, channel_scales is not None, int8=self.local_cache is None)
         self.binder = GraphBinder(self.backend, self.layout, manifest.vocab_size, self.graphs)
         self.threads = threads or default_threads()
         self.prefill_threads = threads or os.cpu_count() or 1
         # The decode calls (engine thread), one session per storage kind.
         self.sessions = {kind: self._session(self.threads, True, graph.variant) for kind, graph in self.graphs.items()}
         self.session = self.sessions[self.dtype]
-        # The fused decode graph (full float rows), where exported and `attention` allows it.
-        self.fused = fused_graph(manifest, self.dtype, attention)
         self.fused_session = self._session(self.threads, True, self.fused.variant) if self.fused else None
-        # The fused prompt graph, where exported and `attention` allows it (else prompts take the serving graph).
-        self.prompt_variant = prompt_graph(manifest, self.dtype, attention)
         # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
         self.prefill_session: ModelSession | None = None
         self.tail_session: ModelSession | None = None  # open_tail_session()
@@ -192,8 +199,11 @@ class ModelRunner:
     def _prompt_call(
         self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Array | None, last_only: bool
     ) -> tuple[np.ndarray, Array]:
-        """One prompt call: host logits (B, T or 1, vocab) and the new tokens' K/V (2L, B, heads, T, hd)."""
+        """One prompt call: host logits (B, T or 1, vocab) and the new tokens' K/V (2L, B, heads, T, hd;
+        a split layout's `SplitKV` of the whole call)."""
         logits, cache = self._prompt_forward(ids, mask, positions, past, last_only)
+        if isinstance(cache, SplitKV):
+            return logits, cache
         return logits, cache[:, :, :, cache.shape[3] - ids.shape[1] :]
 
     def _prompt_forward(
@@ -221,14 +231,34 @@ class ModelRunner:
             cache = new_kv if past.shape[3] == 0 else backend.concatenate([past, new_kv], axis=3)
             host_logits = backend.download(logits[:, -1:] if last_only else logits)
             return host_logits.astype(np.float32), cache
-        binding, logits, cache = self.binder.bind_prompt(session, *inputs, past)
+        local = self._fresh_local(inputs[1], ids.shape[1], past) if self.layout.split else None
+        binding, logits, cache = self.binder.bind_prompt(session, *inputs, past, local)
         session.run(binding, release_arena=release)
+        if local is not None:
+            cache = SplitKV(cache, local.present)
         self._prompt_memory_held = not release
         if not last_only:
             return backend.download(logits).astype(np.float32), cache
         last = mask.sum(axis=1) - past.shape[3] - 1  # each row's last token among the new columns
         rows = [backend.download(logits[row, int(column) : int(column) + 1]) for row, column in enumerate(last)]
         return np.stack(rows).astype(np.float32), cache
+
+    def _fresh_local(self, mask: Array, width: int, past: Array) -> LocalPast:
+        """A split layout's local inputs for a prompt call with no past (every caller's with a split
+        layout): its mask is the call's, and a new array takes its local layers' K/V of every token."""
+        assert past.shape[3] == 0, "a split layout's prompts with a past run in place (_split_chunks)"
+        layout, batch = self.layout, past.shape[1]
+        empty = self.backend.zeros((layout.local_tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
+        present = self.backend.zeros((layout.local_tensors, batch, layout.n_heads, width, layout.head_dim), self.dtype)
+        return LocalPast(mask, empty, present)
+
+    def _row_cache(self, cache: Array, row: int, columns: slice) -> Array:
+        """One row's cache of a batched prompt call: its columns (a split layout's local K/V: the last
+        `local_width` of them at most, all a row keeps)."""
+        if not isinstance(cache, SplitKV):
+            return cache[:, row, :, columns]
+        local = cache.local_kv[:, row, :, columns]
+        return SplitKV(cache.global_kv[:, row, :, columns], local[:, :, -self.layout.local_width :])
 
     def pad_batch(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[slice]]:
         """(input_ids, attention_mask, position_ids) of prompts in one call, and each row's columns:
@@ -253,7 +283,7 @@ class ModelRunner:
         ids, mask, positions, columns = self.pad_batch(list(prompts.values()))
         logits, cache = self._prompt_forward(ids, mask, positions, None, last_only=True)
         return [
-            PrefilledPrompt(rid, logits[row, -1], cache[:, row, :, columns[row]], len(p))
+            PrefilledPrompt(rid, logits[row, -1], self._row_cache(cache, row, columns[row]), len(p))
             for row, (rid, p) in enumerate(prompts.items())
         ]
 
@@ -306,6 +336,9 @@ class ModelRunner:
         mode takes a buffer longer than the call's tokens; the mask says how many count). No chunk
         copies the past into a new array, and no call allocates a cache. `scratch`: the calling
         thread's kept host memory to assemble a cached past into (the tail worker's)."""
+        if self.layout.split:
+            yield from self._split_chunks(request_id, token_ids, chunk_tokens, done, past, session, scratch)
+            return
         room = len(token_ids) - done
         if isinstance(past, CachedPast):
             cache = past.assemble(room, scratch)
@@ -319,6 +352,55 @@ class ModelRunner:
             logits, cache = self._prompt_in_place(ids, mask, positions, cache, session)
             yield PrefilledPrompt(request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
 
+    def _split_chunks(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        chunk_tokens: int,
+        done: int,
+        past: Array | CachedPast | None,
+        session: ModelSession | None = None,
+        scratch: ScratchArray | None = None,
+        all_logits: list[np.ndarray] | None = None,
+    ) -> Iterator[PrefilledPrompt | None]:
+        """`_chunks_in_place` for a split layout: the global layers' cache array holds the whole prompt,
+        the local layers' only the window before a chunk and the chunk (window - 1 + chunk_tokens columns,
+        whatever the prompt's length): after each chunk its last window - 1 tokens move to the front.
+        A cached past brings the local window before it (KVStore.cached_past). `all_logits`: gets every
+        chunk's logits (S, vocab) (Score)."""
+        layout, room = self.layout, len(token_ids) - done
+        keep = layout.window - 1
+        if isinstance(past, CachedPast):
+            cache, local, held = past.assemble(room, scratch), past.assemble_local(), past.local_tokens
+        else:  # none, or a past assembled by the caller (reused segments): SplitKV (2 x layers, 1, heads, P, hd)
+            assert past is None or isinstance(past, SplitKV), "a split layout's past carries its local window"
+            cache = self.backend.zeros((layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim), self.dtype)
+            local, held = None, 0
+            if past is not None:
+                cache[:, :, :, :done] = past.global_kv
+                local = past.local_kv[:, :, :, -keep:]
+                held = int(local.shape[3])
+        columns = keep + min(chunk_tokens, room)
+        buffer = self.backend.zeros((layout.local_tensors, 1, layout.n_heads, columns, layout.head_dim), self.dtype)
+        if local is not None:
+            buffer[:, :, :, :held] = local
+        for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
+            local_mask = np.ones((1, held + ids.shape[1]), dtype=np.int64)
+            last_only = all_logits is None
+            logits, cache = self._prompt_in_place(ids, mask, positions, cache, session, (local_mask, buffer), last_only)
+            if all_logits is not None:
+                all_logits.append(logits[0])
+            held += ids.shape[1]
+            if end == len(token_ids):
+                start = max(0, held - layout.local_width)
+                kv = SplitKV(cache[:, 0], buffer[:, 0, :, start:held])
+                yield PrefilledPrompt(request_id, logits[0, -1], kv, end)
+                return
+            if held > keep:  # the next chunk's local layers see the last window - 1 tokens before it
+                buffer[:, :, :, :keep] = self.backend.copy(buffer[:, :, :, held - keep : held])
+                held = keep
+            yield None
+
     def _prompt_in_place(
         self,
         ids: np.ndarray,
@@ -326,20 +408,25 @@ class ModelRunner:
         positions: np.ndarray,
         cache: Array,
         session: ModelSession | None = None,
+        local: tuple[np.ndarray, Array] | None = None,
+        last_only: bool = True,
     ) -> tuple[np.ndarray, Array]:
         """One row's chunk through the fused prompt graph with its past in place: `cache`
         (2L, 1, heads, N, hd), N >= P + S, the past in its first P columns (P + S: the mask's
-        width), gets the chunk's K/V in the S columns after them. Host logits of the chunk's last
-        token (1, 1, vocab) and the cache. `session`: the prefill worker's unless given."""
+        width), gets the chunk's K/V in the S columns after them. Host logits of the chunk's last token
+        (1, 1, vocab; with `last_only` False every token's, (1, S, vocab)) and the cache. `session`: the
+        prefill worker's unless given; `local`: a split layout's local mask and buffer (bound in place
+        the same way)."""
         session = session or self.prefill_session
         assert session is not None, "open_prefill_session() first"
         backend = self.backend
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
-        binding, logits = self.binder.bind_prompt_in_place(session, *inputs, cache)
+        local_past = None if local is None else LocalPast(backend.upload(local[0]), local[1])
+        binding, logits = self.binder.bind_prompt_in_place(session, *inputs, cache, local_past)
         session.run(binding)
         if session is self.prefill_session:  # the tail session's small arena is kept (not released when idle)
             self._prompt_memory_held = True
-        return backend.download(logits[:, -1:]).astype(np.float32), cache
+        return backend.download(logits[:, -1:] if last_only else logits).astype(np.float32), cache
 
     def prefill_chunked(
         self, request_id: str, token_ids: list[int], chunk_tokens: int, aborted: Callable[[], bool] = lambda: False
@@ -363,6 +450,11 @@ class ModelRunner:
             *_, streamed = self.stream_through_policy("score", inputs, policy, len(inputs), True, head)
             assert streamed is not None and streamed.all_logits is not None
             logits = streamed.all_logits
+        elif self.layout.split:  # in chunks: the local layers never hold more than a window and a chunk
+            kept: list[np.ndarray] = []
+            for _ in self._split_chunks("score", inputs, SCORE_CHUNK_TOKENS, 0, None, all_logits=kept):
+                pass
+            logits = np.concatenate(kept)
         else:
             ids = np.asarray([inputs], dtype=np.int64)
             positions = np.arange(ids.shape[1], dtype=np.int64)[None]

@@ -1,0 +1,151 @@
+"""A hybrid's rows served with per-group caches (service/engine/kv/local.py): the fused graphs read the
+local layers' window columns apart, and the served logits are PyTorch's, past the window, through
+chunked prompts, shifts of the local columns, prefix-cache hits and speculative blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from contract.manifest import Manifest
+from models.checkpoints import WEIGHTS_DIR
+from models.tokenizer import TOKENIZER
+from models.transformer import Transformer
+from service.engine.kv import SplitKV
+from service.engine.kv.prefix import block_hashes
+from service.engine.worker.runner import ModelRunner, StoreConfig
+
+HYBRIDS = ("rnope-swa", "rope-swa")
+TEXT = (
+    "def load(path):\n    with open(path) as handle:\n        return [line.strip() for line in handle]\n\n"
+    "class Cache(object):\n    def __init__(self, size):\n        self.size = size\n        self.items = {}\n\n"
+)
+
+
+def prompt_of(tokens: int) -> list[int]:
+    return TOKENIZER.encode(TEXT * (tokens // len(TEXT) + 1))[:tokens]
+
+
+def runner_for(repository: Path, model: str, attention: str = "auto") -> ModelRunner:
+    manifest = Manifest.load(repository / model)
+    if manifest.local_cache is None:
+        pytest.skip(f"{model}: an export from before per-group caches")
+    return ModelRunner(manifest, StoreConfig(256 << 20, 16, 4096), "cpu", 1, "numpy", attention=attention)
+
+
+@torch.no_grad()
+def pytorch_logits(model: str, tokens: list[int]) -> np.ndarray:
+    """Every position's logits of one PyTorch forward over the whole text (no cache)."""
+    return Transformer.load(WEIGHTS_DIR / model).float().eval()(torch.tensor([tokens]))[0][0].numpy()
+
+
+def greedy(runner: ModelRunner, rid: str, first: np.ndarray, steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """`steps` greedy tokens of a joined row, and the logits each was chosen from."""
+    tokens, seen = [int(first.argmax())], [first]
+    for _ in range(steps - 1):
+        assert runner.store.reserve(rid, runner.store.length(rid) + 1)
+        logits = runner.decode({rid: tokens[-1]})[rid]
+        seen.append(logits)
+        tokens.append(int(logits.argmax()))
+    return tokens, seen
+
+
+def test_hybrids_split_their_rows_where_the_fused_graphs_serve(repository: Path) -> None:
+    runner = runner_for(repository, "rope-swa")
+    assert runner.layout.split and runner.layout.local_layers == (0, 1, 2) and runner.layout.window == 64
+    assert runner.layout.token_bytes * 4 == runner_for(repository, "rope-swa", "explicit").layout.token_bytes
+
+
+@pytest.mark.parametrize("length", [300, 1000])
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_greedy_tokens_and_logits_equal_pytorch_past_the_window(repository: Path, model: str, length: int) -> None:
+    """A prompt in chunks of 128 (the local layers' buffer: window - 1 + 128 columns), then 200 steps:
+    the local columns fill and shift back to the window, and every step's logits are PyTorch's."""
+    runner = runner_for(repository, model)
+    prompt = prompt_of(length)
+    computed = runner.prefill_chunked("r", prompt, chunk_tokens=128)
+    assert computed is not None and isinstance(computed.cache, SplitKV)
+    assert computed.cache.local_kv.shape[2] <= runner.layout.local_width
+    assert runner.store.reserve("r", length + 1)
+    runner.join([computed])
+    tokens, seen = greedy(runner, "r", computed.logits, 200)
+    expected = pytorch_logits(model, prompt + tokens)[length - 1 :]
+    np.testing.assert_allclose(np.stack(seen), expected[:200], atol=2e-3)
+    assert tokens == [int(step.argmax()) for step in expected[:200]]
+
+
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_a_prefix_hit_needs_only_the_local_window_before_it(repository: Path, model: str) -> None:
+    """The prompt's blocks are kept (global K/V, and the local K/V of the last blocks); a repeat hits
+    all its full blocks and computes only its tail, with the window before it: the whole prompt's logits."""
+    runner = runner_for(repository, model)
+    store, prompt = runner.store, prompt_of(700)
+    whole = runner.prefill_chunked("w", prompt, chunk_tokens=256)
+    assert whole is not None
+    extra = ("m", "full")
+    hashes = block_hashes(prompt, 16, extra)
+    assert store.cache_prompt(prompt, hashes, extra, whole.cache, "full") == len(hashes)
+    past = store.cached_past(prompt, hashes, extra, len(prompt) - 1)
+    assert past is not None and past.tokens == 688 and past.local_tokens == 63
+    *_, hit = runner.prefill_chunks("h", prompt, 256, past)
+    assert hit is not None
+    np.testing.assert_allclose(hit.logits, whole.logits, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(hit.cache.global_kv), np.asarray(whole.cache.global_kv), atol=1e-4)
+
+
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_speculative_blocks_keep_what_plain_decoding_keeps(repository: Path, model: str) -> None:
+    """Two rows of one class verify blocks in place (one fused prompt call each): right guesses
+    and wrong ones; the rows' logits after each commit are plain decoding's, so nothing a rejected
+    guess wrote stays in the local columns (they shift back to the window meanwhile)."""
+    plain, spec = runner_for(repository, model), runner_for(repository, model)
+    prompts = {"a": prompt_of(150), "b": prompt_of(90)}
+    expected: dict[str, list[int]] = {}
+    for runner in (plain, spec):
+        for rid, prompt in prompts.items():
+            computed = runner.prefill_chunked(rid, prompt, chunk_tokens=128)
+            assert computed is not None and runner.store.reserve(rid, len(prompt) + 1)
+            runner.join([computed])
+            expected[rid] = [int(computed.logits.argmax())]
+    for _ in range(120):  # plain: every row's greedy path
+        for rid in prompts:
+            assert plain.store.reserve(rid, plain.store.length(rid) + 1)
+        logits = plain.decode({rid: path[-1] for rid, path in expected.items()})
+        for rid, path in expected.items():
+            path.append(int(logits[rid].argmax()))
+    done = {rid: 0 for rid in prompts}  # tokens of the path each spec row holds
+    for round_index in range(30):
+        fed = {}
+        for rid, path in expected.items():
+            guesses = path[done[rid] + 1 : done[rid] + 4]
+            if round_index % 2:  # a wrong second guess: only the first is kept
+                guesses = [guesses[0], (guesses[1] + 1) % 256, guesses[2]]
+            fed[rid] = [path[done[rid]], *guesses]
+            assert spec.store.reserve(rid, spec.store.length(rid) + len(fed[rid]))
+        ids = list(prompts)
+        logits = dict(zip(ids, spec.verifier.verify(ids, [fed[rid] for rid in ids]), strict=True))
+        kept = {}
+        for rid in ids:
+            predicted = logits[rid].argmax(-1)
+            accepted = 1
+            while accepted < len(fed[rid]) and fed[rid][accepted] == predicted[accepted - 1]:
+                accepted += 1
+            assert predicted[: accepted].tolist() == expected[rid][done[rid] + 1 : done[rid] + 1 + accepted]
+            kept[rid] = accepted
+            done[rid] += accepted
+        spec.verifier.commit(kept)
+    assert min(done.values()) > 60  # past the local columns' width: they shifted
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_a_long_text_is_scored_in_chunks_as_pytorch_scores_it(repository: Path, model: str) -> None:
+    runner = runner_for(repository, model)
+    text = prompt_of(1300)
+    scored = runner.score(text)
+    expected = torch.log_softmax(torch.from_numpy(pytorch_logits(model, text[:-1])).double(), -1).numpy()
+    np.testing.assert_allclose(scored.logprobs, expected[np.arange(len(text) - 1), text[1:]], atol=1e-4)
+    assert scored.greedy.tolist() == expected.argmax(-1).tolist()
