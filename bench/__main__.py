@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if "speculative" in args.sections:
         print_speculative(args, repository, server_threads, device_flags)
     if "long-context" in args.sections:
-        print_long_context(folders, args, steps)
+        print_long_context(folders, args, 10 if args.quick else 50)  # short steps: more of them
     return 0
 
 
