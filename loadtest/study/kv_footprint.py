@@ -65,3 +65,28 @@ def kv_footprint(folder: Path) -> dict[str, float]:
         figures["requests_4kb@budget"] = admitted
         figures["fixed_budget_bytes"] = FIXED_BUDGET_BYTES
     return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m loadtest.study.kv_footprint --model-repository R REPORT_FOLDER [--schemes ...]`: measure
+    the footprint alone (seconds, no server) and record it in a report's results.json, as the cache
+    section does."""
+    import argparse
+
+    from loadtest.study.results import Results
+
+    parser = argparse.ArgumentParser(prog="python -m loadtest.study.kv_footprint", description=main.__doc__)
+    parser.add_argument("folder", type=Path, help="the report folder, holding results.json")
+    parser.add_argument("--model-repository", type=Path, required=True)
+    parser.add_argument("--schemes", nargs="+", default=None, help="default: the report's schemes")
+    args = parser.parse_args(argv)
+    results = Results.read(args.folder / "results.json")
+    for scheme in args.schemes or results.schemes:
+        results.kv_footprint[scheme] = kv_footprint(args.model_repository / scheme)
+        print(scheme, results.kv_footprint[scheme])
+    results.write(args.folder / "results.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
