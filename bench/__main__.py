@@ -4,7 +4,8 @@ Prints single-stream decode tokens/s through gRPC versus an in-process ONNX Runt
 onnxruntime-genai on the same ONNX files; aggregate tokens/s at several concurrencies; decode
 step time versus context length per scheme; the share of step time spent handling the KV
 cache; KV bytes per token; and time to first token against the prompt's arithmetic and
-onnxruntime-genai's prompt phase. Figures, not verdicts: ratios are computed within the run.
+onnxruntime-genai's prompt phase; and inter-token latency at 256-4,096 tokens of context, each
+hybrid beside rope (`--sections long-context`). Figures, not verdicts: ratios are computed within the run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from bench.fused import print_fused_steps
+from bench.long_context import print_long_context
 from bench.mixed import print_mixed_lengths
 from bench.policies import print_int8_ratio, print_policy_steps
 from bench.prefill import print_prefill
@@ -26,7 +28,7 @@ from contract.paths import REPOSITORY_ROOT
 from service.engine.worker import denormals
 from service.engine.worker.model_session import default_threads
 
-SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill", "speculative")
+SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill", "speculative", "long-context")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         print_prefill(args, repository, server_threads, device_flags)
     if "speculative" in args.sections:
         print_speculative(args, repository, server_threads, device_flags)
+    if "long-context" in args.sections:
+        print_long_context(folders, args, 10 if args.quick else 50)  # short steps: more of them
     return 0
 
 

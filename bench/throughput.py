@@ -12,6 +12,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.layers import (
@@ -42,7 +43,6 @@ def print_throughput(
 ) -> None:
     """Print the throughput section; one server serves every figure but the last, which needs its
     prefill worker at the engine's own priority."""
-    folder = repository / args.model
     print(
         f"\nSingle-stream decode, {args.new_tokens} tokens, model {args.model}, {args.threads} decode threads "
         "(gRPC: the service; engine core: its core process read through its client, no gRPC; in-process "
@@ -62,36 +62,7 @@ def print_throughput(
         uncached.wait_serving()
         decode_tokens_per_second_grpc(server, args.model, 16)  # warm-up
         decode_tokens_per_second_grpc(uncached, args.model, 16)
-        rounds = [single_stream_figures(args, repository, server, server_threads, uncached) for _ in range(args.rounds)]
-        figures = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
-        for name, value in figures.items():
-            print(f"  {name:<30} {value:8.1f} tokens/s")
-        if args.rounds > 1:
-            print(f"  (figures and ratios: medians of {args.rounds} interleaved rounds)")
-        ratios = [
-            ("gRPC", "onnxruntime-genai", "(goal >= 0.8, same threads)"),
-            ("HTTP", "gRPC", "(goal >= 0.9: /v1/completions streaming, ignore_eos)"),
-            (WITH_LOGPROBS, "gRPC", "(what each token's log-probability and 5 alternatives cost)"),
-            (MISSES, UNCACHED, "(goal >= 0.97: a prefix-cache miss costs no more than no cache)"),
-            ("engine core", "runner", "(goal >= 0.9)"),
-            ("in-process engine", "runner", ""),
-            ("gRPC", "runner", ""),
-            ("gRPC", "session.run loop", ""),
-            ("gRPC", "engine core", ""),
-        ]
-        for top, bottom, goal in ratios:
-            if all(bottom in r and top in r for r in rounds):
-                ratio = statistics.median(r[top] / r[bottom] for r in rounds)
-                print(f"  {top + ' / ' + bottom:<36} {ratio:.2f}  {goal}".rstrip())
-        grpc_rate = figures["gRPC"]
-        ceiling, cpu_per_message = grpc_stream_ceiling()
-        print(
-            f"  gRPC transport alone (a bare server stream of one-byte messages, no engine): {ceiling:.0f} "
-            f"messages/s, {cpu_per_message:.0f} us of CPU per message (server and client together); one "
-            f"chunk per token at {grpc_rate:.0f} tokens/s takes {grpc_rate * cpu_per_message / 1e4:.0f}% "
-            "of one core for transport alone"
-        )
-
+        print_single_stream(args, repository, server, server_threads, uncached)
         interference = prefill_interference(server, args.model)
         print_interference("prefill worker at nice +10 (default)", interference)
         print(
@@ -99,37 +70,107 @@ def print_throughput(
             f"{args.new_tokens // 2} new tokens back to back, prefills included; medians of {args.rounds} "
             "interleaved sweeps):"
         )
-        # One sweep lasts seconds and a shared machine's speed drifts from minute to minute: each figure
-        # is the median of `rounds` sweeps over every concurrency, as the single-stream ones are, and
-        # the graph ceiling is measured right after each sweep (the server idle), so that every
-        # sweep's 16-stream ratio is taken against a ceiling of the same minute.
-        # Batch 64 too: how far the graph's own cost per token still falls past 16 rows bounds what 64
-        # streams can gain over 16.
-        runners = [batch_runner(folder, batch, 128, args.threads, args.device) for batch in (1, 16, 64)]
-
-        def graph_steps() -> tuple[float, float, float]:
-            rounds = [tuple(step_seconds(runner, steps * 5) for runner in runners) for _ in range(3)]
-            one, sixteen, sixty_four = (statistics.median(times) for times in zip(*rounds, strict=True))
-            return one, sixteen, sixty_four
-
-        sweeps, graphs, http64 = [], [], []
-        for _ in range(args.rounds):
-            sweeps.append(
-                {streams: aggregate_tokens_per_second(server, args.model, streams, args.new_tokens // 2)
-                 for streams in args.concurrency}
-            )  # fmt: skip
-            if 64 in args.concurrency:  # the same 64 clients through the HTTP API
-                http64.append(aggregate_tokens_per_second(server, args.model, 64, args.new_tokens // 2, http=True))
-            graphs.append(graph_steps())
-        rates = {streams: statistics.median(sweep[streams] for sweep in sweeps) for streams in args.concurrency}
-        for streams in args.concurrency:
-            print(
-                f"  {streams:>3} streams  {rates[streams]:8.1f} tokens/s   "
-                f"{rates[streams] / rates[args.concurrency[0]]:5.2f}x"
-            )
+        sweeps = aggregate_sweeps(args, repository, server, steps)
     finally:
         server.stop()
         uncached.stop()
+    print_against_the_graph(args, sweeps)
+    server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", "--prefill-nice", "0",
+                           *device_flags, threads=server_threads)  # fmt: skip
+    try:
+        print_interference(
+            "prefill worker at the same priority", prefill_interference(server.wait_serving(), args.model)
+        )
+    finally:
+        server.stop()
+
+
+def print_single_stream(
+    args: argparse.Namespace, repository: Path, server: ServerProcess, server_threads: int, uncached: ServerProcess
+) -> None:
+    """Single-stream decode through each layer (medians of interleaved rounds), their ratios against
+    their goals, and what gRPC transport alone costs per token."""
+    rounds = [single_stream_figures(args, repository, server, server_threads, uncached) for _ in range(args.rounds)]
+    figures = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+    for name, value in figures.items():
+        print(f"  {name:<30} {value:8.1f} tokens/s")
+    if args.rounds > 1:
+        print(f"  (figures and ratios: medians of {args.rounds} interleaved rounds)")
+    ratios = [
+        ("gRPC", "onnxruntime-genai", "(goal >= 0.8, same threads)"),
+        ("HTTP", "gRPC", "(goal >= 0.9: /v1/completions streaming, ignore_eos)"),
+        (WITH_LOGPROBS, "gRPC", "(what each token's log-probability and 5 alternatives cost)"),
+        (MISSES, UNCACHED, "(goal >= 0.97: a prefix-cache miss costs no more than no cache)"),
+        ("engine core", "runner", "(goal >= 0.9)"),
+        ("in-process engine", "runner", ""),
+        ("gRPC", "runner", ""),
+        ("gRPC", "session.run loop", ""),
+        ("gRPC", "engine core", ""),
+    ]
+    for top, bottom, goal in ratios:
+        if all(bottom in r and top in r for r in rounds):
+            ratio = statistics.median(r[top] / r[bottom] for r in rounds)
+            print(f"  {top + ' / ' + bottom:<36} {ratio:.2f}  {goal}".rstrip())
+    grpc_rate = figures["gRPC"]
+    ceiling, cpu_per_message = grpc_stream_ceiling()
+    print(
+        f"  gRPC transport alone (a bare server stream of one-byte messages, no engine): {ceiling:.0f} "
+        f"messages/s, {cpu_per_message:.0f} us of CPU per message (server and client together); one "
+        f"chunk per token at {grpc_rate:.0f} tokens/s takes {grpc_rate * cpu_per_message / 1e4:.0f}% "
+        "of one core for transport alone"
+    )
+
+
+@dataclass
+class Sweeps:
+    """Aggregate tokens/s by concurrency, one dict per sweep; the graph's step times (batch 1, 16, 64)
+    measured after each; the 64 HTTP streams' rate per sweep (when 64 is swept); and the medians."""
+
+    sweeps: list[dict[int, float]]
+    graphs: list[tuple[float, float, float]]
+    http64: list[float]
+    rates: dict[int, float]
+
+
+def aggregate_sweeps(args: argparse.Namespace, repository: Path, server: ServerProcess, steps: int) -> Sweeps:
+    """Sweep every concurrency `args.rounds` times, each sweep followed by the graph alone; print the
+    median rate of each concurrency."""
+    # One sweep lasts seconds and a shared machine's speed drifts from minute to minute: each figure
+    # is the median of `rounds` sweeps over every concurrency, as the single-stream ones are, and
+    # the graph ceiling is measured right after each sweep (the server idle), so that every
+    # sweep's 16-stream ratio is taken against a ceiling of the same minute.
+    # Batch 64 too: how far the graph's own cost per token still falls past 16 rows bounds what 64
+    # streams can gain over 16.
+    folder = repository / args.model
+    runners = [batch_runner(folder, batch, 128, args.threads, args.device) for batch in (1, 16, 64)]
+
+    def graph_steps() -> tuple[float, float, float]:
+        rounds = [tuple(step_seconds(runner, steps * 5) for runner in runners) for _ in range(3)]
+        one, sixteen, sixty_four = (statistics.median(times) for times in zip(*rounds, strict=True))
+        return one, sixteen, sixty_four
+
+    sweeps, graphs, http64 = [], [], []
+    for _ in range(args.rounds):
+        sweeps.append(
+            {streams: aggregate_tokens_per_second(server, args.model, streams, args.new_tokens // 2)
+             for streams in args.concurrency}
+        )  # fmt: skip
+        if 64 in args.concurrency:  # the same 64 clients through the HTTP API
+            http64.append(aggregate_tokens_per_second(server, args.model, 64, args.new_tokens // 2, http=True))
+        graphs.append(graph_steps())
+    rates = {streams: statistics.median(sweep[streams] for sweep in sweeps) for streams in args.concurrency}
+    for streams in args.concurrency:
+        print(
+            f"  {streams:>3} streams  {rates[streams]:8.1f} tokens/s   "
+            f"{rates[streams] / rates[args.concurrency[0]]:5.2f}x"
+        )
+    return Sweeps(sweeps, graphs, http64, rates)
+
+
+def print_against_the_graph(args: argparse.Namespace, measured: Sweeps) -> None:
+    """The graph's own ceiling for 16 and 64 streams, and each sweep's aggregate against it and HTTP's
+    against gRPC's."""
+    sweeps, graphs, http64, rates = measured.sweeps, measured.graphs, measured.http64, measured.rates
     ceilings = [16 * one / sixteen for one, sixteen, _ in graphs]
     one, sixteen, sixty_four = (statistics.median(times) for times in zip(*graphs, strict=True))
     print(
@@ -158,14 +199,6 @@ def print_throughput(
             f"HTTP / gRPC at 64 streams {statistics.median(each):.2f}  (goal >= 0.9; /v1/completions, same requests; "
             f"sweeps: {', '.join(f'{r:.2f}' for r in each)})"
         )
-    server = ServerProcess(repository, "--models", args.model, "--max-new-tokens-limit", "4096", "--prefill-nice", "0",
-                           *device_flags, threads=server_threads)  # fmt: skip
-    try:
-        print_interference(
-            "prefill worker at the same priority", prefill_interference(server.wait_serving(), args.model)
-        )
-    finally:
-        server.stop()
 
 
 LOGPROBS = 5

@@ -92,6 +92,9 @@ def start_results(
         if not existing.is_file():
             raise SystemExit(f"--sections {' '.join(sorted(sections))}: {existing} has no earlier full run to update")
         results = Results.read(existing)
+        # A scheme new to the run (a hybrid added to an earlier reference) joins its list, in SCHEMES order.
+        known = set(results.schemes) | set(schemes)
+        results.schemes = [scheme for scheme in SCHEMES if scheme in known]
     results.config.setdefault("runs", []).append(run)
     return results
 

@@ -32,7 +32,7 @@ def settle(server: ServerProcess, timeout: float = 30.0) -> None:
     time.sleep(2.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository",
@@ -48,20 +48,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warmup-seconds", type=int, default=60, help="load before the start figure (arenas at their peak shapes)"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def locust_command(args: argparse.Namespace, target: str, seconds: int, *extra: str) -> list[str]:
+    """Headless Locust at the soak's load for `seconds`: the warm-up and the measured run differ only in length
+    and in `extra` flags."""
+    return [
+        sys.executable, "-m", "locust", "-f", str(REPOSITORY_ROOT / "loadtest/locustfile.py"), "--headless",
+        "-u", str(args.users), "-r", str(args.users), "-t", f"{seconds}s", "--host", target,
+        "--models", args.models, "--max-new-tokens", str(args.max_new_tokens), "--prompt-bytes", "uniform:16:200",
+        "--cancel-fraction", str(args.cancel_fraction), *extra, "--only-summary",
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     server = ServerProcess(args.model_repository, "--max-queue", "1024", threads=0).wait_serving()
     out = Path(tempfile.mkdtemp(prefix="posenc-soak-"))
     try:
         # Warm up at the soak's own load, so the start figure already holds what steady state
         # needs (loaded sessions, ONNX Runtime's arenas at the peak batch shapes); growth from
         # there is what leaks.
-        subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(REPOSITORY_ROOT / "loadtest/locustfile.py"), "--headless",
-             "-u", str(args.users), "-r", str(args.users), "-t", f"{args.warmup_seconds}s", "--host", server.target,
-             "--models", args.models, "--max-new-tokens", str(args.max_new_tokens), "--prompt-bytes", "uniform:16:200",
-             "--cancel-fraction", str(args.cancel_fraction), "--only-summary"],
-            cwd=REPOSITORY_ROOT, capture_output=True, check=True,
-        )  # fmt: skip
+        warmup = locust_command(args, server.target, args.warmup_seconds)
+        subprocess.run(warmup, cwd=REPOSITORY_ROOT, capture_output=True, check=True)
         settle(server)
         start_rss = server.memory_bytes()
         started = time.monotonic()
@@ -74,55 +84,63 @@ def main(argv: list[str] | None = None) -> int:
 
         sampler = threading.Thread(target=sample_memory, daemon=True)
         sampler.start()
-        result = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(REPOSITORY_ROOT / "loadtest/locustfile.py"), "--headless",
-             "-u", str(args.users), "-r", str(args.users), "-t", f"{int(args.minutes * 60)}s", "--host", server.target,
-             "--models", args.models, "--max-new-tokens", str(args.max_new_tokens), "--prompt-bytes", "uniform:16:200",
-             "--cancel-fraction", str(args.cancel_fraction), "--csv", str(out / "soak"), "--only-summary"],
-            cwd=REPOSITORY_ROOT, capture_output=True, text=True,
-        )  # fmt: skip
+        measured = locust_command(args, server.target, int(args.minutes * 60), "--csv", str(out / "soak"))
+        result = subprocess.run(measured, cwd=REPOSITORY_ROOT, capture_output=True, text=True)
         elapsed = time.monotonic() - started
         sampling.set()
         settle(server)
         end_rss = server.memory_bytes()
-        rows = list(csv.DictReader((out / "soak_stats.csv").open()))
-        failures = list(csv.DictReader((out / "soak_failures.csv").open()))
-        codes: Counter[str] = Counter()
-        for failure in failures:
-            match = re.search(r"StatusCode\.([A-Z_]+)", failure["Error"])
-            codes[match.group(1) if match else failure["Error"][:60]] += int(failure["Occurrences"])
         print(
             f"soak: {elapsed / 60:.1f} min, {args.users} users, cancel fraction {args.cancel_fraction}, "
             f"locust exit {result.returncode}"
         )
-        print(f"{'entry':<28}{'requests':>10}{'failures':>10}{'p50 ms':>10}{'p99 ms':>10}")
-        for row in rows:
-            print(
-                f"{row['Name']:<28}{row['Request Count']:>10}{row['Failure Count']:>10}{row['50%']:>10}{row['99%']:>10}"
-            )
-        for row in csv.DictReader((out / "soak_token_latency.csv").open()):  # TTFT and ITL, apart from the RPCs
-            name, p50, p99 = f"{row['Type']} {row['Name']}", row["50% (ms)"], row["99% (ms)"]
-            print(f"{name:<28}{row['Count']:>10}{'':>10}{p50:>10}{p99:>10}")
-        print(f"errors by code: {dict(codes) or 'none'}")
-        growth = (end_rss - start_rss) / start_rss * 100 if start_rss else float("nan")
-        print(f"server resident memory: start {start_rss / 1e6:.0f} MB, end {end_rss / 1e6:.0f} MB ({growth:+.1f}%)")
-        print("  under load (s: MB): " + ", ".join(f"{t:.0f}: {rss / 1e6:.0f}" for t, rss in samples))
-        if len(samples) >= 4:
-            half = len(samples) // 2
-            first, second = (statistics.median(r for _, r in part) for part in (samples[:half], samples[half:]))
-            print(
-                f"  median under load: first half {first / 1e6:.0f} MB, second half {second / 1e6:.0f} MB "
-                f"({(second - first) / first * 100:+.1f}%)"
-            )
-        for model in (spec.partition(":")[0] for spec in args.models.split(",")):  # the models under load
-            try:
-                used = server.metric("posenc_kv_cache_used_bytes", model=model)
-                print(f"kv cache used at end ({model}): {used:.0f} bytes")
-            except KeyError:
-                pass
+        print_requests(out)
+        print_memory(start_rss, end_rss, samples)
+        print_cache_left(server, args.models)
     finally:
         server.stop()
     return 0
+
+
+def print_requests(out: Path) -> None:
+    """Locust's counts and percentiles per entry, token latencies apart, and its failures by gRPC code."""
+    rows = list(csv.DictReader((out / "soak_stats.csv").open()))
+    failures = list(csv.DictReader((out / "soak_failures.csv").open()))
+    codes: Counter[str] = Counter()
+    for failure in failures:
+        match = re.search(r"StatusCode\.([A-Z_]+)", failure["Error"])
+        codes[match.group(1) if match else failure["Error"][:60]] += int(failure["Occurrences"])
+    print(f"{'entry':<28}{'requests':>10}{'failures':>10}{'p50 ms':>10}{'p99 ms':>10}")
+    for row in rows:
+        print(f"{row['Name']:<28}{row['Request Count']:>10}{row['Failure Count']:>10}{row['50%']:>10}{row['99%']:>10}")
+    for row in csv.DictReader((out / "soak_token_latency.csv").open()):  # TTFT and ITL, apart from the RPCs
+        name, p50, p99 = f"{row['Type']} {row['Name']}", row["50% (ms)"], row["99% (ms)"]
+        print(f"{name:<28}{row['Count']:>10}{'':>10}{p50:>10}{p99:>10}")
+    print(f"errors by code: {dict(codes) or 'none'}")
+
+
+def print_memory(start_rss: int, end_rss: int, samples: list[tuple[float, int]]) -> None:
+    """Resident memory at rest before and after, and under load: growth between halves is what leaks."""
+    growth = (end_rss - start_rss) / start_rss * 100 if start_rss else float("nan")
+    print(f"server resident memory: start {start_rss / 1e6:.0f} MB, end {end_rss / 1e6:.0f} MB ({growth:+.1f}%)")
+    print("  under load (s: MB): " + ", ".join(f"{t:.0f}: {rss / 1e6:.0f}" for t, rss in samples))
+    if len(samples) >= 4:
+        half = len(samples) // 2
+        first, second = (statistics.median(r for _, r in part) for part in (samples[:half], samples[half:]))
+        print(
+            f"  median under load: first half {first / 1e6:.0f} MB, second half {second / 1e6:.0f} MB "
+            f"({(second - first) / first * 100:+.1f}%)"
+        )
+
+
+def print_cache_left(server: ServerProcess, models: str) -> None:
+    """KV bytes still held by each model under load once the server is at rest (a leak if not 0)."""
+    for model in (spec.partition(":")[0] for spec in models.split(",")):
+        try:
+            used = server.metric("posenc_kv_cache_used_bytes", model=model)
+            print(f"kv cache used at end ({model}): {used:.0f} bytes")
+        except KeyError:
+            pass
 
 
 if __name__ == "__main__":

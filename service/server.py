@@ -15,6 +15,7 @@ import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -166,7 +167,34 @@ def _env(name: str) -> str:
 
 
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
-    defaults, engine_defaults = ServerConfig(), EngineConfig()
+    """The server's configuration from flags, each defaulting to its POSENC_* variable, then checked."""
+    parser = _parser(ServerConfig(), EngineConfig())
+    args = vars(parser.parse_args(argv))
+    engine = EngineConfig(
+        **{attr: args[attr] for attr in ENGINE_FLAGS},
+        default_cache_policies=tuple(args["default_cache_policies"]),
+        prefix_cache=args["prefix_cache"],
+    )
+    _check_engine(parser, engine)
+    _check_tls(parser, args)
+    try:
+        tenants = Tenants.read(read_token(args["auth_token"], args["auth_token_file"]), args["auth_tokens_file"])
+    except (OSError, ValueError) as error:
+        parser.error(f"--auth-tokens-file: {error}")
+    return ServerConfig(
+        model_repository=args["model_repository"],
+        models=[m for m in args["models"] if m],
+        tls_cert=args["tls_cert"],
+        tls_key=args["tls_key"],
+        tls_client_ca=args["tls_client_ca"],
+        tenants=tenants,
+        engine=engine,
+        **{attr: args[attr] for attr in SERVER_FLAGS},
+    )
+
+
+def _parser(defaults: ServerConfig, engine_defaults: EngineConfig) -> argparse.ArgumentParser:
+    """Every flag: the hand-written ones (paths, lists, switches), then SERVER_FLAGS and ENGINE_FLAGS."""
     parser = argparse.ArgumentParser(
         prog="python -m service",
         description="posenc-serve gRPC generation service (flags also read POSENC_* env vars)",
@@ -217,12 +245,11 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         for attr, (flag, kind, text) in flags.items():
             default = kind(os.environ.get(_env(attr), getattr(source, attr)))
             parser.add_argument(flag, type=kind, default=default, help=f"{text} (env {_env(attr)})")
-    args = vars(parser.parse_args(argv))
-    engine = EngineConfig(
-        **{attr: args[attr] for attr in ENGINE_FLAGS},
-        default_cache_policies=tuple(args["default_cache_policies"]),
-        prefix_cache=args["prefix_cache"],
-    )
+    return parser
+
+
+def _check_engine(parser: argparse.ArgumentParser, engine: EngineConfig) -> None:
+    """Refuse engine settings out of range with a usage error, before any model is loaded."""
     if not 0 <= engine.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         parser.error(f"--speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (got {engine.speculative_tokens})")
     if engine.speculative_method not in PROPOSERS:
@@ -234,24 +261,14 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         parser.error(f"--tail-prefill-tokens must be >= 0 (got {engine.tail_prefill_tokens})")
     if not 0 <= engine.stream_interval_ms <= 1000:
         parser.error(f"--stream-interval-ms must be between 0 and 1000 (got {engine.stream_interval_ms:g})")
+
+
+def _check_tls(parser: argparse.ArgumentParser, args: dict[str, Any]) -> None:
+    """A certificate needs its key, and a client CA (mutual TLS) needs both."""
     if (args["tls_cert"] is None) != (args["tls_key"] is None):
         parser.error("--tls-cert and --tls-key go together")
     if args["tls_client_ca"] is not None and args["tls_cert"] is None:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
-    try:
-        tenants = Tenants.read(read_token(args["auth_token"], args["auth_token_file"]), args["auth_tokens_file"])
-    except (OSError, ValueError) as error:
-        parser.error(f"--auth-tokens-file: {error}")
-    return ServerConfig(
-        model_repository=args["model_repository"],
-        models=[m for m in args["models"] if m],
-        tls_cert=args["tls_cert"],
-        tls_key=args["tls_key"],
-        tls_client_ca=args["tls_client_ca"],
-        tenants=tenants,
-        engine=engine,
-        **{attr: args[attr] for attr in SERVER_FLAGS},
-    )
 
 
 class RunningServer:

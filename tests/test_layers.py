@@ -39,6 +39,7 @@ def copy_code(to: Path) -> Path:
     return to
 
 
+@pytest.mark.server  # runs a subprocess
 def test_the_import_contracts_hold() -> None:
     result = lint_imports(REPOSITORY_ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -53,6 +54,7 @@ def test_the_import_contracts_hold() -> None:
         ("contract/manifest.py", "import export.manifest", "contract imports nothing of the project"),
     ],
 )
+@pytest.mark.server  # runs a subprocess
 def test_breaking_a_contract_fails_the_check(tmp_path: Path, module: str, line: str, contract: str) -> None:
     root = copy_code(tmp_path)
     with (root / module).open("a") as source:

@@ -16,6 +16,7 @@ from loadtest.report.routing_tables import routing_section
 from loadtest.report.speculative_tables import speculative_section
 from loadtest.report.tables import (
     depth_table,
+    footprint_table,
     goodput_section,
     grid_table,
     headline_table,
@@ -52,11 +53,17 @@ def write_report(out: Path) -> Path:
     """Draw the figures and write report.md into `out`, from its results.json."""
     results = Results.read(out / "results.json")
     plot(results, out)
+    sections = (_title, _headline, _latency, _memory_and_retrieval, _the_rest, _appendix)
+    text = "".join(section(results) for section in sections)
+    (out / "report.md").write_text(text)
+    write_html(out / "report.md")  # report.html beside it, figures embedded
+    return out / "report.md"
+
+
+def _title(results: Results) -> str:
+    """The title and where the figures come from (machine, versions, commit), then the findings."""
     env = results.environment
-    budget = results.config["budget"]
-    targets = results.config["goodput_targets"]
-    train_context = results.train_context
-    text = f"""# Positional-encoding comparison — run {results.run_id}
+    return f"""# Positional-encoding comparison — run {results.run_id}
 
 Measured through the gRPC service (`python -m loadtest.compare`); every raw figure is in
 `results.json`. Machine: {env["cpus"]} CPUs, {env["machine"]}, {env["memory"]}; {env["platform"]}.
@@ -64,19 +71,34 @@ Versions: Python {env["python"]}, onnxruntime {env["onnxruntime"]}, torch {env["
 Commit: `{env["commit"]}` (later reruns of single sections: the appendix).
 
 {findings_section(results)}
-## Headline
+"""
+
+
+def _headline(results: Results) -> str:
+    """The compact headline and quality against context, with the goodput targets it counts by."""
+    targets = results.config["goodput_targets"]
+    train_context = results.train_context
+    return f"""## Headline
 
 {compact_headline(results)}
 
 bpb: bits per byte on held-out text (the stdlib test split) through the `Score` RPC at multiples
 of the {train_context}-byte training context; "not servable" where the scheme has no positions for that length. Goodput
 counts requests with time to first token <= {targets["ttft_s"]} s and
-mean inter-token latency <= {targets["itl_s"] * 1000:.0f} ms.
+mean inter-token latency <= {targets["itl_s"] * 1000:.0f} ms; the headline's is without admission
+control (every request admitted), where the findings quote it with admission control (the Goodput
+section has both).
 
 ![bits per byte](bpb_vs_context.png)
 
 {grid_table("Bits per byte versus context multiple (rope-* rows: inference-time scaling)", results.quality, 1.0, 3)}
-## Latency
+"""
+
+
+def _latency(results: Results) -> str:
+    """Latency unloaded and under load, and goodput without and with admission control."""
+    budget = results.config["budget"]
+    return f"""## Latency
 
 The latency and load servers run without the prefix cache, so every prompt is computed (these
 sections send the same prompts again); what reuse buys is the KV reuse section's.
@@ -112,10 +134,18 @@ sections send the same prompts again); what reuse buys is the KV reuse section's
 ### Goodput, without and with admission control
 
 {goodput_section(results)}
-## Memory
+"""
+
+
+def _memory_and_retrieval(results: Results) -> str:
+    """What each scheme holds in memory, and what it retrieves over distance."""
+    budget = results.config["budget"]
+    return f"""## Memory
 
 {memory_section(results)}
 {memory_table(results)}
+
+{footprint_table(results)}
 
 Per-step extras are per sequence for one decode step over 2048 keys, measured from each scheme's
 positional module (a bias tensor of heads x keys for `relative` and `alibi`, rotary tables for
@@ -137,7 +167,12 @@ standard error over windows). Chance for a digit is 0.1, for a span character {c
 ![copy by depth](retrieval_depth.png)
 
 {retrieval_tables(results)}
-## What each scheme buys
+"""
+
+
+def _the_rest(results: Results) -> str:
+    """What each scheme buys, training, cache budgets, then the optional sections a run measured."""
+    return f"""## What each scheme buys
 
 {what_each_scheme_buys(results)}
 ## Training: when each scheme starts to copy
@@ -146,7 +181,12 @@ standard error over windows). Chance for a digit is 0.1, for a span character {c
 ## Cache budgets: what each scheme keeps when its cache is bounded
 
 {cache_budget_section(results)}
-{reuse_section(results)}{speculative_section(results)}{routing_section(results)}{evaluation_section(results)}## Appendix
+{reuse_section(results)}{speculative_section(results)}{routing_section(results)}{evaluation_section(results)}"""
+
+
+def _appendix(results: Results) -> str:
+    """Every headline column, the reruns, and the config the run used."""
+    return f"""## Appendix
 
 Every headline column, the sections measured again since the first run, and the config.
 
@@ -157,6 +197,3 @@ Every headline column, the sections measured again since the first run, and the 
 {json.dumps(results.config, indent=2)}
 ```
 """
-    (out / "report.md").write_text(text)
-    write_html(out / "report.md")  # report.html beside it, figures embedded
-    return out / "report.md"

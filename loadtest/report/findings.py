@@ -19,6 +19,7 @@ from loadtest.report.analysis import (
     pooled,
 )
 from loadtest.report.formatting import cell, fmt
+from loadtest.report.hybrids import hybrids_section
 from loadtest.report.reuse_tables import judge, mode_changes, scheme_verdict
 from loadtest.report.seeds import AcrossSeeds, across, agreement, label, seed_models, seeds_note
 from loadtest.report.speculative_tables import SPEEDUP_GAIN
@@ -254,19 +255,22 @@ def findings_section(results: Results) -> str:
             if "repeats@1" in results.speculative.get(s, {})
         )
         blocks.append(f"**[Speculative decoding](#speculative-decoding-what-guessing-buys-each-scheme)**\n\n{lines}\n")
+    if hybrids := hybrids_section(results):
+        blocks.append(hybrids)
     return "## Findings\n\n" + seeds_note(results) + "\n" + "\n".join(blocks)
 
 
 def compact_headline(results: Results) -> str:
-    """Eight columns: quality at 1x and at the longest multiple, far copy and passkey, goodput and p99
-    at the most users, KV bytes per token (every column of the old headline is in the appendix). A
-    scheme with several training seeds shows their mean and range in the seeds' columns."""
+    """Eight columns: quality at 1x and at the longest multiple, far copy and passkey, goodput
+    (without admission control, which its header says) and p99 at the most users, KV bytes per token
+    (every column of the old headline is in the appendix). A scheme with several training seeds
+    shows their mean and range in the seeds' columns."""
     multiples = sorted({m for s in results.schemes for m in results.quality.get(s, {})}, key=float)
     longest = multiples[-1] if multiples else "8"
     users = sorted({u for s in results.schemes for u in results.load.get(s, {})}, key=int)
     top = users[-1] if users else None
     header = ["scheme", "bpb@1x", f"bpb@{longest}x", f"copy @{longest}x", f"passkey @{longest}x",
-              f"goodput req/s @{top}", f"p99 s @{top}", "KV B/token"]  # fmt: skip
+              f"goodput req/s @{top}, no admission", f"p99 s @{top}", "KV B/token"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for scheme in results.schemes:
         load = results.load.get(scheme, {}).get(top, {}) if top else {}

@@ -54,7 +54,7 @@ def headline_table(results: Results) -> str:
     itl_ctx = max((int(c) for s in results.schemes for c in results.itl.get(s, {})), default=0)
     header = ["scheme", *[f"bpb@{m}x" for m in multiples], f"ITL ms @{itl_ctx}"]
     if top:
-        header += [f"p99 s @{top} users", f"tokens/s @{top}", f"goodput req/s @{top}"]
+        header += [f"p99 s @{top} users", f"tokens/s @{top}", f"goodput req/s @{top}, no admission"]
     header += ["KV B/token", "copy @<=128 B", "copy @8x", "passkey @8x"]
     cache = results.cache_budget
     if cache:  # what a bounded or int8 cache keeps: bpb at the longest text under window:256, int8 at 1x
@@ -136,6 +136,42 @@ def memory_table(results: Results) -> str:
             f"{m['rotary_bytes']} |"
         )
     return "\n".join(rows)
+
+
+def footprint_table(results: Results) -> str:
+    """What the served KV store allocates (loadtest/study/kv_footprint.py): bytes per token at each
+    sequence length, and the 4 KB requests one fixed budget holds at once, each against rope's."""
+    footprint = results.kv_footprint
+    if not footprint:
+        return ""
+    lengths = sorted({k.split("@")[1] for f in footprint.values() for k in f if k.startswith("kv_bytes")}, key=int)
+    budget = next((f["fixed_budget_bytes"] for f in footprint.values() if "fixed_budget_bytes" in f), None)
+    header = [*(f"K/V B/token @{n}" for n in lengths), f"4 KB requests in {fmt_mb(budget)} MB"]
+    rows = ["| scheme | " + " | ".join(header) + " |", "|" + "---|" * (len(header) + 1)]
+    rope = footprint.get("rope", {})
+    for scheme in [s for s in results.schemes if s in footprint]:
+        figures = footprint[scheme]
+        cells = [_against(figures.get(f"kv_bytes_per_token@{n}"), rope.get(f"kv_bytes_per_token@{n}"), 0)
+                 for n in lengths]  # fmt: skip
+        cells.append(_against(figures.get("requests_4kb@budget"), rope.get("requests_4kb@budget"), 0))
+        rows.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    return (
+        "What the served KV store allocates for one sequence (its arrays' bytes, rows rounded up to their "
+        "capacity class), and how many sequences of 4,096 tokens (a 4 KB prompt and its answer) one fixed "
+        "budget admits at once; rope's ratio beside each. Measured in-process on the server's own runner "
+        "(loadtest/study/kv_footprint.py).\n\n" + "\n".join(rows) + "\n"
+    )
+
+
+def fmt_mb(value: float | None) -> str:
+    return "?" if value is None else f"{value / 2**20:.0f}"
+
+
+def _against(value: float | None, rope: float | None, digits: int) -> str:
+    if value is None:
+        return "not servable"
+    text = f"{value:,.{digits}f}"
+    return text if not rope else f"{text} ({value / rope:.2f}x)"
 
 
 def goodput_section(results: Results) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from contract.cache_policy import FORM_SYNTAX, parse_cache_policy
 from loadtest.probes import Scorer, copy_text, passkey_text
 from loadtest.study.results import CacheBudget, Cell, Cells
 from service.api import generation_pb2 as pb
@@ -64,6 +65,12 @@ def policy_budget(policy: str) -> int | None:
 
 def offers_int8(info: pb.ModelInfo) -> bool:
     return any("int8" in form for form in info.cache_policies)
+
+
+def serves(info: pb.ModelInfo, policy: str) -> bool:
+    """Whether the model accepts the policy's form (ListModels lists them: a hybrid refuses windows
+    on top of its own, and int8 where its export reads no int8 local columns)."""
+    return FORM_SYNTAX[parse_cache_policy(policy).form] in info.cache_policies
 
 
 def score_bpb(server: ServerProcess, model: str, texts: list[str], policy: str = "") -> float | None:
@@ -143,6 +150,9 @@ def measure_cache_budgets(
     passkey_length = int(plan.passkey_context * context)
     passkeys = [passkey_text(text, rng, passkey_length) for _ in range(plan.trials)]
     for policy in policies:
+        if not serves(info, policy):  # refused by the model: its cells are not servable
+            retrieval[policy] = {**{f"copy@{d}": None for d in plan.copy_distances}, f"passkey@{passkey_length}": None}
+            continue
         scorer = Scorer(server.stub, model, limit, cache_policy=policy)
         cells: Cells = {f"copy@{d}": scorer.accuracy(copy_probes[d]) for d in plan.copy_distances}
         cells[f"passkey@{passkey_length}"] = scorer.accuracy(passkeys)
@@ -151,6 +161,8 @@ def measure_cache_budgets(
     cost_policies = list(policies)
     if offers_int8(info):
         for policy in ("int8", f"window:{plan.budgets[-1]}+int8"):
+            if not serves(info, policy):
+                continue
             int8[policy] = {
                 f"{m:g}": score_bpb(server, model, windows(int(m * context), plan.windows), policy)
                 for m in plan.int8_multiples
@@ -163,7 +175,8 @@ def measure_cache_budgets(
         }
         cost_policies += list(int8)
     prompt = text(COST_HISTORY - COST_NEW_TOKENS)
-    cost = {policy: measure_cost(server, model, prompt, policy) for policy in dict.fromkeys(cost_policies)}
+    cost = {policy: measure_cost(server, model, prompt, policy) for policy in dict.fromkeys(cost_policies)
+            if serves(info, policy)}  # fmt: skip
     return {
         "policies": policies,
         "bytes_per_token": info.kv_cache_bytes_per_token,

@@ -169,6 +169,9 @@ class Results:
     # The same load against a server with --ttft-slo-seconds (refused requests counted, not hidden).
     load_admission: dict[str, dict[str, LoadFigures]] = field(default_factory=dict)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The served KV store's footprint (loadtest/study/kv_footprint.py), measured in the cache section:
+    # scheme -> `kv_bytes_per_token@<tokens>`, `requests_4kb@budget` and `fixed_budget_bytes`.
+    kv_footprint: dict[str, dict[str, float]] = field(default_factory=dict)
     # Each round's figures behind the medians above (loadtest/study/rounds.py): "ttft" / "itl" ->
     # scheme -> length -> one value a round; "load" / "load_admission" -> scheme -> users -> figures a round.
     latency_rounds: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)

@@ -13,6 +13,7 @@ from loadtest.probes import Scorer, copy_text, depth_text, passkey_text
 from loadtest.study.budget import Budget
 from loadtest.study.cache_budget import measure_cache_budgets, score_bpb
 from loadtest.study.held_out import HeldOut
+from loadtest.study.kv_footprint import kv_footprint
 from loadtest.study.results import Results, Retrieval
 from loadtest.study.serving import COMPUTED, Repository, model_info, start
 from models.spans import SPAN_ALPHABET
@@ -94,6 +95,8 @@ def measure_model(
         results.cache_budget[model] = measure_cache_budgets(
             server, model, info, held_out.again().text, held_out.windows, budget.cache_plan()
         )
+        if model in results.schemes:  # the architecture's, not a seed's: the served model's only
+            results.kv_footprint[model] = kv_footprint(Path(server.repository) / model)
         progress.update()
 
 

@@ -46,6 +46,19 @@ logger = logging.getLogger(__name__)
 GAUGE_INTERVAL_SECONDS = 0.02
 
 
+def _input_processor(manifest: Manifest, config: EngineConfig, max_tokens: int) -> InputProcessor:
+    """The model's request checks, its default cache policy resolved (and refused) at start-up."""
+    limits = InputLimits(
+        config.max_new_tokens_limit, config.default_max_new_tokens, max_tokens, config.speculative_tokens
+    )
+    inputs = InputProcessor(manifest, limits)
+    try:
+        inputs.default_policy = inputs.cache_policy(default_cache_policy(manifest, config))
+    except RequestError as error:
+        raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
+    return inputs
+
+
 class ModelEngine:
     """Everything that serves one model."""
 
@@ -79,14 +92,7 @@ class ModelEngine:
         self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size, trace)
         self._admission_trace = trace
         self._backlog = Backlog()  # what is ahead of a new request, as of the last step
-        limits = InputLimits(
-            config.max_new_tokens_limit, config.default_max_new_tokens, self.store.max_tokens, config.speculative_tokens
-        )
-        self.inputs = InputProcessor(manifest, limits)
-        try:
-            self.inputs.default_policy = self.inputs.cache_policy(default_cache_policy(manifest, config))
-        except RequestError as error:
-            raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
+        self.inputs = _input_processor(manifest, config, self.store.max_tokens)
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.policy_forms = policy_forms(manifest)
         self.metrics = ModelMetrics(metrics, manifest.name, manifest.scheme, self.policy_forms)

@@ -42,6 +42,7 @@ def test_contract_imports_only_the_standard_library_and_numpy() -> None:
         assert {m.split(".")[0] for m in modules} <= allowed, (path.name, modules)
 
 
+@pytest.mark.server  # runs a subprocess
 def test_importing_the_contract_loads_neither_side() -> None:
     code = (
         "import sys, contract.graph, contract.manifest; "

@@ -10,6 +10,7 @@ Clients use service/channel.py's retry channel, as the README tells users to.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -301,10 +302,25 @@ def test_sigterm_on_one_replica_loses_no_call_of_a_retrying_client_and_its_strea
     cancelled_before = finished(leaving, code="CANCELLED")
     for thread in threads:
         thread.start()
-    time.sleep(0.3)
+    assert wait_for(lambda: all(calls.values()), timeout=30)  # both clients are calling
     signalled = time.monotonic()
     leaving.process.send_signal(signal.SIGTERM)
-    time.sleep(1.5)
+    closed: list[float] = []  # when `leaving` stopped taking connections, its streams still running
+
+    def port_closed() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", leaving.port), timeout=1).close()
+        except OSError:
+            closed.append(time.monotonic())
+            return True
+        return False
+
+    def after(moment: float, count: int) -> bool:
+        return all(sum(1 for started, _ in made if started > moment) >= count for made in calls.values())
+
+    # Calls keep coming through the whole drain: after the signal and after the port closes.
+    assert wait_for(port_closed, timeout=30)
+    assert wait_for(lambda: after(signalled, 5) and after(closed[0], 2), timeout=30)
     stop.set()
     for thread in threads:
         thread.join(timeout=30)

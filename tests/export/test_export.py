@@ -247,6 +247,7 @@ def test_onnxruntime_genai_greedy_equals_ours(repository: Path, scheme: str) -> 
     assert theirs == ours[0]
 
 
+@pytest.mark.server  # exports a repository (one scheme, every graph): minutes
 def test_export_command_prints_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:

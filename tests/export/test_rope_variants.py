@@ -175,6 +175,7 @@ def test_graphs_by_device_or_as_asked() -> None:
         ExportOptions(graphs=("bfloat16",)).graph_variants()
 
 
+@pytest.mark.server  # runs a subprocess
 def test_models_export_side_by_side_and_variants_derive_from_a_base_aside(tmp_path: Path) -> None:
     """Two worker processes; rope is not asked for, so its base graph is exported aside for the
     variant and left out of the repository; results come back in the asked order, verified."""

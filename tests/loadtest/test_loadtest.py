@@ -131,6 +131,7 @@ def test_locust_http_user_runs_the_same_scenario_through_the_openai_api(server: 
     token_latency_rows(tmp_path / "run_token_latency.csv", counts, "/v1/completions")
 
 
+@pytest.mark.server  # runs a subprocess
 def test_locust_help_lists_the_scenario_options() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "loadtest", "--help"], cwd=REPOSITORY_ROOT, capture_output=True, text=True, timeout=60

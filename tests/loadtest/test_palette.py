@@ -69,6 +69,7 @@ def named(label: str) -> str | None:
     return head
 
 
+@pytest.mark.server  # runs a subprocess
 def test_the_palette_covers_every_scheme_and_needs_no_matplotlib() -> None:
     assert tuple(palette.SCHEMES) == SCHEMES
     assert len({s.color for s in palette.SCHEMES.values()}) == len(SCHEMES)

@@ -49,6 +49,7 @@ def loaded_images(page: Path, profile: Path) -> list[bool]:
     return json.loads(found.group(1).replace("&quot;", '"'))
 
 
+@pytest.mark.server  # runs Chromium
 def test_the_reference_report_renders_with_every_figure(tmp_path: Path) -> None:
     page = tmp_path / "report.html"
     shutil.copy(REFERENCE / "report.html", page)  # the committed page, alone: its figures are embedded
@@ -66,6 +67,7 @@ def test_the_reference_report_renders_with_every_figure(tmp_path: Path) -> None:
     assert screenshot.stat().st_size > 10_000
 
 
+@pytest.mark.server  # runs Chromium
 def test_write_html_embeds_what_the_markdown_shows_and_leaves_broken_links_visible(tmp_path: Path) -> None:
     shutil.copy(REFERENCE / "kv_bytes.png", tmp_path / "kv_bytes.png")
     report = tmp_path / "report.md"

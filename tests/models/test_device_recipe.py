@@ -7,6 +7,8 @@ import json
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from models.checkpoints import WEIGHTS_DIR
 from models.device_recipe import main, recipe_arguments
 from models.positional import SCHEMES
@@ -21,6 +23,7 @@ def test_the_recipe_is_the_shipped_weights_own() -> None:
         assert arguments[arguments.index("--steps") + 1] == "8000" and "--copy-share" in arguments
 
 
+@pytest.mark.server  # runs a subprocess
 def test_every_scheme_trains_and_comes_back_as_one_archive(tmp_path: Path) -> None:
     out, work = tmp_path / "out", tmp_path / "work"
     tiny = ["--steps", "2", "--warmup-steps", "1", "--eval-interval", "2", "--eval-windows", "2", "--probe-trials", "2"]
@@ -36,6 +39,7 @@ def test_every_scheme_trains_and_comes_back_as_one_archive(tmp_path: Path) -> No
         assert summary["runs"][-1]["device"] == "cpu"
 
 
+@pytest.mark.server  # runs a subprocess
 def test_a_spent_budget_stops_every_scheme_and_says_so(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert main(["--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--budget-seconds", "0"]) == 1

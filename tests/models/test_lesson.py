@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from contract.paths import REPOSITORY_ROOT
 
@@ -19,6 +20,7 @@ def lesson_table(n: int, d: int) -> np.ndarray:
     return table
 
 
+@pytest.mark.server  # runs a subprocess
 def test_lesson_command_prints_the_table_and_the_check() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "models.lesson"],

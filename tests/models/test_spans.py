@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from contract.paths import REPOSITORY_ROOT
 from models.data import SPAN_BYTES
 from models.spans import SPAN_ALPHABET, SPAN_CHANCE
@@ -15,6 +17,7 @@ def test_chance_is_one_over_the_alphabet_and_training_draws_from_it() -> None:
     assert bytes(SPAN_BYTES).decode() == SPAN_ALPHABET
 
 
+@pytest.mark.server  # runs a subprocess
 def test_the_alphabet_imports_nothing_but_the_standard_library() -> None:
     check = "import sys, models.spans; assert not {'numpy', 'torch'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", check], cwd=REPOSITORY_ROOT, check=True)

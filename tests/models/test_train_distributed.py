@@ -18,6 +18,7 @@ ARGS = ["--scheme", "rope", "--steps", "6", "--batch-size", "4", "--context", "3
         "--grad-accum", "2", "--copy-share", "0.5", "--device", "cpu"]  # fmt: skip
 
 
+@pytest.mark.server  # runs a subprocess
 def test_two_gloo_ranks_end_with_identical_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 200)

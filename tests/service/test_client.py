@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from contract.paths import REPOSITORY_ROOT
 from service.process import ServerProcess, free_port
 
@@ -16,6 +18,7 @@ def run_client(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     return subprocess.run(command, cwd=REPOSITORY_ROOT, capture_output=True, text=True, timeout=60, env=env)
 
 
+@pytest.mark.server  # runs a subprocess
 def test_client_without_a_service_exits_1_and_says_where_the_address_comes_from() -> None:
     target = f"127.0.0.1:{free_port()}"  # nothing listens there
     result = run_client("--model", "alibi", "--target", target, "def fib(n):")
@@ -25,12 +28,14 @@ def test_client_without_a_service_exits_1_and_says_where_the_address_comes_from(
     assert "--target" in result.stderr and "POSENC_TARGET" in result.stderr
 
 
+@pytest.mark.server  # runs a subprocess
 def test_client_takes_its_target_from_posenc_target() -> None:
     target = f"127.0.0.1:{free_port()}"
     result = run_client("--model", "alibi", "def fib(n):", env={**os.environ, "POSENC_TARGET": target})
     assert result.returncode == 1 and target in result.stderr
 
 
+@pytest.mark.server  # runs a subprocess
 def test_client_help_shows_how_it_is_run_and_its_defaults() -> None:
     result = run_client("--help", env={k: v for k, v in os.environ.items() if k != "POSENC_TARGET"})
     assert result.returncode == 0

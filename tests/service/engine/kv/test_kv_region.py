@@ -81,6 +81,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.server  # runs a subprocess
 def test_a_class_grows_past_half_the_budget_and_gives_its_pages_back() -> None:
     """In a process of its own (nothing else allocating beside it): the kernel's resident set and peak."""
     result = subprocess.run(

@@ -1,0 +1,96 @@
+"""The Findings' paragraph on the hybrids: what each local/global hybrid costs and buys against rope,
+relative and alibi, question by question, from whatever the run measured (a section not yet measured
+for it says so rather than leaving the question out)."""
+
+from __future__ import annotations
+
+from loadtest.report.analysis import largest
+from loadtest.report.formatting import cell
+from loadtest.report.seeds import label
+from loadtest.study.results import Results
+from models.positional import SCHEME_REGISTRY, LocalGlobalHybrid
+
+RIVALS = ("rope", "relative", "alibi")
+QUALITY_CLOSE = 0.03  # the issue's bar: bits per byte at the training length within 3% of rope's
+
+
+def hybrid_schemes(results: Results) -> list[str]:
+    """The run's schemes whose local layers see a sliding window (models.positional.LocalGlobalHybrid)."""
+    return [s for s in results.schemes if issubclass(SCHEME_REGISTRY.get(s, object), LocalGlobalHybrid)]
+
+
+def _quality(results: Results, hybrid: str) -> str:
+    own = results.quality.get(hybrid, {})
+    if own.get("1") is None:
+        return "quality not measured"
+    longest = max((m for m, v in own.items() if v is not None), key=float)
+    parts = []
+    for rival in RIVALS:
+        theirs = results.quality.get(rival, {})
+        if theirs.get("1") is None:
+            continue
+        text = f"{own['1'] / theirs['1'] - 1:+.1%} of {rival}'s at 1x"
+        if theirs.get(longest) is not None and longest != "1":
+            text += f", {own[longest] / theirs[longest] - 1:+.1%} at {longest}x"
+        parts.append(text)
+    close = results.quality.get("rope", {}).get("1")
+    verdict = "" if close is None else (
+        " (within 3% of rope at the training length)" if abs(own["1"] / close - 1) <= QUALITY_CLOSE
+        else " (**not** within 3% of rope at the training length)"
+    )
+    return f"{own['1']:.3f} bits/byte at 1x, {own[longest]:.3f} at {longest}x: " + "; ".join(parts) + verdict
+
+
+def _retrieval(results: Results, hybrid: str) -> str:
+    if hybrid not in results.retrieval:
+        return "retrieval not measured"
+    parts = []
+    for probe in ("copy", "passkey"):
+        found = largest(results.probe(hybrid, probe))
+        if found is None:
+            continue
+        far = max(int(k) for k, v in results.probe(hybrid, probe).items() if v is not None and k != "all")
+        rivals = ", ".join(f"{r} {cell(c)}" for r in RIVALS if r in results.retrieval
+                           and (c := results.probe(r, probe).get(str(far))) is not None)  # fmt: skip
+        unit = "bytes apart" if probe == "copy" else "bytes of context"
+        parts.append(f"{probe} {cell(found)} at {far} {unit}" + (f" (against {rivals})" if rivals else ""))
+    return "; ".join(parts) or "retrieval not measured"
+
+
+def _memory(results: Results, hybrid: str) -> str:
+    own, rope = results.kv_footprint.get(hybrid), results.kv_footprint.get("rope")
+    if not own or not rope:
+        return "memory footprint not measured"
+    lengths = sorted((k.split("@")[1] for k in own if k.startswith("kv_bytes")), key=int)
+    per_token = ", ".join(
+        f"{own[f'kv_bytes_per_token@{n}'] / rope[f'kv_bytes_per_token@{n}']:.2f}x at {n}" for n in lengths
+        if f"kv_bytes_per_token@{n}" in rope
+    )
+    text = f"K/V bytes per token {per_token} tokens of rope's (relative and alibi hold rope's bytes)"
+    if "requests_4kb@budget" in own and rope.get("requests_4kb@budget"):
+        text += (f"; one budget holds {own['requests_4kb@budget']:.0f} 4 KB requests at once against rope's "
+                 f"{rope['requests_4kb@budget']:.0f}")  # fmt: skip
+    return text
+
+
+def _measured_or_not(results: Results, hybrid: str) -> str:
+    missing = [name for name, section in (("latency", results.itl), ("speculation", results.speculative),
+                                          ("reuse", results.reuse)) if hybrid not in section]  # fmt: skip
+    return "" if not missing else f" Not yet measured for it in this report: {', '.join(missing)}."
+
+
+def hybrids_section(results: Results) -> str:
+    """One paragraph per hybrid, or nothing when the run has none."""
+    hybrids = hybrid_schemes(results)
+    if not hybrids:
+        return ""
+    blocks = []
+    for hybrid in hybrids:
+        blocks.append(
+            f"- **{label(results, hybrid)}**: quality {_quality(results, hybrid)}. Retrieval: "
+            f"{_retrieval(results, hybrid)}. Memory: {_memory(results, hybrid)}.{_measured_or_not(results, hybrid)}"
+        )
+    return (
+        "**What the hybrids cost and buy** (local sliding-window RoPE layers with one global layer, against "
+        + ", ".join(RIVALS) + ")\n\n" + "\n".join(blocks) + "\n"
+    )
