@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> Path:
     models = sum(len(served.models[scheme]) for scheme in schemes)  # every training seed of every scheme
     steps = (
         len(schemes) * ("latency" in sections)
-        + 2 * budget.load_rounds * len(budget.concurrency) * len(schemes) * ("load" in sections)
+        + (2 * budget.load_rounds * len(budget.concurrency) + 1) * len(schemes) * ("load" in sections)
         + models * len(untimed)
         + len(served.rope_variants) * ("quality" in sections)
         + (2 * len(schemes) + models) * ("reuse" in sections)

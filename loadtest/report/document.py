@@ -15,6 +15,7 @@ from loadtest.report.reuse_tables import reuse_section
 from loadtest.report.routing_tables import routing_section
 from loadtest.report.speculative_tables import speculative_section
 from loadtest.report.tables import (
+    budget_load_table,
     depth_table,
     footprint_table,
     goodput_section,
@@ -134,6 +135,7 @@ sections send the same prompts again); what reuse buys is the KV reuse section's
 ### Goodput, without and with admission control
 
 {goodput_section(results)}
+{budget_load_table(results)}
 """
 
 

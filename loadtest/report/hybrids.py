@@ -73,9 +73,19 @@ def _memory(results: Results, hybrid: str) -> str:
     return text
 
 
+def _budget_load(results: Results, hybrid: str) -> str:
+    own, rope = results.load_budget.get(hybrid), results.load_budget.get("rope")
+    if not own or not rope:
+        return ""
+    return (f" Under one KV budget with 4 KB prompts it ran {own.get('running_peak', 0):.0f} requests at once "
+            f"against rope's {rope.get('running_peak', 0):.0f}, for {own['goodput_per_s']:.2f} good req/s and "
+            f"{own['tokens_per_s']:.0f} tokens/s against {rope['goodput_per_s']:.2f} and {rope['tokens_per_s']:.0f}.")
+
+
 def _measured_or_not(results: Results, hybrid: str) -> str:
     missing = [name for name, section in (("latency", results.itl), ("speculation", results.speculative),
-                                          ("reuse", results.reuse)) if hybrid not in section]  # fmt: skip
+                                          ("reuse", results.reuse), ("load under one KV budget", results.load_budget))
+               if hybrid not in section]  # fmt: skip
     return "" if not missing else f" Not yet measured for it in this report: {', '.join(missing)}."
 
 
@@ -88,7 +98,8 @@ def hybrids_section(results: Results) -> str:
     for hybrid in hybrids:
         blocks.append(
             f"- **{label(results, hybrid)}**: quality {_quality(results, hybrid)}. Retrieval: "
-            f"{_retrieval(results, hybrid)}. Memory: {_memory(results, hybrid)}.{_measured_or_not(results, hybrid)}"
+            f"{_retrieval(results, hybrid)}. Memory: {_memory(results, hybrid)}.{_budget_load(results, hybrid)}"
+            f"{_measured_or_not(results, hybrid)}"
         )
     return (
         "**What the hybrids cost and buy** (local sliding-window RoPE layers with one global layer, against "

@@ -163,6 +163,29 @@ def footprint_table(results: Results) -> str:
     )
 
 
+def budget_load_table(results: Results) -> str:
+    """The load under one fixed KV budget with 4 KB prompts (timed.measure_budget_load)."""
+    found = results.load_budget
+    if not found:
+        return ""
+    first = next(iter(found.values()))
+    rows = ["| scheme | most running at once | goodput req/s | tokens/s | TTFT p50 ms | refused/s | KV peak MB |",
+            "|" + "---|" * 7]  # fmt: skip
+    for scheme in [s for s in results.schemes if s in found]:
+        f = found[scheme]
+        rows.append(
+            f"| {scheme} | {f.get('running_peak', 0):.0f} | {f['goodput_per_s']:.2f} | {f['tokens_per_s']:.0f} | "
+            f"{f['ttft_p50_s'] * 1000:.0f} | {f['refused_per_s']:.2f} | {f['kv_peak_bytes'] / 1e6:.1f} |"
+        )
+    return (
+        f"### One KV budget, 4 KB prompts\n\n{first['users']:.0f} users send {first['prompt_bytes']:.0f}-byte prompts "
+        f"to servers whose `--kv-cache-bytes` is {fmt_mb(first['kv_budget_bytes'])} MB (8 rope sequences of "
+        "4,096 tokens): a scheme that holds fewer K/V bytes a token runs more of them at once. Whether that "
+        "shows as goodput depends on what prefill costs on this machine; either way it is a finding.\n\n"
+        + "\n".join(rows) + "\n"
+    )
+
+
 def fmt_mb(value: float | None) -> str:
     return "?" if value is None else f"{value / 2**20:.0f}"
 

@@ -169,6 +169,9 @@ class Results:
     # The same load against a server with --ttft-slo-seconds (refused requests counted, not hidden).
     load_admission: dict[str, dict[str, LoadFigures]] = field(default_factory=dict)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The load under one fixed KV budget with 4 KB prompts at the most users (timed.measure_budget_load):
+    # scheme -> its figures, with users, kv_budget_bytes and prompt_bytes.
+    load_budget: dict[str, dict[str, float]] = field(default_factory=dict)
     # The served KV store's footprint (loadtest/study/kv_footprint.py), measured in the cache section:
     # scheme -> `kv_bytes_per_token@<tokens>`, `requests_4kb@budget` and `fixed_budget_bytes`.
     kv_footprint: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from loadtest.streaming import timed_stream
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
+from loadtest.study.kv_footprint import FIXED_BUDGET_BYTES
 from loadtest.study.results import LoadFigures, Results
 from loadtest.study.rounds import medians
 from loadtest.study.serving import COMPUTED, generate, servable, served_limits, serving
@@ -100,22 +101,26 @@ def load_prompt_bytes(limit: int) -> int:
 
 def measure_load(
     server: ServerProcess, model: str, prompt: Callable[[random.Random], str], users: int, seconds: float,
-    new_tokens: int,
+    new_tokens: int, running: bool = False,
 ) -> LoadFigures:  # fmt: skip
     """Closed loop: `users` clients stream generations of `new_tokens` for `seconds`, each request's
-    prompt drawn by `prompt` from the client's own generator; /metrics sampled for peaks."""
+    prompt drawn by `prompt` from the client's own generator; /metrics sampled for peaks (with
+    `running`, the most sequences running at once too, in the same scrape)."""
     records: list[tuple[float, float, float, int]] = []  # latency, ttft, mean itl, tokens
     errors = refused = 0
     lock = threading.Lock()
     stop_at = time.monotonic() + seconds
-    peak = {"kv": 0.0}
+    peak = {"kv": 0.0, "running": 0.0}
+    names = ["posenc_kv_cache_used_bytes", *(["posenc_running_sequences"] if running else [])]
     sampling = threading.Event()
     interval = min(METRICS_SAMPLE_SECONDS, seconds / 20)
 
     def sample_metrics() -> None:
         while not sampling.is_set():
             try:
-                peak["kv"] = max(peak["kv"], server.metric("posenc_kv_cache_used_bytes", model=model))
+                values = server.sample(names, model=model)
+                peak["kv"] = max(peak["kv"], values["posenc_kv_cache_used_bytes"])
+                peak["running"] = max(peak["running"], values.get("posenc_running_sequences", 0.0))
             except Exception:  # a scrape racing the server is not a result
                 pass
             sampling.wait(interval)
@@ -175,6 +180,7 @@ def measure_load(
         "goodput_per_s": good / wall,
         "kv_peak_bytes": peak["kv"],
         "pool_utilisation": peak["kv"] / capacity if capacity else 0.0,
+        **({"running_peak": peak["running"]} if running else {}),
     }
 
 
@@ -218,6 +224,35 @@ def measure_load_series(
         results.load_rounds.setdefault("load_admission" if flags else "load", {}).update(rounds)
 
 
+BUDGET_PROMPT_BYTES = 4000  # "4 KB prompts": with BOS and the answer within the servers' 4,096 tokens
+
+
+def measure_budget_load(
+    repository: Path, threads: int, schemes: list[str], held_out: HeldOut, budget: Budget, results: Results,
+    progress: tqdm,
+) -> None:  # fmt: skip
+    """The load under one fixed KV budget (`--kv-cache-bytes`, what 8 rope sequences of 4,096 tokens
+    take) with 4 KB prompts at the most users: what a scheme's memory buys in goodput on this machine.
+    A scheme that holds fewer bytes a token runs more of these requests at once within the budget;
+    whether that shows as goodput is what prefill on this machine allows. Schemes whose position
+    limit cannot take the prompt are left out."""
+    users = max(budget.concurrency)
+    flags = (*COMPUTED, "--kv-cache-bytes", str(FIXED_BUDGET_BYTES))
+    prompts = [held_out.text(BUDGET_PROMPT_BYTES) for _ in range(16)]
+    progress.set_postfix(part="load, one KV budget")
+    with serving(repository, threads, schemes, *flags) as servers:
+        limits = served_limits(servers, results)
+        for scheme in rotated(schemes, 0):
+            if servable(limits[scheme], prompts[0], budget.load_new_tokens):
+                figures = measure_load(
+                    servers[scheme], scheme, lambda rng: rng.choice(prompts), users, budget.load_seconds,
+                    budget.load_new_tokens, running=True,
+                )  # fmt: skip
+                results.load_budget[scheme] = {**figures, "users": users, "kv_budget_bytes": FIXED_BUDGET_BYTES,
+                                               "prompt_bytes": BUDGET_PROMPT_BYTES}  # fmt: skip
+            progress.update()
+
+
 def measure_timed_sections(
     repository: Path, threads: int, schemes: list[str], sections: set[str], held_out: HeldOut, budget: Budget,
     results: Results, progress: tqdm,
@@ -230,6 +265,7 @@ def measure_timed_sections(
         progress.update(len(schemes))
     if "load" in sections:
         measure_load_series(repository, threads, schemes, held_out, budget, results, progress)
+        measure_budget_load(repository, threads, schemes, held_out, budget, results, progress)
 
 
 def per_step_extra_bytes(scheme: str, context: int = 2048) -> dict[str, int]:

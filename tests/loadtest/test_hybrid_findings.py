@@ -22,7 +22,7 @@ def test_each_hybrid_is_set_beside_its_rivals_and_says_what_is_missing() -> None
     assert "(within 3% of rope at the training length)" in text
     assert "copy 0.40 [0.30, 0.50] at 2048 bytes apart (against rope 0.40 [0.30, 0.50])" in text
     assert "0.28x at 4096 tokens of rope's" in text and "holds 29 4 KB requests at once against rope's 8" in text
-    assert "Not yet measured for it in this report: latency, speculation, reuse." in text
+    assert "Not yet measured for it in this report: latency, speculation, reuse, load under one KV budget." in text
 
 
 def test_a_run_without_hybrids_has_no_paragraph() -> None:

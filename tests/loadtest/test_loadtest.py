@@ -199,6 +199,15 @@ def test_comparison_harness_writes_a_complete_report(repository: Path, tmp_path:
     assert "## Cache budgets" in report and "window:64" in report
     assert "Each level was measured in 2 rounds" in report and "medians of 2 rounds [min-max]" in report
     assert set(results["reuse"]) == set(TRAINED) and "## KV reuse" in report  # every section in a full run
+    # One KV budget with 4 KB prompts: every scheme whose positions reach that far, none failing.
+    assert set(results["load_budget"]) == set(TRAINED) - {"learned"}
+    assert all(f["errors"] == 0 and f["running_peak"] >= 0 for f in results["load_budget"].values())
+    assert "### One KV budget, 4 KB prompts" in report
+    footprint = results["kv_footprint"]
+    assert footprint["rope"]["kv_bytes_per_token@4096"] == 4096
+    for hybrid in {"rnope-swa", "rope-swa"} & set(TRAINED):
+        assert footprint[hybrid]["kv_bytes_per_token@4096"] <= 0.3 * 4096
+        assert footprint[hybrid]["requests_4kb@budget"] >= 3 * footprint["rope"]["requests_4kb@budget"]
 
     # A rerun of the timed sections for some schemes updates those figures in place and records itself.
     before = results
