@@ -92,9 +92,8 @@ def start_results(
         if not existing.is_file():
             raise SystemExit(f"--sections {' '.join(sorted(sections))}: {existing} has no earlier full run to update")
         results = Results.read(existing)
-        # A scheme new to the run (a hybrid added to an earlier reference) joins its list, in SCHEMES order.
-        known = set(results.schemes) | set(schemes)
-        results.schemes = [scheme for scheme in SCHEMES if scheme in known]
+        # A scheme new to the run (a hybrid added to an earlier reference) joins the end of its list.
+        results.schemes += [scheme for scheme in schemes if scheme not in results.schemes]
     results.config.setdefault("runs", []).append(run)
     return results
 

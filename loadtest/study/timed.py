@@ -99,6 +99,34 @@ def load_prompt_bytes(limit: int) -> int:
     return 200 if limit else 512
 
 
+def load_figures(
+    records: list[tuple[float, float, float, int]], errors: int, refused: int, wall: float,
+    peak: dict[str, float], capacity: float, running: bool,
+) -> LoadFigures:  # fmt: skip
+    """A load level's figures from its requests' (latency, ttft, mean itl, tokens) and the peaks sampled."""
+    latencies = np.array([r[0] for r in records]) if records else np.zeros(1)
+    ttfts = np.array([r[1] for r in records]) if records else np.zeros(1)
+    good = sum(1 for r in records if r[1] <= TTFT_TARGET_S and r[2] <= ITL_TARGET_S)
+    return {
+        "requests": len(records),
+        "errors": errors,
+        "refused": refused,
+        "refused_per_s": refused / wall,
+        "p50_s": float(np.percentile(latencies, 50)),
+        "p95_s": float(np.percentile(latencies, 95)),
+        "p99_s": float(np.percentile(latencies, 99)),
+        "ttft_p50_s": float(np.percentile(ttfts, 50)),
+        "ttft_p99_s": float(np.percentile(ttfts, 99)),
+        "itl_p50_s": float(np.median([r[2] for r in records])) if records else 0.0,
+        "requests_per_s": len(records) / wall,
+        "tokens_per_s": sum(r[3] for r in records) / wall,
+        "goodput_per_s": good / wall,
+        "kv_peak_bytes": peak["kv"],
+        "pool_utilisation": peak["kv"] / capacity if capacity else 0.0,
+        **({"running_peak": peak["running"]} if running else {}),
+    }
+
+
 def measure_load(
     server: ServerProcess, model: str, prompt: Callable[[random.Random], str], users: int, seconds: float,
     new_tokens: int, running: bool = False,
@@ -160,28 +188,8 @@ def measure_load(
     wall = time.monotonic() - started
     sampling.set()
     sampler.join()
-    latencies = np.array([r[0] for r in records]) if records else np.zeros(1)
-    ttfts = np.array([r[1] for r in records]) if records else np.zeros(1)
-    good = sum(1 for r in records if r[1] <= TTFT_TARGET_S and r[2] <= ITL_TARGET_S)
     capacity = server.metric("posenc_kv_cache_capacity_bytes", model=model)
-    return {
-        "requests": len(records),
-        "errors": errors,
-        "refused": refused,
-        "refused_per_s": refused / wall,
-        "p50_s": float(np.percentile(latencies, 50)),
-        "p95_s": float(np.percentile(latencies, 95)),
-        "p99_s": float(np.percentile(latencies, 99)),
-        "ttft_p50_s": float(np.percentile(ttfts, 50)),
-        "ttft_p99_s": float(np.percentile(ttfts, 99)),
-        "itl_p50_s": float(np.median([r[2] for r in records])) if records else 0.0,
-        "requests_per_s": len(records) / wall,
-        "tokens_per_s": sum(r[3] for r in records) / wall,
-        "goodput_per_s": good / wall,
-        "kv_peak_bytes": peak["kv"],
-        "pool_utilisation": peak["kv"] / capacity if capacity else 0.0,
-        **({"running_peak": peak["running"]} if running else {}),
-    }
+    return load_figures(records, errors, refused, wall, peak, capacity, running)
 
 
 def measure_load_series(
