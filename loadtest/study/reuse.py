@@ -43,7 +43,7 @@ from loadtest.probes import clustered_wilson
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Cell, DocumentsForm, LoadFigures, Results, Reuse, ReuseMode
-from loadtest.study.reuse_scoring import AnswerScorer, cells, paired_change, scored_modes
+from loadtest.study.reuse_scoring import SINK, AnswerScorer, cells, paired_change, scored_modes
 from loadtest.study.rounds import medians
 from loadtest.study.serving import COMPUTED, model_info, serving
 from loadtest.study.timed import ADMISSION_TTFT_SLO_S, measure_load, rotated
@@ -176,7 +176,7 @@ def scored_form(
     full_bits: list[float] = []
     clusters = [p.document_set for p in prompts]
     for name, placement, k in scored_modes(declared, repairs):
-        mode = None if served is None else served.get(name, unserved())
+        mode = None if served is None or (name == SINK and scorer.split) else served.get(name, unserved())
         if mode is not None:
             scores = scorer.scores(prompts, placement, k)
             full_bits = full_bits or [s.bits for s in scores]  # "full" comes first
@@ -202,9 +202,10 @@ def scored_sample(scorer: AnswerScorer, declared: str, prompts: list[DocumentPro
     clusters = [p.document_set for p in prompts]
     full_bits = [s.bits for s in scorer.scores(prompts, "full")]
     return {
-        name: paired_change([s.bits for s in scorer.scores(prompts, placement, k)], full_bits, clusters)
+        name: None if name == SINK and scorer.split
+        else paired_change([s.bits for s in scorer.scores(prompts, placement, k)], full_bits, clusters)
         for name, placement, k in scored_modes(declared, repairs)
-    }
+    }  # fmt: skip
 
 
 @dataclass

@@ -42,7 +42,7 @@ from loadtest.probes import clustered_wilson, ratio_interval
 from loadtest.study.results import Cell
 from loadtest.workloads import DocumentPrompt
 from models.tokenizer import TOKENIZER
-from service.engine.kv import Array
+from service.engine.kv import Array, SplitKV
 from service.engine.kv.classes import rotate_keys
 from service.engine.messages import PromptSegment
 from service.engine.processing.input_processor import segment_spans
@@ -141,7 +141,9 @@ class AnswerScorer:
         computed = self._prompt(prompt, mode, repair)
         answer = list(prompt.answer.encode())
         logits = computed.logits[None]  # (1, vocab): predicts the answer's first byte
-        if len(answer) > 1:
+        if len(answer) > 1 and isinstance(computed.cache, SplitKV):
+            logits = np.concatenate([logits, self._split_rest(prompt, computed, answer[:-1])])
+        elif len(answer) > 1:
             ids = np.asarray([answer[:-1]], dtype=np.int64)
             positions = np.arange(computed.length, computed.length + len(answer) - 1, dtype=np.int64)[None]
             mask = np.ones((1, computed.length + len(answer) - 1), dtype=np.int64)
@@ -150,6 +152,25 @@ class AnswerScorer:
         logprobs = target_logprobs(logits, answer)
         hits = int((np.asarray(logits).argmax(-1) == np.asarray(answer)).sum())
         return AnswerScore(float(-logprobs.sum() / math.log(2)), hits, len(answer))
+
+    @property
+    def split(self) -> bool:
+        """The model's rows keep its local layers apart (a hybrid on split rows): the sink-kept
+        precompute, which drops a BOS column from every layer, is not built for them."""
+        return self.runner.layout.split
+
+    def _split_rest(self, prompt: DocumentPrompt, computed: PrefilledPrompt, fed: list[int]) -> np.ndarray:
+        """Logits (len(fed), vocab) of the answer's bytes fed after a split row's prompt K/V: the runner's
+        chunked path, whose local layers keep only their window."""
+        cache = computed.cache
+        assert isinstance(cache, SplitKV)
+        past = SplitKV(cache.global_kv[:, None], cache.local_kv[:, None])
+        token_ids = TOKENIZER.encode(prompt.text) + fed
+        assert len(token_ids) == computed.length + len(fed)
+        rest: list[np.ndarray] = []
+        for _ in self.runner._split_chunks("score", token_ids, CHUNK_TOKENS, computed.length, past, all_logits=rest):
+            pass
+        return np.concatenate(rest)
 
     def scores(self, prompts: list[DocumentPrompt], mode: str, repair: int = 0) -> list[AnswerScore]:
         return [self.score(p, mode, repair) for p in prompts]
