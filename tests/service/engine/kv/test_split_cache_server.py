@@ -180,7 +180,8 @@ def test_a_budget_between_the_hybrid_and_rope_minimum_starts_only_the_hybrid(rep
     server = ServerProcess(repository, "--models", "rnope-swa", "--kv-cache-bytes", str(budget)).wait_serving()
     try:
         (info,) = server.stub.ListModels(pb.ListModelsRequest(), timeout=10).models
-        assert info.name == "rnope-swa" and info.kv_cache_capacity_bytes <= budget
+        assert (info.kv_cache_bytes_per_token, info.kv_cache_bytes_per_sequence) == (1024, 442368)
+        assert info.kv_cache_capacity_bytes <= budget
     finally:
         server.stop()
     refused = ServerProcess(repository, "--models", "rope", "--kv-cache-bytes", str(budget))
