@@ -25,8 +25,9 @@ from bench.throughput import print_throughput
 from contract.cli import HelpFormatter
 from contract.manifest import Manifest
 from contract.paths import REPOSITORY_ROOT
+from service.engine.messages import EngineConfig
 from service.engine.worker import denormals
-from service.engine.worker.model_session import default_threads
+from service.engine.worker.model_session import default_threads, serving_plan
 
 SECTIONS = ("mixed", "throughput", "steps", "share", "policies", "fused", "prefill", "speculative", "long-context")
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     steps = 5 if args.quick else 20
 
-    print_kv_bytes(folders)
+    print_kv_bytes(folders, args.device)
     device_flags = ["--device", args.device]
     if "mixed" in args.sections:
         print_mixed_lengths(repository, args.model, server_threads, device_flags, args.quick)
@@ -92,14 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_kv_bytes(folders: list[Path]) -> None:
-    """The header every run prints, whatever its sections: KV bytes per token and position limit per model."""
-    print("KV bytes per token (float32, K and V of every layer):")
+def print_kv_bytes(folders: list[Path], device: str) -> None:
+    """The header every run prints, whatever its sections: the KV bytes a row holds and the position
+    limit per model, on the layout the server gives it on `device` (a split hybrid's row holds its
+    global layers' K/V a token and a fixed part for its local layers, not whole tokens)."""
+    print("KV bytes of a row as served (K and V a token; a split hybrid's local layers a sequence):")
+    block_size = EngineConfig().block_size
     for folder in folders:
         manifest = Manifest.load(folder)
+        layout = serving_plan(manifest, device, "auto", block_size).layout
+        per_sequence = f" + {layout.local_row_bytes} B/sequence" if layout.split else ""
         limit = manifest.max_positions or "unbounded"
-        print(f"  {manifest.name:<12} {manifest.kv_bytes_per_token():>6} B/token   positions: {limit}")
-
+        print(f"  {manifest.name:<12} {layout.token_bytes:>6} B/token{per_sequence}   positions: {limit}")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -47,10 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service on {server.target}, metrics on http://127.0.0.1:{server.metrics_port}/metrics\n")
         for model in server.stub.ListModels(pb.ListModelsRequest(), timeout=10).models:
             limit = model.max_positions or "unbounded"
-            print(
-                f"=== {model.name} (scheme {model.scheme}, positions {limit}, "
-                f"{model.kv_cache_bytes_per_token} KV bytes/token)"
-            )
+            per_sequence = model.kv_cache_bytes_per_sequence  # a split hybrid's local layers, fixed per row
+            kv = f"{model.kv_cache_bytes_per_token} B/token" + (f" + {per_sequence} B/sequence" if per_sequence else "")
+            print(f"=== {model.name} (scheme {model.scheme}, positions {limit}, KV {kv})")
             new_tokens = args.max_new_tokens
             if model.max_positions:  # a bounded model (learned): BOS, prompt and output must fit
                 new_tokens = min(new_tokens, model.max_positions - 1 - len(args.prompt.encode()))

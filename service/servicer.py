@@ -239,6 +239,7 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         bos_token_id=info.bos_token_id,
         eos_token_id=info.eos_token_id,
         add_bos=info.add_bos,
+        kv_cache_bytes_per_sequence=info.kv_cache_bytes_per_sequence,
     )
 
 

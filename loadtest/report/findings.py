@@ -18,7 +18,7 @@ from loadtest.report.analysis import (
     load_spreads,
     pooled,
 )
-from loadtest.report.formatting import cell, fmt
+from loadtest.report.formatting import cell, fmt, kv_bytes
 from loadtest.report.hybrids import hybrids_section
 from loadtest.report.reuse_tables import judge, mode_changes, scheme_verdict
 from loadtest.report.seeds import AcrossSeeds, across, agreement, label, seed_models, seeds_note
@@ -140,7 +140,7 @@ def memory_verdict(results: Results, scheme: str) -> str:
     info = results.models.get(scheme)
     if info is None:
         return "not measured"
-    text = f"{info['kv_bytes_per_token']} B/token"
+    text = kv_bytes(info, " B/token")
     said = judged(results, scheme, results.cache_budget, lambda model: cheapest_judgement(results, model))
     if len(said) == 1:
         sentence = next(iter(said.values()))[1]
@@ -279,7 +279,7 @@ def compact_headline(results: Results) -> str:
             label(results, scheme), *(seeded_bpb(results, scheme, m) for m in ("1", longest)),
             *(seeded_probe(results, scheme, probe) for probe in ("copy", "passkey")),
             fmt(load.get("goodput_per_s"), 2), fmt(load.get("p99_s"), 2),
-            "" if info is None else str(info["kv_bytes_per_token"]),
+            "" if info is None else kv_bytes(info),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -18,7 +18,7 @@ from loadtest.report.analysis import (
     refusals_per_good,
     verdict,
 )
-from loadtest.report.formatting import cell, fmt
+from loadtest.report.formatting import cell, fmt, kv_bytes
 from loadtest.report.seeds import agreement, label
 from loadtest.study.results import ByLength, Probe, Results, TrainingCurve
 from loadtest.study.rounds import Spread, goodput_ratio_rounds
@@ -73,7 +73,7 @@ def headline_table(results: Results) -> str:
         info = results.models.get(scheme)
         copy = results.probe(scheme, "copy")
         cells += [
-            "" if info is None else str(info["kv_bytes_per_token"]),
+            "" if info is None else kv_bytes(info),
             cell(pooled(copy, 128)),
             cell(largest(copy)),
             cell(largest(results.probe(scheme, "passkey"))),
@@ -131,7 +131,7 @@ def memory_table(results: Results) -> str:
             "input embedding B/step | attention bias B/step | rotary B/step |", "|" + "---|" * 7]  # fmt: skip
     for scheme, m in results.memory.items():
         rows.append(
-            f"| {scheme} | {results.models[scheme]['kv_bytes_per_token']} | {m['kv_peak_bytes'] / 1e6:.2f} | "
+            f"| {scheme} | {kv_bytes(results.models[scheme])} | {m['kv_peak_bytes'] / 1e6:.2f} | "
             f"{m['process_peak_bytes'] / 1e6:.0f} | {m['input_embedding_bytes']} | {m['attention_bias_bytes']} | "
             f"{m['rotary_bytes']} |"
         )

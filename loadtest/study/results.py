@@ -33,7 +33,10 @@ class ModelInfo(TypedDict):
     """The served model's description, from ListModels."""
 
     max_positions: int | None
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # what one more token adds to a row
+    # The fixed part of every row: a split hybrid's local layers' columns (0 for whole rows; absent
+    # from results written before ListModels reported it).
+    kv_bytes_per_sequence: NotRequired[int]
     kv_capacity_bytes: int
     train_context: int
 

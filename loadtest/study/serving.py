@@ -118,6 +118,7 @@ def model_info(server: ServerProcess, scheme: str, results: Results) -> pb.Model
     info = {m.name: m for m in server.stub.ListModels(pb.ListModelsRequest(), timeout=30).models}[scheme]
     results.models[scheme] = {
         "max_positions": info.max_positions or None, "kv_bytes_per_token": info.kv_cache_bytes_per_token,
+        "kv_bytes_per_sequence": info.kv_cache_bytes_per_sequence,
         "kv_capacity_bytes": info.kv_cache_capacity_bytes, "train_context": info.train_context,
     }  # fmt: skip
     return info

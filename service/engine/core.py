@@ -77,7 +77,7 @@ def model_infos(engine: Engine) -> list[ModelInfo]:
                 scheme=manifest.scheme,
                 max_positions=manifest.max_positions or 0,
                 train_context=manifest.train_context,
-                kv_cache_bytes_per_token=manifest.kv_bytes_per_token(model.runner.dtype),
+                kv_cache_bytes_per_token=model.store.layout.token_bytes,
                 n_layers=manifest.n_layers,
                 n_heads=manifest.n_heads,
                 head_dim=manifest.head_dim,
@@ -93,6 +93,7 @@ def model_infos(engine: Engine) -> list[ModelInfo]:
                 bos_token_id=model.inputs.bos_token_id,
                 eos_token_id=model.inputs.eos_token_id,
                 add_bos=model.inputs.add_bos,
+                kv_cache_bytes_per_sequence=model.store.layout.local_row_bytes,
             )
         )
     return infos

@@ -238,6 +238,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     bos_token_id: int = 256
     eos_token_id: int = 257
     add_bos: bool = True
+    # The store's row layout (KVLayout): a float row's bytes are this per token plus the fixed
+    # local columns of a split hybrid (0 for whole rows), so hybrids are not counted as whole rows.
+    kv_cache_bytes_per_sequence: int = 0
 
     def prompt_ids(self, text: str) -> list[int]:
         """A text prompt's token ids, as the engine tokenizes it (service.engine.processing.input_processor)."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from contract.cache_policy import FORM_POLICIES, FORM_SYNTAX
 from contract.manifest import Manifest
-from service.engine.kv import KVBudgetError, KVLayout, KVStore
+from service.engine.kv import KVBudgetError, KVStore
 from service.engine.messages import EngineConfig
+from service.engine.worker.model_session import serving_plan
 
 
 def default_cache_policy(manifest: Manifest, config: EngineConfig) -> str:
@@ -45,15 +46,20 @@ def sequence_limit(manifest: Manifest, config: EngineConfig) -> int:
     return manifest.max_positions or config.max_sequence_tokens
 
 
-def check_kv_budget(manifest: Manifest, config: EngineConfig, dtype: str = "float32") -> None:
-    """Refuse a budget that cannot hold one sequence of the longest allowed length (before any session opens)."""
-    layout = KVLayout(manifest.n_layers, manifest.n_heads, manifest.head_dim, dtype)
+def check_kv_budget(manifest: Manifest, config: EngineConfig) -> None:
+    """Refuse a budget that cannot hold one sequence of the longest allowed length (before any session
+    opens), by the store's own rule on the layout the runner will give it: a split hybrid's rows hold
+    the global layers' K/V a token and a fixed local part, so it fits budgets a whole row would not."""
+    layout = serving_plan(manifest, config.device, config.attention, config.block_size).layout
     tokens = sequence_limit(manifest, config)
-    minimum = KVStore.minimum_budget(layout, tokens, config.block_size)
+    # The store rounds its budget down to whole blocks of the global columns before it compares.
+    block_bytes = config.block_size * layout.token_bytes
+    minimum = -(-KVStore.minimum_budget(layout, tokens, config.block_size) // block_bytes) * block_bytes
     if config.kv_cache_bytes < minimum:
+        per_sequence = f" and {layout.local_row_bytes} bytes of local layers a sequence" if layout.split else ""
         raise KVBudgetError(
             f"--kv-cache-bytes {config.kv_cache_bytes} cannot hold one sequence of {tokens} tokens "
             f"(--max-sequence-tokens, or the model's max_positions) of model {manifest.name!r} at "
-            f"{layout.token_bytes} bytes per token; the minimum is {minimum} bytes (one row of the widest "
-            "capacity class and the row it moves from)"
+            f"{layout.token_bytes} bytes per token{per_sequence}; the minimum is {minimum} bytes (one row of "
+            "the widest capacity class and the row it moves from)"
         )

@@ -1,6 +1,8 @@
 """The Findings' hybrid paragraph: each hybrid against rope, relative and alibi, from what was measured."""
 
+from loadtest.report.findings import compact_headline, memory_verdict
 from loadtest.report.hybrids import hybrid_schemes, hybrids_section
+from loadtest.report.tables import headline_table, memory_table
 from loadtest.study.results import Results
 
 
@@ -27,3 +29,25 @@ def test_each_hybrid_is_set_beside_its_rivals_and_says_what_is_missing() -> None
 
 def test_a_run_without_hybrids_has_no_paragraph() -> None:
     assert hybrids_section(Results("r", {}, {}, ["rope", "alibi"])) == ""
+
+
+def test_a_split_hybrid_shows_its_fixed_bytes_a_sequence_beside_its_bytes_a_token() -> None:
+    """ListModels' per-token figure of a split hybrid is its global layers' alone (1,024): the tables
+    and the memory verdict add the local columns every row carries; older results have neither."""
+    found = results()
+    found.retrieval = {}  # no probes: their cells are not what this checks
+    found.models = {
+        "rope": {"max_positions": None, "kv_bytes_per_token": 4096, "kv_capacity_bytes": 1, "train_context": 256},
+        "alibi": {"max_positions": None, "kv_bytes_per_token": 4096, "kv_bytes_per_sequence": 0,
+                  "kv_capacity_bytes": 1, "train_context": 256},
+        "rnope-swa": {"max_positions": None, "kv_bytes_per_token": 1024, "kv_bytes_per_sequence": 442368,
+                      "kv_capacity_bytes": 1, "train_context": 256},
+    }  # fmt: skip
+    found.memory = {scheme: {"kv_peak_bytes": 1e6, "process_peak_bytes": 1e8, "input_embedding_bytes": 0,
+                             "attention_bias_bytes": 0, "rotary_bytes": 0} for scheme in found.models}  # fmt: skip
+    assert memory_verdict(found, "rnope-swa").startswith("1024 B/token (+442 KB a sequence)")
+    assert memory_verdict(found, "rope").startswith("4096 B/token")
+    for table in (headline_table(found), memory_table(found), compact_headline(found)):
+        rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()}
+        assert "| 1024 (+442 KB a sequence) |" in rows["rnope-swa"], table
+        assert "| 4096 |" in rows["rope"] and "| 4096 |" in rows["alibi"] and "KB" not in rows["alibi"], table

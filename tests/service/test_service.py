@@ -66,8 +66,18 @@ def test_list_models_reports_limits_and_cache_cost(server: ServerProcess) -> Non
     assert set(models) >= set(TRAINED)
     assert models["learned"].max_positions == 256 and models["alibi"].max_positions == 0
     for model in models.values():
-        assert model.kv_cache_bytes_per_token == 2 * model.n_layers * model.n_heads * model.head_dim * 4
+        whole = 2 * model.n_layers * model.n_heads * model.head_dim * 4  # K and V of every layer, float32
+        if model.kv_cache_bytes_per_sequence == 0:  # whole rows
+            assert model.kv_cache_bytes_per_token == whole, model.name
+        else:  # split rows: the global layers' a token, the local layers' in fixed columns
+            local = whole - model.kv_cache_bytes_per_token
+            assert 0 < local < whole and model.kv_cache_bytes_per_sequence % local == 0, model.name
         assert model.train_context == 256 and model.kv_cache_capacity_bytes > 0
+    split = {name: model for name, model in models.items() if model.kv_cache_bytes_per_sequence}
+    if split:  # an export with per-group caches: the hybrids' 1 global and 3 local layers, 144 columns
+        assert set(split) == {"rnope-swa", "rope-swa"}
+        for model in split.values():
+            assert (model.kv_cache_bytes_per_token, model.kv_cache_bytes_per_sequence) == (1024, 442368)
 
 
 @pytest.mark.parametrize("scheme", TRAINED)

@@ -38,6 +38,7 @@ from contract.manifest import (
     FusedAttention,
     LocalCache,
     Manifest,
+    serving_variant,
 )
 from service.engine.kv import INT8, INT8_CHANNEL, Array, Backend, KVLayout, local_width
 from service.engine.worker import denormals
@@ -187,6 +188,40 @@ def split_layout(
     if local is None:
         return KVLayout(*shape)
     return KVLayout(*shape, local.layers, local.window, local_width(local.window, block_size))
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """How a runner serves a model, settled from its manifest and the flags alone: the runner builds
+    from it, and the startup budget check (model_limits.check_kv_budget) reads the store's real layout
+    from it before any session opens."""
+
+    providers: list[str]
+    dtype: str
+    fused: FusedAttention | None  # the fused decode graph, where exported and allowed
+    prompt_variant: str | None  # the fused prompt graph's variant, likewise
+    local_cache: LocalCache | None  # a hybrid's local layers kept apart (split rows)
+    channel_scales: np.ndarray | None  # int8-channel rows' fixed scales (int8_channel_scales)
+    layout: KVLayout
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.providers[0] == "CUDAExecutionProvider"
+
+
+def serving_plan(manifest: Manifest, device: str, attention: str, block_size: int) -> ServingPlan:
+    """The plan for serving `manifest` on `device` with `attention` (see ServingPlan)."""
+    providers = choose_providers(device)
+    on_gpu = providers[0] == "CUDAExecutionProvider"
+    variants: dict[str, object] = manifest.data["variants"]  # type: ignore[assignment]
+    dtype = "float16" if on_gpu and serving_variant("float16") in variants else "float32"
+    fused = fused_graph(manifest, dtype, attention)
+    prompt_variant = prompt_graph(manifest, dtype, attention)
+    local = split_cache(manifest, fused, prompt_variant)
+    # Split rows are float rows the fused graphs read: no int8-channel rows beside them.
+    scales = None if local else int8_channel_scales(manifest, dtype, attention, on_gpu)
+    layout = split_layout(manifest, dtype, scales, local, block_size)
+    return ServingPlan(providers, dtype, fused, prompt_variant, local, scales, layout)
 
 
 def fused_graph(manifest: Manifest, dtype: str, attention: str) -> FusedAttention | None:

@@ -52,13 +52,8 @@ from service.engine.worker.model_session import (
     LocalPast,
     ModelSession,
     cache_graphs,
-    choose_providers,
     default_threads,
-    fused_graph,
-    int8_channel_scales,
-    prompt_graph,
-    split_cache,
-    split_layout,
+    serving_plan,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,20 +99,15 @@ class ModelRunner:
         attention: str = "auto",
     ) -> None:
         self.manifest = manifest
-        self.providers = choose_providers(device)
-        self.on_gpu = self.providers[0] == "CUDAExecutionProvider"
-        variants: dict[str, object] = manifest.data["variants"]  # type: ignore[assignment]
-        self.dtype = "float16" if self.on_gpu and serving_variant("float16") in variants else "float32"
+        plan = serving_plan(manifest, device, attention, store.block_size)
+        self.providers, self.on_gpu, self.dtype = plan.providers, plan.on_gpu, plan.dtype
         self.variant = serving_variant(self.dtype)
         manifest.verify_all()
         self.backend = make_backend(self.on_gpu, backend)
         # The fused graphs, where exported and `attention` allows them: decode of full float rows, prompts.
-        self.fused = fused_graph(manifest, self.dtype, attention)
-        self.prompt_variant = prompt_graph(manifest, self.dtype, attention)
-        self.local_cache = split_cache(manifest, self.fused, self.prompt_variant)
-        # Split rows are float rows the fused graphs read: no int8-channel rows beside them.
-        channel_scales = None if self.local_cache else int8_channel_scales(manifest, self.dtype, attention, self.on_gpu)
-        self.layout = split_layout(manifest, self.dtype, channel_scales, self.local_cache, store.block_size)
+        self.fused, self.prompt_variant, self.local_cache = plan.fused, plan.prompt_variant, plan.local_cache
+        channel_scales = plan.channel_scales
+        self.layout = plan.layout
         self.eviction = manifest.cache_eviction
         rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
         self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)

@@ -163,3 +163,30 @@ def test_one_budget_admits_three_times_as_many_4kb_hybrid_requests(repository: P
     print(f"admitted under {budget} bytes: {admitted}")
     assert admitted["rope"] >= 1
     assert all(admitted[model] >= 3 * admitted["rope"] for model in HYBRIDS), admitted
+
+
+def test_a_budget_between_the_hybrid_and_rope_minimum_starts_only_the_hybrid(repository: Path) -> None:
+    """The startup check applies the store's own minimum to the layout it will get: a split hybrid's
+    4,096-token row needs its global layers' K/V a token and its local columns, a quarter of rope's
+    whole rows, so a --kv-cache-bytes between the two serves the hybrid and refuses rope, naming the
+    flag and rope's minimum."""
+    hybrid = Manifest.load(repository / "rnope-swa").local_cache
+    if hybrid is None:
+        pytest.skip("an export from before per-group caches")
+    split = KVLayout(4, 4, 32, "float32", None, tuple(hybrid.layers), hybrid.window, 2 * hybrid.window + 16)
+    low, high = (KVStore.minimum_budget(layout, 4096, 16) for layout in (split, KVLayout(4, 4, 32, "float32")))
+    budget = (low + high) // 2
+    assert (low, high) == (8880128, 31981568)
+    server = ServerProcess(repository, "--models", "rnope-swa", "--kv-cache-bytes", str(budget)).wait_serving()
+    try:
+        (info,) = server.stub.ListModels(pb.ListModelsRequest(), timeout=10).models
+        assert (info.kv_cache_bytes_per_token, info.kv_cache_bytes_per_sequence) == (1024, 442368)
+        assert info.kv_cache_capacity_bytes <= budget
+    finally:
+        server.stop()
+    refused = ServerProcess(repository, "--models", "rope", "--kv-cache-bytes", str(budget))
+    assert refused.process.wait(timeout=60) == 2
+    output = refused.output()
+    assert f"--kv-cache-bytes {budget}" in output and f"the minimum is {high} bytes" in output
+    assert "Traceback" not in output
+    refused.stop()
