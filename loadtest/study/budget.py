@@ -75,15 +75,15 @@ class Budget:
         to 8x the training context (the headline's columns) on fewer trials, and its depth grid stops
         at 4x; the cache budgets score the headline's budget (256 tokens: window and sinks) at the
         headline's 8x on two trials and one copy distance; the load levels are shorter and only 1 and 32
-        users (three rounds, as the full run's); quality scores fewer texts per length; reuse runs 1 s
-        at 1 and 32 users and 4 short-form document prompts with one repair (so that README command 1,
+        users (three rounds, as the full run's), 1.5 s a level; quality scores fewer texts per length;
+        reuse runs 0.5 s at 1 and 32 users and 4 short-form document prompts with one repair (so that README command 1,
         with the reuse section, keeps its ten minutes); the served models only, not further training seeds."""
         return cls(
             prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 32),
-            load_seconds=2.0, load_new_tokens=16, score_windows=2, retrieval_trials=4,
+            load_seconds=1.5, load_new_tokens=16, score_windows=2, retrieval_trials=4,
             copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 4.0), passkey_contexts=(1.0, 8.0), repeats=3,
             cache_budgets=(256,), cache_multiples=(8.0,), cache_windows=1, cache_trials=2,
-            cache_copy_distances=(512,), reuse_users=(1, 32), reuse_seconds=1.0, reuse_trials=4,
+            cache_copy_distances=(512,), reuse_users=(1, 32), reuse_seconds=0.5, reuse_trials=4,
             reuse_forms=("short",), reuse_repairs=(4,), reuse_seeds=(32,), speculative_prompts=4,
             speculative_new_tokens=64,
             evaluation_choices=20, extra_seeds=False,
