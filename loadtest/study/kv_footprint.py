@@ -9,9 +9,11 @@ runner the server builds (same layout, same store, same block size), with no pre
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from contract.manifest import Manifest
+from loadtest.study.results import Results
 from service.engine.messages import EngineConfig
 from service.engine.worker.runner import ModelRunner, StoreConfig
 
@@ -71,10 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m loadtest.study.kv_footprint --model-repository R REPORT_FOLDER [--schemes ...]`: measure
     the footprint alone (seconds, no server) and record it in a report's results.json, as the cache
     section does."""
-    import argparse
-
-    from loadtest.study.results import Results
-
     parser = argparse.ArgumentParser(prog="python -m loadtest.study.kv_footprint", description=main.__doc__)
     parser.add_argument("folder", type=Path, help="the report folder, holding results.json")
     parser.add_argument("--model-repository", type=Path, required=True)
