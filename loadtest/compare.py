@@ -48,6 +48,8 @@ SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse", "specul
 assert set(SECTIONS) == (
     set(timed.SECTIONS) | set(scored.SECTIONS) | set(reuse.SECTIONS) | set(speculative.SECTIONS) | set(routing.SECTIONS)
 )
+# The sections run on every training seed of a scheme (`--seeds-only`: on the further ones only).
+SEEDED = frozenset(("quality", "retrieval", "cache", "reuse", "speculative"))
 # Run only when named: lm-evaluation-harness from its own virtual environment (made on first use).
 OPT_IN = ("evaluation",)
 
@@ -110,22 +112,28 @@ def run(args: argparse.Namespace) -> Path:
     repository, threads = args.model_repository, args.threads
     if args.extra_seeds is not None:
         budget.extra_seeds = args.extra_seeds
+    if args.seeds_only:
+        if not budget.extra_seeds or sections - SEEDED:
+            raise SystemExit(f"--seeds-only scores further training seeds in {' '.join(SEEDED)} only, "
+                             f"with --extra-seeds; asked for {' '.join(sorted(sections))}")  # fmt: skip
+        budget.seeds_only = True
     served = ensure_repository(repository, schemes, budget.scaling_multiples, budget.extra_seeds)
     record: RunRecord = {"sections": sorted(sections), "environment": environment(), "budget": asdict(budget),
                          "schemes": schemes}  # fmt: skip
     results = start_results(out, run_id, sections, record, threads, schemes)
-    results.seeds.update(served.seeds)
+    results.add_seeds(served.seeds)
     # models/emergence.py reads the training logs as plain JSON objects of this shape.
     results.training = cast(dict[str, TrainingCurve], emergence.curves(WEIGHTS_DIR))
     held_out = HeldOut()
     untimed = [section for section in SECTIONS if section in sections and section in scored.SECTIONS]
-    models = sum(len(served.models[scheme]) for scheme in schemes)  # every training seed of every scheme
+    # Every training seed of every scheme (with --seeds-only, the further ones).
+    models = sum(len(served.models[scheme]) - budget.seeds_only for scheme in schemes)
     steps = (
         len(schemes) * ("latency" in sections)
         + (2 * budget.load_rounds * len(budget.concurrency) + 1) * len(schemes) * ("load" in sections)
         + models * len(untimed)
-        + len(served.rope_variants) * ("quality" in sections)
-        + (2 * len(schemes) + models) * ("reuse" in sections)
+        + len(served.rope_variants) * ("quality" in sections and not budget.seeds_only)
+        + (2 * len(schemes) * (not budget.seeds_only) + models) * ("reuse" in sections)
         + models * ("speculative" in sections)
         + (2 * budget.load_rounds + 1) * ("routing" in sections)
         + len(schemes) * ("evaluation" in sections)
@@ -139,7 +147,7 @@ def run(args: argparse.Namespace) -> Path:
         if "reuse" in sections:
             reuse.measure_reuse(repository, threads, served.models, held_out, budget, results, progress)
         if "speculative" in sections:
-            seeded = [model for scheme in schemes for model in served.models[scheme]]
+            seeded = [m for s in schemes for m in (served.extra(s) if budget.seeds_only else served.models[s])]
             speculative.measure_speculative(repository, threads, seeded, held_out.data, budget, results, progress)
         if "routing" in sections:
             routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
@@ -188,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         help="score every further training seed of each scheme (models/weights/seed<N>/<scheme>, exported as "
         "<scheme>@seed<N>) in the quality, retrieval, cache, reuse and speculative sections; default: yes, "
         "except with --quick",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seeds-only", action="store_true",
+        help="score only the further training seeds (the served models' figures in the results stay): "
+        "a seed trained after the run was measured joins it without measuring the rest again",
     )  # fmt: skip
     parser.add_argument("--run-id", default=None, help="names the report folder (default: the start time)")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default reports/<run-id>)")

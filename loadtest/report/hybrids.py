@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from loadtest.report.analysis import largest
 from loadtest.report.formatting import cell
+from loadtest.report.reuse_tables import mode_changes
 from loadtest.report.seeds import label
 from loadtest.study.results import Results
 from models.positional import SCHEME_REGISTRY, LocalGlobalHybrid
@@ -82,6 +83,51 @@ def _budget_load(results: Results, hybrid: str) -> str:
             f"{own['tokens_per_s']:.0f} tokens/s against {rope['goodput_per_s']:.2f} and {rope['tokens_per_s']:.0f}.")
 
 
+def _latency(results: Results, hybrid: str) -> str:
+    """Inter-token latency at the longest context the run measured for the hybrid and its rivals."""
+    own = results.itl.get(hybrid, {})
+    if not own:
+        return ""
+    longest = max(own, key=int)
+    rivals = ", ".join(f"{own[longest] / theirs[longest]:.2f}x {rival}'s" for rival in RIVALS
+                       if (theirs := results.itl.get(rival, {})).get(longest))  # fmt: skip
+    text = f" Latency: inter-token {own[longest] * 1000:.2f} ms at {longest} bytes of context"
+    return text + (f" ({rivals})." if rivals else ".")
+
+
+def _speculation(results: Results, hybrid: str) -> str:
+    """Speculation's speedup at one stream on code with repeats, against the rivals'."""
+    own = results.speculative.get(hybrid, {}).get("repeats@1")
+    if own is None:
+        return ""
+    rivals = ", ".join(f"{rival} {theirs['speedup']:.2f}x" for rival in RIVALS
+                       if (theirs := results.speculative.get(rival, {}).get("repeats@1")))  # fmt: skip
+    return f" Speculation: {own['speedup']:.2f}x at one stream" + (f" (against {rivals})." if rivals else ".")
+
+
+def _reuse(results: Results, hybrid: str) -> str:
+    """Reused documents' cost over the full recompute, as each scheme places them, against the rivals'."""
+    own = results.reuse.get(hybrid)
+    if own is None:
+        return ""
+    parts = []
+    for form in own["documents"]:
+        change = (mode_changes(own, form) or {}).get(own["segment_reuse"])
+        if change is None:
+            continue
+        rivals = ", ".join(f"{rival} {placed.get('value', 0):+.1%}" for rival in RIVALS
+                           if rival in results.reuse and (placed := (mode_changes(results.reuse[rival], form) or {})
+                                                          .get(results.reuse[rival]["segment_reuse"])))  # fmt: skip
+        parts.append(f"{form} documents {cell_change(change)}" + (f" (against {rivals})" if rivals else ""))
+    how = "as is" if own["segment_reuse"] == "as_is" else "re-rotated"
+    return f" Reuse ({how}, bits per byte over the full recompute): {'; '.join(parts)}." if parts else ""
+
+
+def cell_change(change: dict[str, float]) -> str:
+    """A relative change with its interval: '+2.3% [+1.2, +3.5]'."""
+    return f"{change['value']:+.1%} [{change['low'] * 100:+.1f}, {change['high'] * 100:+.1f}]"
+
+
 def _measured_or_not(results: Results, hybrid: str) -> str:
     missing = [name for name, section in (("latency", results.itl), ("speculation", results.speculative),
                                           ("reuse", results.reuse), ("load under one KV budget", results.load_budget))
@@ -99,6 +145,7 @@ def hybrids_section(results: Results) -> str:
         blocks.append(
             f"- **{label(results, hybrid)}**: quality {_quality(results, hybrid)}. Retrieval: "
             f"{_retrieval(results, hybrid)}. Memory: {_memory(results, hybrid)}.{_budget_load(results, hybrid)}"
+            f"{_latency(results, hybrid)}{_speculation(results, hybrid)}{_reuse(results, hybrid)}"
             f"{_measured_or_not(results, hybrid)}"
         )
     return (

@@ -61,6 +61,8 @@ class Budget:
     # The scored sections (quality, retrieval, cache, reuse's answers) and speculation on every further
     # training seed of a scheme (models/weights/seed<N>/<scheme>; issue 55), not only the served model.
     extra_seeds: bool = True
+    # Only those further seeds: the served models' figures already in the results stay as they are.
+    seeds_only: bool = False
 
     def cache_plan(self) -> CacheBudgetPlan:
         return CacheBudgetPlan(

@@ -202,6 +202,15 @@ class Results:
     # speculative; a scheme missing here has its served model's only (a run from before seeds).
     seeds: dict[str, list[int]] = field(default_factory=dict)
 
+    def add_seeds(self, seeds: dict[str, list[int]]) -> None:
+        """A run's seeds per scheme (the served one first) joined to those the results already hold:
+        a run that scores fewer seeds (`--no-extra-seeds`) leaves the others' figures and their seeds."""
+        for scheme, found in seeds.items():
+            held = self.seeds.get(scheme, [])
+            served = found[0] if found else held[0]
+            further = {*found[1:], *held[1:]} - {served}
+            self.seeds[scheme] = [served, *sorted(further)]
+
     def models_of(self, scheme: str) -> list[str]:
         """The scheme's model names, one a training seed, the served one first."""
         extra = self.seeds.get(scheme, [])[1:]

@@ -267,6 +267,18 @@ def measure_served(
     return Served(workloads, infos, served, loads, sizes)
 
 
+def described(
+    repository: Path, threads: int, schemes: list[str], held_out: HeldOut, budget: Budget, results: Results
+) -> Served:
+    """What scoring further training seeds needs of their schemes' served models, nothing measured:
+    each one's limits and segment placement, and the run's prompts (`--seeds-only`)."""
+    with serving(repository, threads, schemes) as servers:
+        infos = {scheme: model_info(server, scheme, results) for scheme, server in servers.items()}
+    train_context = next(iter(infos.values())).train_context if infos else 0
+    workloads = Workloads.build(held_out, budget, train_context, budget.reuse_seeds[0])
+    return Served(workloads, infos, {}, {False: {}, True: {}}, {})
+
+
 def scored_reuse(
     repository: Path, threads: int, model: str, scheme: str, measured: Served, held_out: HeldOut, budget: Budget
 ) -> Reuse:
@@ -304,12 +316,18 @@ def measure_reuse(
     """Both workloads on both server sets for each scheme's served model (the first of `models`), then
     the answers' bits per byte in-process for every one of the scheme's models (its training seeds)."""
     schemes = list(models)
-    measured = measure_served(repository, threads, schemes, held_out, budget, results, progress)
+    if budget.seeds_only:
+        schemes = [scheme for scheme in schemes if len(models[scheme]) > 1]
+        measured = described(repository, threads, schemes, held_out, budget, results)
+    else:
+        measured = measure_served(repository, threads, schemes, held_out, budget, results, progress)
     for scheme in schemes:
-        for model in models[scheme]:
+        for model in models[scheme][1:] if budget.seeds_only else models[scheme]:
             progress.set_postfix(part="reuse, answers' bits per byte", model=model)
             results.reuse[model] = scored_reuse(repository, threads, model, scheme, measured, held_out, budget)
             progress.update()
+        if budget.seeds_only:
+            continue
         prefix_bytes, tail_bytes = measured.sizes[scheme]
         loads = {cache: measured.loads[cache][scheme] for cache in (False, True)}
         results.reuse[scheme]["shared_prefix"] = {

@@ -108,12 +108,15 @@ def measure_scored_sections(
     scheme's further training seeds (and rope's scaling variants) beside it: every seed's figures
     are kept under its model name."""
     for scheme in schemes:
-        variants = served.rope_variants if scheme == "rope" else []
+        models = served.extra(scheme) if budget.seeds_only else [scheme, *served.extra(scheme)]
+        if not models:
+            continue
+        variants = served.rope_variants if scheme == "rope" and not budget.seeds_only else []
         # No prefix cache: the cache section's cost is what each policy's row holds, not cached prompts.
         server = start(repository, threads, [scheme, *served.extra(scheme), *variants], *COMPUTED)
         try:
             server.wait_serving()
-            for model in [scheme, *served.extra(scheme)]:
+            for model in models:
                 measure_model(server, model, sections, variants, held_out, budget, results, progress)
         finally:
             server.stop()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest.compare import main as compare_main
 from tests.loadtest.test_reuse import base_run
 
@@ -33,3 +35,27 @@ def test_the_scored_sections_run_on_every_seed_and_the_report_says_so(seeded_rep
     report = (out / "report.md").read_text()
     assert "Training seeds scored per scheme: alibi 2" in report
     assert "- **alibi (2 seeds)**: " in report and "| alibi@seed2 |" in report
+
+
+def test_seeds_only_scores_the_further_seed_and_leaves_the_served_models_figures(
+    seeded_repository: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "report"
+    base_run(out)
+    sections = ["quality", "reuse", "speculative"]
+    command = ["--tiny", "--extra-seeds", "--seeds-only", "--sections", *sections, "--schemes", "alibi",
+               "--model-repository", str(seeded_repository), "--out", str(out), "--threads", "1"]  # fmt: skip
+    assert compare_main(command) == 0
+    results = json.loads((out / "results.json").read_text())
+    for section in ("quality", "reuse", "speculative"):
+        assert set(results[section]) == {"alibi@seed2"}, section  # the served model's figures not measured again
+    assert results["config"]["runs"][-1]["budget"]["seeds_only"] is True
+
+
+def test_seeds_only_refuses_sections_that_are_the_served_models(seeded_repository: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    base_run(out)
+    command = ["--tiny", "--extra-seeds", "--seeds-only", "--sections", "quality", "latency", "--schemes", "alibi",
+               "--model-repository", str(seeded_repository), "--out", str(out)]  # fmt: skip
+    with pytest.raises(SystemExit, match="--seeds-only scores further training seeds"):
+        compare_main(command)

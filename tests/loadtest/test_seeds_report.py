@@ -117,3 +117,11 @@ def test_a_further_seed_is_drawn_in_its_schemes_style() -> None:
     assert style("rope@seed2") == style("rope") and style("rope-ntk-x4@seed2") == style("rope-ntk-x4")
     with pytest.raises(KeyError):
         style("nope@seed2")
+
+
+def test_a_run_with_fewer_seeds_keeps_the_seeds_the_results_hold() -> None:
+    results = Results("base", {}, {}, ["rope", "alibi"])  # type: ignore[arg-type]
+    results.add_seeds({"rope": [1234, 2], "alibi": [1234]})
+    results.add_seeds({"rope": [1234], "alibi": [1234, 3]})  # --no-extra-seeds on rope; alibi's seed 3 is new
+    results.add_seeds({"rope": [1234, 3]})
+    assert results.seeds == {"rope": [1234, 2, 3], "alibi": [1234, 3]}
