@@ -167,10 +167,7 @@ class AnswerScorer:
         past = SplitKV(cache.global_kv[:, None], cache.local_kv[:, None])
         token_ids = TOKENIZER.encode(prompt.text) + fed
         assert len(token_ids) == computed.length + len(fed)
-        rest: list[np.ndarray] = []
-        for _ in self.runner._split_chunks("score", token_ids, CHUNK_TOKENS, computed.length, past, all_logits=rest):
-            pass
-        return np.concatenate(rest)
+        return self.runner.continue_logits(token_ids, computed.length, past, CHUNK_TOKENS)
 
     def scores(self, prompts: list[DocumentPrompt], mode: str, repair: int = 0) -> list[AnswerScore]:
         return [self.score(p, mode, repair) for p in prompts]

@@ -38,7 +38,7 @@ from contract.cache_policy import CachePolicy
 from contract.graph import left_pad_batch, right_pad_batch
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
-from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVStore, RowPolicy, SplitKV, make_backend
+from service.engine.kv import Array, CapacityClass, KVStore, RowPolicy, SplitKV, make_backend
 from service.engine.kv.arrays import NumpyArrays
 from service.engine.kv.prefix import CachedPast
 from service.engine.kv.scratch import ScratchArray
@@ -55,6 +55,8 @@ from service.engine.worker.model_session import (
     default_threads,
     serving_plan,
 )
+from service.engine.worker.policy_stream import PolicyStream
+from service.engine.worker.split_prompts import SplitPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +78,6 @@ class RunnerTimings:
 
 # A text scored on a split layout goes through the prompt graph in chunks of this many tokens.
 SCORE_CHUNK_TOKENS = 512
-# A prompt streaming through a bounded policy lets other prompts run after this many tokens.
-STREAM_TOKENS_PER_YIELD = 64
 # The fused prompt session keeps a memory arena (with glibc's mmap threshold pinned, service/malloc.py,
 # an arena-less call maps every intermediate fresh and page-faults it in: 21,000 faults and about a
 # quarter of a 2,048-token prompt's time here, docs/measurements.md); `release_prompt_memory` gives
@@ -111,6 +111,8 @@ class ModelRunner:
         self.eviction = manifest.cache_eviction
         rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
         self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)
+        # A split layout's prompt path (KVLayout.split: the local layers' window kept apart); no other layout uses it.
+        self.split_prompts = SplitPrompts(self.layout, self.backend, self.dtype, self._prompt_in_place)
         # By storage kind; split rows are float rows only (their int8 policies are refused: CachePolicy.missing).
         self.graphs = cache_graphs(manifest, self.dtype, channel_scales is not None, int8=self.local_cache is None)
         self.binder = GraphBinder(self.backend, self.layout, manifest.vocab_size, self.graphs)
@@ -133,6 +135,7 @@ class ModelRunner:
         self.timings = RunnerTimings()
         fused_dtype = self.fused.dtype if self.fused else None
         self.calls = DecodeCalls(self.binder, self.sessions, self.fused_session, fused_dtype)
+        self.policy_stream = PolicyStream(self.binder, rotary, self._prompt_forward, self.row_policy)
         self.verifier = BlockVerifier(
             self.store, self.binder, self.calls, self.sessions, self.pad_token_id, self.timings,
             self._verify_session,
@@ -221,7 +224,7 @@ class ModelRunner:
             cache = new_kv if past.shape[3] == 0 else backend.concatenate([past, new_kv], axis=3)
             host_logits = backend.download(logits[:, -1:] if last_only else logits)
             return host_logits.astype(np.float32), cache
-        local = self._fresh_local(inputs[1], ids.shape[1], past) if self.layout.split else None
+        local = self.split_prompts.fresh_local(inputs[1], ids.shape[1], past) if self.layout.split else None
         binding, logits, cache = self.binder.bind_prompt(session, *inputs, past, local)
         session.run(binding, release_arena=release)
         if local is not None:
@@ -233,22 +236,11 @@ class ModelRunner:
         rows = [backend.download(logits[row, int(column) : int(column) + 1]) for row, column in enumerate(last)]
         return np.stack(rows).astype(np.float32), cache
 
-    def _fresh_local(self, mask: Array, width: int, past: Array) -> LocalPast:
-        """A split layout's local inputs for a prompt call with no past (every caller's with a split
-        layout): its mask is the call's, and a new array takes its local layers' K/V of every token."""
-        assert past.shape[3] == 0, "a split layout's prompts with a past run in place (_split_chunks)"
-        layout, batch = self.layout, past.shape[1]
-        empty = self.backend.zeros((layout.local_tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
-        present = self.backend.zeros((layout.local_tensors, batch, layout.n_heads, width, layout.head_dim), self.dtype)
-        return LocalPast(mask, empty, present)
-
     def _row_cache(self, cache: Array, row: int, columns: slice) -> Array:
-        """One row's cache of a batched prompt call: its columns (a split layout's local K/V: the last
-        `local_width` of them at most, all a row keeps)."""
+        """One row's cache of a batched prompt call: its columns (a split layout's: SplitPrompts.row_cache)."""
         if not isinstance(cache, SplitKV):
             return cache[:, row, :, columns]
-        local = cache.local_kv[:, row, :, columns]
-        return SplitKV(cache.global_kv[:, row, :, columns], local[:, :, -self.layout.local_width :])
+        return self.split_prompts.row_cache(cache, row, columns)
 
     def pad_batch(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[slice]]:
         """(input_ids, attention_mask, position_ids) of prompts in one call, and each row's columns:
@@ -327,7 +319,7 @@ class ModelRunner:
         copies the past into a new array, and no call allocates a cache. `scratch`: the calling
         thread's kept host memory to assemble a cached past into (the tail worker's)."""
         if self.layout.split:
-            yield from self._split_chunks(request_id, token_ids, chunk_tokens, done, past, session, scratch)
+            yield from self.split_prompts.chunks(request_id, token_ids, chunk_tokens, done, past, session, scratch)
             return
         room = len(token_ids) - done
         if isinstance(past, CachedPast):
@@ -342,86 +334,12 @@ class ModelRunner:
             logits, cache = self._prompt_in_place(ids, mask, positions, cache, session)
             yield PrefilledPrompt(request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
 
-    def _split_chunks(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        chunk_tokens: int,
-        done: int,
-        past: Array | CachedPast | None,
-        session: ModelSession | None = None,
-        scratch: ScratchArray | None = None,
-        all_logits: list[np.ndarray] | None = None,
-    ) -> Iterator[PrefilledPrompt | None]:
-        """`_chunks_in_place` for a split layout: the global layers' cache array holds the whole prompt,
-        the local layers' only the window before a chunk and the chunk (window - 1 + chunk_tokens columns,
-        whatever the prompt's length): after each chunk its last window - 1 tokens move to the front.
-        A cached past brings the local window before it (KVStore.cached_past). `all_logits`: gets every
-        chunk's logits (S, vocab) (Score)."""
-        layout, room = self.layout, len(token_ids) - done
-        keep = layout.window - 1
-        if isinstance(past, CachedPast) and past.repair:  # the cache kept no local window before the hit
-            cache = past.assemble(room, scratch)
-            local = self._repair_window(token_ids, done, past.repair, cache, session)
-            held = int(local.shape[3])
-        elif isinstance(past, CachedPast):
-            cache, local, held = past.assemble(room, scratch), past.assemble_local(), past.local_tokens
-        else:  # none, or a past assembled by the caller (reused segments): SplitKV (2 x layers, 1, heads, P, hd)
-            assert past is None or isinstance(past, SplitKV), "a split layout's past carries its local window"
-            cache = self.backend.zeros((layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim), self.dtype)
-            local, held = None, 0
-            if past is not None:
-                cache[:, :, :, :done] = past.global_kv
-                local = past.local_kv[:, :, :, -keep:]
-                held = int(local.shape[3])
-        columns = keep + min(chunk_tokens, room)
-        buffer = self.backend.zeros((layout.local_tensors, 1, layout.n_heads, columns, layout.head_dim), self.dtype)
-        if local is not None:
-            buffer[:, :, :, :held] = local
-        for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
-            local_mask = np.ones((1, held + ids.shape[1]), dtype=np.int64)
-            last_only = all_logits is None
-            logits, cache = self._prompt_in_place(ids, mask, positions, cache, session, (local_mask, buffer), last_only)
-            if all_logits is not None:
-                all_logits.append(logits[0])
-            held += ids.shape[1]
-            if end == len(token_ids):
-                start = max(0, held - layout.local_width)
-                kv = SplitKV(cache[:, 0], buffer[:, 0, :, start:held])
-                yield PrefilledPrompt(request_id, logits[0, -1], kv, end)
-                return
-            if held > keep:  # the next chunk's local layers see the last window - 1 tokens before it
-                buffer[:, :, :, :keep] = self.backend.copy(buffer[:, :, :, held - keep : held])
-                held = keep
-            yield None
-
     def one_row_past(self, past: CachedPast, token_ids: list[int]) -> Array:
         """A prefix-cache hit of `token_ids` as a one-row past, (2 x layers, 1, heads, P, head_dim); a split
         layout's `SplitKV`, with the local window before it (kept by the cache, or recomputed)."""
-        cache = past.assemble()
-        if not self.layout.split:
-            return cache
-        if past.repair:
-            return SplitKV(cache, self._repair_window(token_ids, past.tokens, past.repair, cache, None))
-        return SplitKV(cache, past.assemble_local())
-
-    def _repair_window(
-        self, token_ids: list[int], end: int, repair: int, cache: Array, session: ModelSession | None
-    ) -> Array:
-        """The local layers' K/V of the window before token `end`, which the prefix cache did not keep:
-        one call over the `repair` tokens before it (KVLayout.repair_tokens) after the cached global K/V
-        in `cache`, whose own global K/V of those tokens (computed from a local past it did not have)
-        are put back as cached. Returns (2 x local layers, 1, heads, window - 1 at most, head_dim)."""
-        layout, start = self.layout, max(0, end - repair)
-        cached = self.backend.copy(cache[:, :, :, start:end])
-        shape = (layout.local_tensors, 1, layout.n_heads, end - start, layout.head_dim)
-        buffer = self.backend.zeros(shape, self.dtype)
-        ids = np.asarray([token_ids[start:end]], dtype=np.int64)
-        positions = np.arange(start, end, dtype=np.int64)[None]
-        local_mask = np.ones((1, end - start), dtype=np.int64)
-        self._prompt_in_place(ids, np.ones((1, end), dtype=np.int64), positions, cache, session, (local_mask, buffer))
-        cache[:, :, :, start:end] = cached
-        return buffer[:, :, :, max(0, end - start - (layout.window - 1)) :]
+        if self.layout.split:
+            return self.split_prompts.one_row_past(past, token_ids)
+        return past.assemble()
 
     def _prompt_in_place(
         self,
@@ -473,10 +391,7 @@ class ModelRunner:
             assert streamed is not None and streamed.all_logits is not None
             logits = streamed.all_logits
         elif self.layout.split:  # in chunks: the local layers never hold more than a window and a chunk
-            kept: list[np.ndarray] = []
-            for _ in self._split_chunks("score", inputs, SCORE_CHUNK_TOKENS, 0, None, all_logits=kept):
-                pass
-            logits = np.concatenate(kept)
+            logits = self.split_prompts.logits(inputs, 0, None, SCORE_CHUNK_TOKENS)
         else:
             ids = np.asarray([inputs], dtype=np.int64)
             positions = np.arange(ids.shape[1], dtype=np.int64)[None]
@@ -485,6 +400,18 @@ class ModelRunner:
         if top:
             scored.top_ids, scored.top_logprobs = top_logprobs(log_softmax(np.asarray(logits)), top)
         return scored
+
+    def continue_logits(self, token_ids: list[int], done: int, past: Array | None, chunk_tokens: int) -> np.ndarray:
+        """Every logit (len(token_ids) - done, vocab) of a prompt's tokens after its first `done`, whose K/V
+        are `past` ((2 x layers, 1, heads, done, head_dim); a split layout's one-row `SplitKV`), in chunks
+        of `chunk_tokens`: what follows a computed prompt, scored without a row of the store."""
+        if self.layout.split:
+            return self.split_prompts.logits(token_ids, done, past, chunk_tokens)
+        kept: list[np.ndarray] = []
+        for _, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
+            logits, past = self._prompt_forward(ids, mask, positions, past, last_only=False)
+            kept.append(logits[0])
+        return np.concatenate(kept)
 
     def row_policy(self, policy: CachePolicy) -> RowPolicy:
         """A new row's eviction state for a request's policy."""
@@ -499,52 +426,12 @@ class ModelRunner:
         keep_logits: bool = False,
         head_tokens: int | None = None,
     ) -> Iterator[StreamedPrompt | None]:
-        """A prompt longer than a bounded policy's budget B, as the policy sees it: its first B tokens
-        (or `head_tokens`) in float32 chunks (nothing is evicted yet), then one token per graph call
-        through a private row of the policy's storage kind that evicts (and quantizes) as the store's
-        rows do. Yields None between pieces of work (after every chunk, and every
-        STREAM_TOKENS_PER_YIELD tokens), then the result."""
-        capacity = policy.cached(len(token_ids))
-        budget = capacity if head_tokens is None else min(head_tokens, capacity)
-        assert len(token_ids) > budget
-        kind = self.layout.kind_of(policy)
-        session = self.prefill_sessions.get(kind)
+        """A prompt longer than a bounded policy's budget, as the policy sees it (PolicyStream.stream)."""
+        session = self.prefill_sessions.get(self.layout.kind_of(policy))
         assert session is not None, "open_prefill_session() first"
-        head = token_ids[:budget]
-        kept: list[np.ndarray] = []
-        past: Array | None = None
-        last = np.empty(0, dtype=np.float32)
-        for start in range(0, len(head), chunk_tokens):
-            chunk = head[start : start + chunk_tokens]
-            end = start + len(chunk)
-            ids = np.asarray([chunk], dtype=np.int64)
-            positions = np.arange(start, end, dtype=np.int64)[None]
-            mask = np.ones((1, end), dtype=np.int64)
-            logits, past = self._prompt_forward(ids, mask, positions, past, not keep_logits)
-            if keep_logits:
-                kept.append(logits[0])
-            last = logits[0, -1]
-            yield None
-        assert past is not None
-        row = CapacityClass(self.backend, self.layout, capacity, 1, self.store.rotary_inv_freq, kind)
-        row.write(request_id, past[:, 0], len(head), self.row_policy(policy))
-        binder, new_kv, inputs = self.binder, None, (row.input_ids, row.mask, row.positions)
-        if kind == INT8_CHANNEL:  # the fused int8 graph appends each token's K/V in the row itself
-            binding, step_logits = binder.bind_in_place(session, *inputs, row.arrays[0])
-        else:
-            binding, step_logits, new_kv = binder.bind(session, *inputs, row.arrays, kind)
-        for done, token in enumerate(token_ids[budget:], start=1):
-            binder.set_ids(row.input_ids[:, 0], np.asarray([token], dtype=np.int64))
-            session.run(binding)
-            row.append_step(new_kv)
-            last = self.backend.download(step_logits[0]).astype(np.float32)  # (1, vocab), a copy
-            if keep_logits:
-                kept.append(last)
-            last = last[-1]
-            if done % STREAM_TOKENS_PER_YIELD == 0:
-                yield None
-        all_logits = np.concatenate(kept) if keep_logits else None
-        yield StreamedPrompt(request_id, last, row.row_cache(0), int(row.lengths[0]), row.policies[0], all_logits)
+        yield from self.policy_stream.stream(
+            request_id, token_ids, policy, session, chunk_tokens, keep_logits, head_tokens
+        )
 
     # ------------------------------------------------------------------ the store (engine thread)
 

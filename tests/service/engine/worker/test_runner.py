@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from contract.cache_policy import parse_cache_policy
+from contract.graph import target_logprobs
 from contract.manifest import PREFILL_FUSED, Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
@@ -142,6 +143,20 @@ def test_batched_prompts_match_lone_prompts(repository: Path) -> None:
         assert prompt.cache.shape == alone.cache.shape == (8, 4, len(PROMPTS[prompt.request_id]), 32)
         np.testing.assert_allclose(prompt.logits, alone.logits, atol=1e-4)
         np.testing.assert_allclose(prompt.cache, alone.cache, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["auto", "explicit"])
+def test_logits_continued_after_a_computed_prompt_are_the_scored_text_s(repository: Path, attention: str) -> None:
+    """`continue_logits` in chunks after a prompt's K/V: the log-probabilities and greedy tokens that
+    scoring the whole text in one call gives from there on."""
+    runner = runner_for(repository, "rope", attention=attention)
+    text = PROMPTS["b"]
+    computed = runner.prefill_chunked("p", text[:20], chunk_tokens=20)
+    assert computed is not None
+    rest = runner.continue_logits(text, 20, computed.cache[:, None], chunk_tokens=8)
+    scored = runner.score(text)
+    np.testing.assert_allclose(target_logprobs(rest[:-1], text[21:]), scored.logprobs[20:], atol=1e-4)
+    assert rest[:-1].argmax(-1).tolist() == scored.greedy[20:].tolist()
 
 
 def test_aborted_chunked_prefill_returns_nothing(repository: Path) -> None:

@@ -159,11 +159,25 @@ def test_speculative_blocks_keep_what_plain_decoding_keeps(repository: Path, mod
             accepted = 1
             while accepted < len(fed[rid]) and fed[rid][accepted] == predicted[accepted - 1]:
                 accepted += 1
-            assert predicted[: accepted].tolist() == expected[rid][done[rid] + 1 : done[rid] + 1 + accepted]
+            assert predicted[:accepted].tolist() == expected[rid][done[rid] + 1 : done[rid] + 1 + accepted]
             kept[rid] = accepted
             done[rid] += accepted
         spec.verifier.commit(kept)
     assert min(done.values()) > 60  # past the local columns' width: they shifted
+
+
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_logits_continued_after_a_computed_prompt_are_the_whole_text_s(repository: Path, model: str) -> None:
+    """`continue_logits` after a prompt's split K/V (as the reuse study scores an answer after it):
+    the logits of the whole text's own chunks, past the local window."""
+    runner = runner_for(repository, model)
+    text = prompt_of(500)
+    computed = runner.prefill_chunked("p", text[:300], chunk_tokens=128)
+    assert computed is not None and isinstance(computed.cache, SplitKV)
+    past = SplitKV(computed.cache.global_kv[:, None], computed.cache.local_kv[:, None])
+    rest = runner.continue_logits(text, 300, past, chunk_tokens=128)
+    assert rest.shape == (200, runner.manifest.vocab_size)
+    np.testing.assert_allclose(rest, runner.continue_logits(text, 0, None, chunk_tokens=128)[300:], atol=1e-4)
 
 
 @torch.no_grad()
