@@ -35,6 +35,9 @@ def print_policy_steps(folders: list[Path], args: argparse.Namespace, steps: int
             if manifest.max_positions is not None and POLICY_HISTORY >= manifest.max_positions:
                 cells.append(f"{'not servable':>22}")
                 continue
+            if policy.missing(manifest) is not None:  # a form the service refuses for this model (a hybrid's)
+                cells.append(f"{'refused':>22}")
+                continue
             try:
                 one = policy_runner(folder, 1, POLICY_HISTORY, policy, args.threads, args.device)
             except (AssertionError, ValueError) as error:  # an export without this policy
@@ -57,7 +60,7 @@ def print_int8_ratio(folders: list[Path], args: argparse.Namespace, steps: int) 
     full, int8 = parse_cache_policy("full"), parse_cache_policy("int8")
     for folder in folders:
         manifest = Manifest.load(folder)
-        if not manifest.served_by_default or not manifest.has_int8_cache:
+        if not manifest.served_by_default or int8.missing(manifest) is not None:
             continue
         if manifest.max_positions is not None and POLICY_HISTORY >= manifest.max_positions:
             continue
