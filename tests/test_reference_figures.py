@@ -54,7 +54,7 @@ def test_the_reference_page_s_reuse_intervals_are_the_report_s(results: Results)
         if re.match(r"\| \w+ \| `(as_is|rotate|recompute)` \|", line)
     }
     quoted = 0
-    for scheme, reuse in results.reuse.items():
+    for scheme, reuse in ((s, results.reuse[s]) for s in results.schemes if s in results.reuse):
         for form, column in REUSE_COLUMNS.items():
             change = (mode_changes(reuse, form) or {}).get(reuse["segment_reuse"])
             if judge(reuse, form)[0] in QUOTED and change is not None:

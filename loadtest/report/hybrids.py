@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from loadtest.report.analysis import largest
 from loadtest.report.formatting import cell
-from loadtest.report.reuse_tables import mode_changes
+from loadtest.report.reuse_tables import judge, mode_changes
 from loadtest.report.seeds import label
-from loadtest.study.results import Results
+from loadtest.study.results import Results, Reuse
 from models.positional import SCHEME_REGISTRY, LocalGlobalHybrid
 
 RIVALS = ("rope", "relative", "alibi")
@@ -105,6 +105,16 @@ def _speculation(results: Results, hybrid: str) -> str:
     return f" Speculation: {own['speedup']:.2f}x at one stream" + (f" (against {rivals})." if rivals else ".")
 
 
+def _placed(reuse: Reuse, form: str) -> str | None:
+    """A scheme's reused documents' change over the full recompute as it places them, with its interval
+    ("no baseline" where the full recompute does not retrieve; None: not measured)."""
+    kind, _ = judge(reuse, form)
+    change = (mode_changes(reuse, form) or {}).get(reuse["segment_reuse"])
+    if kind == "no baseline":
+        return "no baseline (the full recompute does not retrieve)"
+    return None if change is None or kind == "not measured" else cell_change(change)
+
+
 def _reuse(results: Results, hybrid: str) -> str:
     """Reused documents' cost over the full recompute, as each scheme places them, against the rivals'."""
     own = results.reuse.get(hybrid)
@@ -112,13 +122,12 @@ def _reuse(results: Results, hybrid: str) -> str:
         return ""
     parts = []
     for form in own["documents"]:
-        change = (mode_changes(own, form) or {}).get(own["segment_reuse"])
-        if change is None:
+        placed = _placed(own, form)
+        if placed is None:
             continue
-        rivals = ", ".join(f"{rival} {placed.get('value', 0):+.1%}" for rival in RIVALS
-                           if rival in results.reuse and (placed := (mode_changes(results.reuse[rival], form) or {})
-                                                          .get(results.reuse[rival]["segment_reuse"])))  # fmt: skip
-        parts.append(f"{form} documents {cell_change(change)}" + (f" (against {rivals})" if rivals else ""))
+        rivals = ", ".join(f"{rival} {theirs.split(' [')[0].split(' (')[0]}" for rival in RIVALS
+                           if rival in results.reuse and (theirs := _placed(results.reuse[rival], form)))  # fmt: skip
+        parts.append(f"{form} documents {placed}" + (f" (against {rivals})" if rivals else ""))
     how = "as is" if own["segment_reuse"] == "as_is" else "re-rotated"
     return f" Reuse ({how}, bits per byte over the full recompute): {'; '.join(parts)}." if parts else ""
 
