@@ -23,7 +23,7 @@ import os
 import platform
 import subprocess
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import cast
 
@@ -39,7 +39,7 @@ from loadtest.study import reuse, routing, scored, timed
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Environment, Results, RunConfig, RunRecord, TrainingCurve
-from loadtest.study.serving import ensure_repository
+from loadtest.study.serving import Repository, ensure_repository
 from models import emergence
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.positional import SCHEMES
@@ -50,6 +50,9 @@ assert set(SECTIONS) == (
 )
 # The sections run on every training seed of a scheme (`--seeds-only`: on the further ones only).
 SEEDED = frozenset(("quality", "retrieval", "cache", "reuse", "speculative"))
+# Where each seeded section keeps its figures in the results (by model name).
+SEEDED_FIGURES = {"quality": "quality", "retrieval": "retrieval", "cache": "cache_budget", "reuse": "reuse",
+                  "speculative": "speculative"}  # fmt: skip
 # Run only when named: lm-evaluation-harness from its own virtual environment (made on first use).
 OPT_IN = ("evaluation",)
 
@@ -100,6 +103,16 @@ def start_results(
     return results
 
 
+def unscored(served: Repository, results: Results, sections: set[str]) -> Repository:
+    """`--seeds-only`: each scheme's further seeds that one of `sections` of the results does not hold
+    yet (a seed already scored in all of them is left as it is)."""
+    def held(model: str) -> bool:
+        return all(model in getattr(results, SEEDED_FIGURES[section]) for section in sections)
+
+    models = {scheme: [scheme, *(m for m in names[1:] if not held(m))] for scheme, names in served.models.items()}
+    return replace(served, models=models)
+
+
 def run(args: argparse.Namespace) -> Path:
     budget = Budget.tiny() if args.tiny else Budget.quick() if args.quick else Budget()
     if args.retrieval_trials:
@@ -122,6 +135,8 @@ def run(args: argparse.Namespace) -> Path:
                          "schemes": schemes}  # fmt: skip
     results = start_results(out, run_id, sections, record, threads, schemes)
     results.add_seeds(served.seeds)
+    if budget.seeds_only:
+        served = unscored(served, results, sections)
     # models/emergence.py reads the training logs as plain JSON objects of this shape.
     results.training = cast(dict[str, TrainingCurve], emergence.curves(WEIGHTS_DIR))
     held_out = HeldOut()
@@ -199,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--seeds-only", action="store_true",
-        help="score only the further training seeds (the served models' figures in the results stay): "
-        "a seed trained after the run was measured joins it without measuring the rest again",
+        help="score only the further training seeds the results do not hold yet (the served models' figures "
+        "stay): a seed trained after the run was measured joins it without measuring the rest again",
     )  # fmt: skip
     parser.add_argument("--run-id", default=None, help="names the report folder (default: the start time)")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default reports/<run-id>)")

@@ -50,6 +50,10 @@ def test_seeds_only_scores_the_further_seed_and_leaves_the_served_models_figures
     for section in ("quality", "reuse", "speculative"):
         assert set(results[section]) == {"alibi@seed2"}, section  # the served model's figures not measured again
     assert results["config"]["runs"][-1]["budget"]["seeds_only"] is True
+    results["quality"]["alibi@seed2"] = {"0.5": 123.0}  # held: a second run leaves it as it is
+    (out / "results.json").write_text(json.dumps(results))
+    assert compare_main([*command[:3], "--sections", "quality", *command[7:]]) == 0
+    assert json.loads((out / "results.json").read_text())["quality"]["alibi@seed2"] == {"0.5": 123.0}
 
 
 def test_seeds_only_refuses_sections_that_are_the_served_models(seeded_repository: Path, tmp_path: Path) -> None:
