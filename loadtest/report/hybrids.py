@@ -158,6 +158,7 @@ def hybrids_section(results: Results) -> str:
             f"{_measured_or_not(results, hybrid)}"
         )
     return (
-        "**What the hybrids cost and buy** (local sliding-window RoPE layers with one global layer, against "
+        "**What the hybrids cost and buy** (the served seed-1234 models' figures; the verdicts above give "
+        "each scheme's range over its seeds. Local sliding-window RoPE layers with one global layer, against "
         + ", ".join(RIVALS) + ")\n\n" + "\n".join(blocks) + "\n"
     )
