@@ -28,17 +28,8 @@ from service.engine_client import EngineClient
 from service.logprobs import TokenAligner, aligned, token_string
 from service.metrics import ServiceMetrics
 from service.openai_api import openapi
-from service.openai_api.protocol import (
-    DONE,
-    ApiError,
-    Choice,
-    Generation,
-    Shapes,
-    Usage,
-    models_list,
-    parse_generation,
-    shown,
-)
+from service.openai_api.protocol import ApiError, Generation, parse_generation, shown
+from service.openai_api.responses import DONE, Choice, Shapes, Usage, models_list
 from service.openai_api.stream import AsyncOutputStream
 from service.request_handle import RequestHandle
 from service.security import Tenants
