@@ -45,14 +45,17 @@ def repairs_of(modes: dict[str, ReuseMode | None] | dict[str, Cell | None]) -> l
 
 
 def verdict(change: Cell | None) -> str | None:
-    """`within` when the paired interval lies inside +-1%, `cannot` when it lies wholly outside,
-    `undecided` otherwise (None: no interval)."""
+    """`within` when the paired interval lies inside +-1%, `cannot` when it lies wholly above +1%,
+    `better` when it lies wholly below -1% (the reused answer reads better than the recompute's: no
+    loss, though not the recompute's answer), `undecided` otherwise (None: no interval)."""
     if change is None or "low" not in change:
         return None
     if -REUSE_WITHIN <= change["low"] and change["high"] <= REUSE_WITHIN:
         return "within"
-    if change["low"] > REUSE_WITHIN or change["high"] < -REUSE_WITHIN:
+    if change["low"] > REUSE_WITHIN:
         return "cannot"
+    if change["high"] < -REUSE_WITHIN:
+        return "better"
     return "undecided"
 
 
@@ -117,6 +120,9 @@ def judge(reuse: Reuse, form: str, seed: str | None = None) -> tuple[str, str]:
     n = int(change["n"])
     if said == "within":
         return "within 1%", f"reuses a document at any offset {how}, within 1% ({change_text(change)} bpb)"
+    if said == "better":
+        return "reads better", (f"reuses a document at any offset {how} and reads better than the full recompute "
+                                f"({change_text(change)} bpb)")  # fmt: skip
     fixes = [(mode_name(m), changes[m]) for m in ["sink", *repairs_of(changes)] if m in changes and m != "repair:all"]
     for name, fixed in fixes:
         if verdict(fixed) == "within":
@@ -300,14 +306,15 @@ def repair_curve_table(results: Results, form: str) -> str:
 
 
 def contradictions(reuse: Reuse, form: str) -> tuple[list[str], list[str]]:
-    """Modes whose verdicts contradict across prompt samples (`within` on one, `cannot` on another),
+    """Modes whose verdicts contradict across prompt samples (`within` or `better` on one, `cannot` on
+    another),
     and modes undecided on some sample."""
     found = [changes for seed in seeds_of(reuse) if (changes := mode_changes(reuse, form, seed)) is not None]
     clash, open_ = [], []
     measured = {m for changes in found for m in changes} - {"full", "prefix"}
     for mode in sorted(measured, key=lambda m: (m.startswith("repair:"), repair_k(m) if ":" in m else 0, m)):
         said = {verdict(changes.get(mode)) for changes in found} - {None}
-        if {"within", "cannot"} <= said:
+        if "cannot" in said and said & {"within", "better"}:
             clash.append(mode)
         elif "undecided" in said:
             open_.append(mode)
@@ -327,7 +334,7 @@ def samples_table(results: Results, forms: list[str]) -> str:
             clash, open_ = contradictions(reuse, form)
             undecided = f" (undecided: {', '.join(mode_name(m) for m in open_)})" if open_ else ""
             clashing = ", ".join(mode_name(m) for m in clash)
-            agree = f"**no**: {clashing} within 1% on one, cannot on another" if clash else "yes" + undecided
+            agree = f"**no**: {clashing} no loss on one, cannot on another" if clash else "yes" + undecided
             rows.append(f"| {scheme} | {form} | " + " | ".join(said) + f" | {agree} |")
     return "\n".join(rows) + "\n"
 
@@ -407,8 +414,9 @@ def reuse_section(results: Results) -> str:
     parts.append("### What reuse buys each scheme (the answer's bpb within 1% of the full recompute)\n")
     parts.append(
         'Each verdict comes from the paired 95% interval of the change from the full recompute: "within 1%" '
-        'only when the interval lies inside +-1%, "cannot" only when it lies wholly outside, otherwise '
-        '"undecided" at that many prompts. ' + samples_note(results) + " Every prompt sample's verdict, and "
+        'only when the interval lies inside +-1%, "cannot" only when it lies wholly above +1%, "reads better" '
+        'when it lies wholly below -1% (no loss, though not the recompute\'s answer), otherwise "undecided" at '
+        'that many prompts. ' + samples_note(results) + " Every prompt sample's verdict, and "
         "whether they agree:\n"
     )
     parts.append(samples_table(results, forms))

@@ -95,7 +95,8 @@ def test_verdicts_come_from_the_paired_interval() -> None:
     assert verdict({"value": 0.005, "low": -0.004, "high": 0.009, "n": 96}) == "within"
     assert verdict({"value": 0.005, "low": -0.004, "high": 0.011, "n": 96}) == "undecided"
     assert verdict({"value": 0.02, "low": 0.011, "high": 0.03, "n": 96}) == "cannot"
-    assert verdict({"value": -0.02, "low": -0.03, "high": -0.011, "n": 96}) == "cannot"
+    assert verdict({"value": -0.02, "low": -0.03, "high": -0.011, "n": 96}) == "better"
+    assert verdict({"value": -0.02, "low": -0.03, "high": -0.009, "n": 96}) == "undecided"
 
 
 def test_findings_say_within_one_percent_needs_the_repair_or_cannot() -> None:
