@@ -20,12 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from contract.cache_policy import CachePolicyError
 from contract.manifest import Manifest
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
-from service.engine.model_limits import default_cache_policy, policy_forms, sequence_limit
+from service.engine.model_limits import input_processor, policy_forms, sequence_limit
 from service.engine.model_metrics import ModelMetrics
-from service.engine.processing.input_processor import InputLimits, InputProcessor
 from service.engine.processing.output_processor import Finished, OutputBatch, OutputProcessor
 from service.engine.prompts.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
 from service.engine.prompts.prefix_cache import PrefixMetrics, PrefixReuse
@@ -44,19 +42,6 @@ logger = logging.getLogger(__name__)
 
 # Gauges (cache bytes, running, queued) are refreshed this often while busy, and whenever idle.
 GAUGE_INTERVAL_SECONDS = 0.02
-
-
-def _input_processor(manifest: Manifest, config: EngineConfig, max_tokens: int) -> InputProcessor:
-    """The model's request checks, its default cache policy resolved (and refused) at start-up."""
-    limits = InputLimits(
-        config.max_new_tokens_limit, config.default_max_new_tokens, max_tokens, config.speculative_tokens
-    )
-    inputs = InputProcessor(manifest, limits)
-    try:
-        inputs.default_policy = inputs.cache_policy(default_cache_policy(manifest, config))
-    except RequestError as error:
-        raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
-    return inputs
 
 
 class ModelEngine:
@@ -92,7 +77,7 @@ class ModelEngine:
         self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size, trace)
         self._admission_trace = trace
         self._backlog = Backlog()  # what is ahead of a new request, as of the last step
-        self.inputs = _input_processor(manifest, config, self.store.max_tokens)
+        self.inputs = input_processor(manifest, config, self.store.max_tokens)
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.policy_forms = policy_forms(manifest)
         self.metrics = ModelMetrics(metrics, manifest.name, manifest.scheme, self.policy_forms)

@@ -1,12 +1,14 @@
 """What one model may hold on this server, settled before its engine starts: the longest sequence,
-a KV budget that can hold it, and the cache policy of requests that name none."""
+a KV budget that can hold it, the cache policy of requests that name none, and the request checks
+that follow from them."""
 
 from __future__ import annotations
 
-from contract.cache_policy import FORM_POLICIES, FORM_SYNTAX
+from contract.cache_policy import FORM_POLICIES, FORM_SYNTAX, CachePolicyError
 from contract.manifest import Manifest
 from service.engine.kv import KVBudgetError, KVStore
-from service.engine.messages import EngineConfig
+from service.engine.messages import EngineConfig, RequestError
+from service.engine.processing.input_processor import InputLimits, InputProcessor
 from service.engine.worker.model_session import serving_plan
 
 
@@ -63,3 +65,16 @@ def check_kv_budget(manifest: Manifest, config: EngineConfig) -> None:
             f"{layout.token_bytes} bytes per token{per_sequence}; the minimum is {minimum} bytes (one row of "
             "the widest capacity class and the row it moves from)"
         )
+
+
+def input_processor(manifest: Manifest, config: EngineConfig, max_tokens: int) -> InputProcessor:
+    """The model's request checks, its default cache policy resolved (and refused) at start-up."""
+    limits = InputLimits(
+        config.max_new_tokens_limit, config.default_max_new_tokens, max_tokens, config.speculative_tokens
+    )
+    inputs = InputProcessor(manifest, limits)
+    try:
+        inputs.default_policy = inputs.cache_policy(default_cache_policy(manifest, config))
+    except RequestError as error:
+        raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
+    return inputs

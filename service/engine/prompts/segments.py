@@ -134,8 +134,6 @@ def _batched(kv: Array) -> Array:
     return SplitKV(kv.global_kv[:, None], kv.local_kv[:, None]) if isinstance(kv, SplitKV) else kv[:, None]
 
 
-
-
 class SegmentReuser:
     """One model's reusable segments as its engine loop uses them (engine thread)."""
 
