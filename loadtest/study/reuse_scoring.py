@@ -141,14 +141,8 @@ class AnswerScorer:
         computed = self._prompt(prompt, mode, repair)
         answer = list(prompt.answer.encode())
         logits = computed.logits[None]  # (1, vocab): predicts the answer's first byte
-        if len(answer) > 1 and isinstance(computed.cache, SplitKV):
-            logits = np.concatenate([logits, self._split_rest(prompt, computed, answer[:-1])])
-        elif len(answer) > 1:
-            ids = np.asarray([answer[:-1]], dtype=np.int64)
-            positions = np.arange(computed.length, computed.length + len(answer) - 1, dtype=np.int64)[None]
-            mask = np.ones((1, computed.length + len(answer) - 1), dtype=np.int64)
-            rest, _ = self.runner._prompt_call(ids, mask, positions, computed.cache[:, None], last_only=False)
-            logits = np.concatenate([logits, rest[0]])
+        if len(answer) > 1:
+            logits = np.concatenate([logits, self._rest(prompt, computed, answer[:-1])])
         logprobs = target_logprobs(logits, answer)
         hits = int((np.asarray(logits).argmax(-1) == np.asarray(answer)).sum())
         return AnswerScore(float(-logprobs.sum() / math.log(2)), hits, len(answer))
@@ -159,12 +153,12 @@ class AnswerScorer:
         precompute, which drops a BOS column from every layer, is not built for them."""
         return self.runner.layout.split
 
-    def _split_rest(self, prompt: DocumentPrompt, computed: PrefilledPrompt, fed: list[int]) -> np.ndarray:
-        """Logits (len(fed), vocab) of the answer's bytes fed after a split row's prompt K/V: the runner's
-        chunked path, whose local layers keep only their window."""
+    def _rest(self, prompt: DocumentPrompt, computed: PrefilledPrompt, fed: list[int]) -> np.ndarray:
+        """Logits (len(fed), vocab) of the answer's bytes fed after the prompt's K/V: the runner's
+        chunked path (a split row's local layers keep only their window)."""
         cache = computed.cache
-        assert isinstance(cache, SplitKV)
-        past = SplitKV(cache.global_kv[:, None], cache.local_kv[:, None])
+        split = isinstance(cache, SplitKV)
+        past = SplitKV(cache.global_kv[:, None], cache.local_kv[:, None]) if split else cache[:, None]
         token_ids = TOKENIZER.encode(prompt.text) + fed
         assert len(token_ids) == computed.length + len(fed)
         return self.runner.continue_logits(token_ids, computed.length, past, CHUNK_TOKENS)
