@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> Path:
             raise SystemExit(f"--seeds-only scores further training seeds in {' '.join(SEEDED)} only, "
                              f"with --extra-seeds; asked for {' '.join(sorted(sections))}")  # fmt: skip
         budget.seeds_only = True
-    served = ensure_repository(repository, schemes, budget.scaling_multiples, budget.extra_seeds)
+    served = ensure_repository(repository, schemes, budget.scaling_multiples, budget.extra_seeds, args.weights)
     record: RunRecord = {"sections": sorted(sections), "environment": environment(), "budget": asdict(budget),
                          "schemes": schemes}  # fmt: skip
     results = start_results(out, run_id, sections, record, threads, schemes)
@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-repository", type=Path, default=REPOSITORY_ROOT / "model_repository",
         help="model repository to serve from; missing schemes and rope scaling variants are exported into it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--weights", type=Path, default=WEIGHTS_DIR,
+        help="weights folder (models/weights' layout) that missing models and further seeds are exported from",
     )  # fmt: skip
     parser.add_argument(
         "--schemes", nargs="+", choices=SCHEMES, default=list(trained_schemes()),

@@ -46,19 +46,23 @@ class Repository:
 
 
 def ensure_repository(
-    repository: Path, schemes: list[str], scaling_multiples: tuple[float, ...], extra_seeds: bool = True
+    repository: Path,
+    schemes: list[str],
+    scaling_multiples: tuple[float, ...],
+    extra_seeds: bool = True,
+    weights: Path = WEIGHTS_DIR,
 ) -> Repository:
-    """Export any missing model: the schemes, rope's scaling variants and (with `extra_seeds`) every
-    further training seed of the schemes in models/weights; say which models each scheme has (with
-    `extra_seeds`, every `<scheme>@seed<N>` in the repository too).
+    """Export any missing model from `weights`: the schemes, rope's scaling variants and (with
+    `extra_seeds`) every further training seed of the schemes there; say which models each scheme has
+    (with `extra_seeds`, every `<scheme>@seed<N>` in the repository too).
 
     The variants are derived from the repository's rope graphs by rewriting their rotary constants
     (export/rope_variants.py) rather than traced again, so adding them is cheap.
     """
     scalings = [f"{kind}:{m:g}" for kind in ROPE_SCALINGS for m in scaling_multiples] if "rope" in schemes else []
     names = [rope_scaled_name(RopeScaling.parse(s)) for s in scalings]
-    options = ExportOptions(out=repository, schemes=tuple(schemes), rope_scaling=tuple(scalings), verify=False,
-                            fp16=False, extra_seeds=extra_seeds)  # fmt: skip
+    options = ExportOptions(weights=weights, out=repository, schemes=tuple(schemes), rope_scaling=tuple(scalings),
+                            verify=False, fp16=False, extra_seeds=extra_seeds)  # fmt: skip
     missing = tuple(spec.name for spec in model_variants(options) if not (repository / spec.name / MANIFEST).is_file())
     if missing:
         export_run(replace(options, names=missing))

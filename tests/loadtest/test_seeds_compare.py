@@ -18,7 +18,8 @@ def test_the_scored_sections_run_on_every_seed_and_the_report_says_so(seeded_rep
     base_run(out)
     sections = ["quality", "retrieval", "cache", "reuse", "speculative"]
     command = ["--tiny", "--extra-seeds", "--sections", *sections, "--schemes", "alibi", "--model-repository",
-               str(seeded_repository), "--out", str(out), "--threads", "1"]  # fmt: skip
+               str(seeded_repository), "--weights", str(seeded_repository.parent / "weights"), "--out", str(out),
+               "--threads", "1"]  # fmt: skip
     assert compare_main(command) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["seeds"]["alibi"] == [1234, 2]
@@ -44,7 +45,8 @@ def test_seeds_only_scores_the_further_seed_and_leaves_the_served_models_figures
     base_run(out)
     sections = ["quality", "reuse", "speculative"]
     command = ["--tiny", "--extra-seeds", "--seeds-only", "--sections", *sections, "--schemes", "alibi",
-               "--model-repository", str(seeded_repository), "--out", str(out), "--threads", "1"]  # fmt: skip
+               "--model-repository", str(seeded_repository), "--out", str(out), "--threads", "1",
+               "--weights", str(seeded_repository.parent / "weights")]  # fmt: skip
     assert compare_main(command) == 0
     results = json.loads((out / "results.json").read_text())
     for section in ("quality", "reuse", "speculative"):
