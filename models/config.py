@@ -54,6 +54,10 @@ class ModelConfig:
     # (3 local : 1 global, as Command R7B and Llama 4's iRoPE).
     sliding_window: int = 64
     global_every: int = 4
+    # Latent attention (mla): the cached latent's width (None = d_model / 2) and the decoupled
+    # rotated key's, shared by every head (None = head_dim / 2). 64 + 16 per layer at 4 x 128.
+    latent_dim: int | None = None
+    latent_rope_dim: int | None = None
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
     extra: dict[str, object] = field(default_factory=dict)
@@ -71,6 +75,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def latent_width(self) -> int:
+        return self.d_model // 2 if self.latent_dim is None else self.latent_dim
+
+    @property
+    def latent_rope_width(self) -> int:
+        return self.head_dim // 2 if self.latent_rope_dim is None else self.latent_rope_dim
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

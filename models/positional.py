@@ -288,6 +288,10 @@ class PositionalScheme(nn.Module):
         its keys (or, for absolute schemes, one that cannot be taken out), so: the identity."""
         return keys
 
+    def attention(self, config: ModelConfig) -> nn.Module | None:
+        """The attention layer this scheme needs; None = standard multi-head attention (`mla` has its own)."""
+        return None
+
     def layer_groups(self) -> tuple[LayerGroup, ...]:
         """The layers that attend alike, each group with its unit and window. One global group of
         every layer, unless the scheme is a hybrid."""
@@ -478,6 +482,9 @@ class RopeWindowsRopeGlobal(LocalGlobalHybrid):
     global_unit = RotaryPositions
 
 
+# Latent attention registers itself last (its module builds on the pieces above).
+from models import latent  # noqa: E402, F401
+
 # Every list of schemes (CLI choices, export, load tests, tests) is this one, in registration order.
 SCHEMES: tuple[str, ...] = tuple(SCHEME_REGISTRY)
 
@@ -485,12 +492,18 @@ SCHEMES: tuple[str, ...] = tuple(SCHEME_REGISTRY)
 def matched_config(scheme: str, **overrides: object) -> ModelConfig:
     """A config whose total parameter count matches the scheme-free model.
 
-    A learned position table is ~4% of a model this small; to give every scheme the same
-    budget we take those parameters out of the MLP hidden width (2 * d_model + 1 per unit
+    A learned position table is ~4% of a model this small (and latent attention's projections
+    differ from the standard attention's); to give every scheme the same budget we take those
+    parameters out of the MLP hidden width (2 * d_model + 1 per unit
     per layer), the usual way parameter-matched ablations are built.
     """
     config = ModelConfig(scheme=scheme, **overrides)  # type: ignore[arg-type]
-    extra = sum(p.numel() for p in build_positional(config).parameters())
+    positional = build_positional(config)
+    extra = sum(p.numel() for p in positional.parameters())
+    attention = positional.attention(config)
+    if attention is not None:  # its own attention layer: count what it adds over the standard one
+        standard = 4 * config.d_model * config.d_model + 4 * config.d_model
+        extra += config.n_layers * (sum(p.numel() for p in attention.parameters()) - standard)
     per_unit = config.n_layers * (2 * config.d_model + 1)
     assert config.d_ff is not None
     config.d_ff -= round(extra / per_unit)

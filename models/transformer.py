@@ -26,7 +26,10 @@ class Transformer(nn.Module):
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.positional = build_positional(config)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            Block(config, self.positional.attention(config) or CausalSelfAttention(config))
+            for _ in range(config.n_layers)
+        )
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.apply(self._init_weights)
         # Scaled init of residual projections, per GPT-2 (https://cdn.openai.com/better-language-models/language_models_are_unsupervised_multitask_learners.pdf).
@@ -45,14 +48,14 @@ class Transformer(nn.Module):
     def return_new_key_values_only(self) -> Transformer:
         """Switch to the serving layout: layers read the past in place and return only new K/V."""
         for block in self.blocks:
-            block.attn.attend = attend_in_place
+            block.attn.serve_in_place()
         return self
 
     def attend_with_fused_kernel(self) -> Transformer:
         """Switch to PyTorch's fused attention (training): the same mathematics in one kernel, and a
         faster training step (README, Training speed). Export keeps the explicit graph."""
         for block in self.blocks:
-            block.attn.attend = attend_fused
+            block.attn.use_fused_kernel()
         return self
 
     def num_parameters(self) -> int:
@@ -74,8 +77,7 @@ class Transformer(nn.Module):
         batch, seq = input_ids.shape
         dtype = self.token_embedding.weight.dtype
         if past_key_values is None:
-            empty = input_ids.new_zeros((batch, self.config.n_heads, 0, self.config.head_dim), dtype=dtype)
-            past_key_values = [(empty, empty)] * self.config.n_layers
+            past_key_values = [block.attn.empty_past(batch, dtype, input_ids.device) for block in self.blocks]
         past = past_key_values[0][0].shape[2]
         if attention_mask is None:
             attention_mask = input_ids.new_ones((batch, past + seq))
@@ -147,10 +149,10 @@ class Transformer(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention: nn.Module) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.attn = CausalSelfAttention(config)
+        self.attn = attention
         self.mlp_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
@@ -205,6 +207,17 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         self.attend = attend_concatenated
+
+    def empty_past(self, batch: int, dtype: torch.dtype, device: torch.device) -> KeyValue:
+        empty = torch.zeros((batch, self.n_heads, 0, self.head_dim), dtype=dtype, device=device)
+        return empty, empty
+
+    def serve_in_place(self) -> None:
+        """Serving layout: read the past in place, return only the new K/V."""
+        self.attend = attend_in_place
+
+    def use_fused_kernel(self) -> None:
+        self.attend = attend_fused
 
     def forward(
         self, x: Tensor, score_bias: Tensor, rotation: QueryKeyRotation, past: KeyValue

@@ -1,0 +1,49 @@
+"""Latent attention (mla): its two forms agree, only the rotated key carries a position, and the
+cache per token is the latent plus one shared rotated key."""
+
+from __future__ import annotations
+
+import torch
+
+from models.positional import matched_config
+from models.transformer import Transformer
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(matched_config("mla")).eval()
+
+
+def test_absorbed_decode_matches_up_projected_forward() -> None:
+    model = _model()
+    tokens = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        full, _ = model(tokens)
+        model.return_new_key_values_only()
+        head, past = model(tokens[:, :30])
+        tail, new = model(tokens[:, 30:], past_key_values=past)
+    torch.testing.assert_close(torch.cat((head, tail), dim=1), full, atol=2e-5, rtol=0)
+    rotated_keys, latents = new[0]
+    assert rotated_keys.shape == (2, 1, 10, 16) and latents.shape == (2, 1, 10, 64)
+
+
+def test_moving_rotated_keys_equals_computing_them_later() -> None:
+    model = _model()
+    tokens = torch.randint(0, 256, (1, 24))
+    positions = torch.arange(24)[None]
+    with torch.no_grad():
+        _, at_zero = model(tokens, position_ids=positions)
+        _, later = model(tokens, position_ids=positions + 100)
+    for (keys_zero, latents_zero), (keys_later, latents_later) in zip(at_zero, later, strict=True):
+        torch.testing.assert_close(model.positional.move_keys(keys_zero, 100), keys_later, atol=1e-5, rtol=0)
+        torch.testing.assert_close(latents_zero, latents_later)  # the latent carries no position
+
+
+def test_cache_per_token_is_under_a_third_of_ropes_with_the_same_parameter_budget() -> None:
+    mla, rope = Transformer(matched_config("mla")), Transformer(matched_config("rope"))
+    with torch.no_grad():
+        _, mla_cache = mla(torch.zeros((1, 1), dtype=torch.long))
+        _, rope_cache = rope(torch.zeros((1, 1), dtype=torch.long))
+    floats = sum(k.numel() + v.numel() for k, v in mla_cache)
+    assert floats / sum(k.numel() + v.numel() for k, v in rope_cache) <= 0.35
+    assert abs(mla.num_parameters() / rope.num_parameters() - 1) < 0.01
