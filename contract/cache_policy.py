@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from contract.kv_spec import LATENT_ATTENTION
 from contract.manifest import SERVING_FUSED_INT8, SERVING_INT8, serving_variant
 
 if TYPE_CHECKING:
@@ -165,6 +166,12 @@ class CachePolicy:
 
     def missing(self, manifest: Manifest) -> str | None:
         """What the model's export lacks to serve this policy (None: nothing), as an error's reason."""
+        spec = manifest.kv_spec
+        if (self.bounded or self.int8) and spec.kind == LATENT_ATTENTION:
+            return (
+                f"does not serve {self.form!r}: its latent attention cache (one [latent; rotated key] of "
+                f"{spec.width} numbers a token and layer) has neither an int8 graph nor eviction; it serves full"
+            )
         if self.bounded and manifest.is_hybrid:
             return (
                 f"does not serve {self.form!r}: its local layers already keep only their sliding window, and a "

@@ -37,18 +37,19 @@ def kv_name(prefix: str, layer: int | str, kind: str) -> str:
     return f"{prefix}.{layer}.{kind}"
 
 
-def _kv_names(prefix: str, n_layers: int) -> list[str]:
-    return [kv_name(prefix, i, kind) for i in range(n_layers) for kind in KV_KINDS]
+def _kv_names(prefix: str, n_layers: int, entries: tuple[str, ...] = KV_KINDS) -> list[str]:
+    return [kv_name(prefix, i, kind) for i in range(n_layers) for kind in entries]
 
 
-def past_names(n_layers: int) -> list[str]:
-    """Cache inputs in graph order: layer 0 key, layer 0 value, layer 1 key, ..."""
-    return _kv_names(PAST_KEY_VALUES, n_layers)
+def past_names(n_layers: int, entries: tuple[str, ...] = KV_KINDS) -> list[str]:
+    """Cache inputs in graph order: layer 0 key, layer 0 value, layer 1 key, ... (`entries`: what a
+    layer caches per token, contract.kv_spec; latent attention's one `latent` a layer)."""
+    return _kv_names(PAST_KEY_VALUES, n_layers, entries)
 
 
-def layer_kv_names(names: list[str], layers: tuple[int, ...]) -> list[str]:
-    """The key and value names of these layers, in order, from a (2 x layers) list of names."""
-    return [names[2 * layer + kind] for layer in layers for kind in (0, 1)]
+def layer_kv_names(names: list[str], layers: tuple[int, ...], per_layer: int = 2) -> list[str]:
+    """The cache names of these layers, in order, from a (per_layer x layers) list of names."""
+    return [names[per_layer * layer + entry] for layer in layers for entry in range(per_layer)]
 
 
 def past_scale_names(n_layers: int) -> list[str]:
@@ -56,30 +57,30 @@ def past_scale_names(n_layers: int) -> list[str]:
     return [kv_name(PAST_KEY_VALUES, i, kind) for i in range(n_layers) for kind in SCALE_KINDS]
 
 
-def present_names(n_layers: int) -> list[str]:
+def present_names(n_layers: int, entries: tuple[str, ...] = KV_KINDS) -> list[str]:
     """Cache outputs of the Optimum graph (past + new), in the order of `past_names`."""
-    return _kv_names(PRESENT, n_layers)
+    return _kv_names(PRESENT, n_layers, entries)
 
 
-def new_kv_names(n_layers: int) -> list[str]:
+def new_kv_names(n_layers: int, entries: tuple[str, ...] = KV_KINDS) -> list[str]:
     """Cache outputs of the serving graph (new tokens only), in the order of `past_names`."""
-    return _kv_names(NEW_KEY_VALUES, n_layers)
+    return _kv_names(NEW_KEY_VALUES, n_layers, entries)
 
 
-def input_names(n_layers: int, int8: bool = False) -> list[str]:
+def input_names(n_layers: int, int8: bool = False, entries: tuple[str, ...] = KV_KINDS) -> list[str]:
     """Graph inputs; `int8`: the int8 serving graph's, whose scales follow the int8 past."""
     scales = past_scale_names(n_layers) if int8 else []
-    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(n_layers), *scales]
+    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(n_layers, entries), *scales]
 
 
-def cache_input_names(n_layers: int, int8: bool = False) -> list[list[str]]:
+def cache_input_names(n_layers: int, int8: bool = False, entries: tuple[str, ...] = KV_KINDS) -> list[list[str]]:
     """The cache inputs by array: [past] (float graphs) or [past, scales] (int8), each in layer order."""
-    return [past_names(n_layers), past_scale_names(n_layers)] if int8 else [past_names(n_layers)]
+    return [past_names(n_layers), past_scale_names(n_layers)] if int8 else [past_names(n_layers, entries)]
 
 
-def output_names(n_layers: int, new_only: bool = False) -> list[str]:
+def output_names(n_layers: int, new_only: bool = False, entries: tuple[str, ...] = KV_KINDS) -> list[str]:
     """`present.*` (past + new, Optimum) or, for the serving graph, `new_key_values.*` (new only)."""
-    return [LOGITS, *(new_kv_names(n_layers) if new_only else present_names(n_layers))]
+    return [LOGITS, *(new_kv_names(n_layers, entries) if new_only else present_names(n_layers, entries))]
 
 
 def left_pad_batch(sequences: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

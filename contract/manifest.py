@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.kv_spec import LayerCacheSpec
 from contract.names import SeedModel
 
 MANIFEST = "manifest.json"
@@ -110,10 +111,11 @@ class SegmentReuse:
     rotary_inv_freq: np.ndarray | None = None
     rotated_layers: tuple[int, ...] | None = None
 
-    def rotated_key_rows(self, n_layers: int) -> list[int]:
-        """Indices of the rotated layers' keys in a (2 x layers, ...) K/V array (K, V of layer 0, ...)."""
+    def rotated_key_rows(self, n_layers: int, per_layer: int = 2) -> list[int]:
+        """Indices of the rotated layers' keys in a (per_layer x layers, ...) cache array (K, V of layer
+        0, ...; latent attention: one entry a layer, per_layer 1)."""
         layers = range(n_layers) if self.rotated_layers is None else self.rotated_layers
-        return [2 * layer for layer in layers]
+        return [per_layer * layer for layer in layers]
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,14 @@ class Manifest:
     @property
     def head_dim(self) -> int:
         return int(self.data["head_dim"])  # type: ignore[arg-type]
+
+    @property
+    def kv_spec(self) -> LayerCacheSpec:
+        """What each layer caches per token (contract.kv_spec); an export from before typed specs: K and V."""
+        raw = self.data.get("kv_cache")
+        if isinstance(raw, dict) and isinstance(raw.get("spec"), dict):
+            return LayerCacheSpec.from_json(raw["spec"])
+        return LayerCacheSpec.full(self.n_heads, self.head_dim)
 
     @property
     def vocab_size(self) -> int:
@@ -328,7 +338,7 @@ class Manifest:
         plus one float32 scale per head)."""
         if dtype == SERVING_INT8:
             return 2 * self.n_layers * self.n_heads * (self.head_dim + INT8_SCALE_BYTES)
-        return 2 * self.n_layers * self.n_heads * self.head_dim * DTYPE_BYTES[variant_dtype(dtype)]
+        return self.n_layers * self.kv_spec.token_floats * DTYPE_BYTES[variant_dtype(dtype)]
 
     def verify(self, dtype: str = "float32") -> Path:
         """Check the ONNX file against the recorded sha256; raise naming the bad file."""

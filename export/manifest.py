@@ -23,10 +23,11 @@ from contract.graph import (
     PRESENT,
     kv_name,
 )
+from contract.kv_spec import LayerCacheSpec
 from contract.manifest import DTYPE_BYTES, PREFILL_FUSED, SERVING_FUSED, SERVING_FUSED_INT8, sha256_file
 from models.checkpoints import WEIGHTS_DIR
 from models.config import ModelConfig
-from models.positional import SCHEMES, build_positional, rope_rotation_frequencies
+from models.positional import SCHEMES, build_positional
 from models.tokenizer import TOKENIZER
 
 
@@ -40,6 +41,7 @@ def build_manifest(
 ) -> dict[str, object]:
     """manifest.json for one model: `variants` maps a variant name (see contract.manifest) to its graph."""
     files = {dtype: {"file": path.name, "sha256": sha256_file(path)} for dtype, path in variants.items()}
+    spec = layer_cache_spec(config)
     return {
         "name": name,
         "scheme": config.scheme,
@@ -58,16 +60,17 @@ def build_manifest(
         "variants": files,
         "opset": opset,
         "kv_cache": {
-            "layout": "[batch, n_heads, sequence, head_dim] per layer, key and value",
+            "layout": "[batch, heads, sequence, width] per layer and entry (spec.entries)",
+            "spec": spec.to_json(),
             "bytes_per_token": {
-                dtype: 2 * config.n_layers * config.d_model * DTYPE_BYTES[dtype] for dtype in DTYPE_BYTES
+                dtype: config.n_layers * spec.token_floats * DTYPE_BYTES[dtype] for dtype in DTYPE_BYTES
             },
         },
         # The serving graphs (serving-<dtype>): same inputs; outputs logits and new_key_values.{i}.*
         # (the new tokens only). They read the past in place, so masked unused slots may sit in it.
-        "serving_outputs": [LOGITS, *_kv_patterns(NEW_KEY_VALUES, "{i}")],
-        "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *_kv_patterns(PAST_KEY_VALUES, "{i}")],
-        "outputs": [LOGITS, *_kv_patterns(PRESENT, "{i}")],
+        "serving_outputs": [LOGITS, *_kv_patterns(NEW_KEY_VALUES, "{i}", spec.entries)],
+        "inputs": [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *_kv_patterns(PAST_KEY_VALUES, "{i}", spec.entries)],
+        "outputs": [LOGITS, *_kv_patterns(PRESENT, "{i}", spec.entries)],
         "layer_groups": layer_groups(config),
         **({"local_cache": local_cache(config)} if local_cache(config) and SERVING_FUSED in variants else {}),
         "cache_eviction": cache_eviction(config),
@@ -77,6 +80,12 @@ def build_manifest(
         "versions": versions,
         **extra,
     }
+
+
+def layer_cache_spec(config: ModelConfig) -> LayerCacheSpec:
+    """What each layer of the model caches per token: its attention layer says (contract.kv_spec)."""
+    attention = build_positional(config).attention(config)
+    return LayerCacheSpec.full(config.n_heads, config.head_dim) if attention is None else attention.cache_spec()
 
 
 def layer_groups(config: ModelConfig) -> list[dict[str, object]]:
@@ -115,14 +124,14 @@ def cache_eviction(config: ModelConfig) -> dict[str, object] | None:
         return None
     inv_freq = None
     if scheme.rotates_keys:
-        inv_freq = [float(f) for f in rope_rotation_frequencies(config)]
+        inv_freq = [float(f) for f in scheme.key_frequencies()]
     return {"positions": scheme.eviction_positions, "rotary_inv_freq": inv_freq}
 
 
 def segment_reuse(config: ModelConfig) -> dict[str, object]:
     """How K/V computed for a text at position 0 serves it at another offset (contract.manifest.SegmentReuse)."""
     scheme = build_positional(config)
-    inv_freq = [float(f) for f in rope_rotation_frequencies(config)] if scheme.segment_reuse == "rotate" else None
+    inv_freq = [float(f) for f in scheme.key_frequencies()] if scheme.segment_reuse == "rotate" else None
     # Only layers whose keys carry a rotation are turned (a hybrid's global NoPE layer is reused as is).
     rotated = [layer for group in scheme.layer_groups() if group.positional.rotates_keys for layer in group.layers]
     return {"mode": scheme.segment_reuse, "rotary_inv_freq": inv_freq, "rotated_layers": rotated}
@@ -145,9 +154,9 @@ def fused_attention() -> dict[str, object]:
     }
 
 
-def _kv_patterns(prefix: str, placeholder: str) -> list[str]:
+def _kv_patterns(prefix: str, placeholder: str, entries: tuple[str, ...] = KV_KINDS) -> list[str]:
     """Documented name patterns, e.g. past_key_values.{i}.key and .value."""
-    return [kv_name(prefix, placeholder, kind) for kind in KV_KINDS]
+    return [kv_name(prefix, placeholder, kind) for kind in entries]
 
 
 def genai_config(config: ModelConfig, onnx_file: str) -> dict[str, object]:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from contract.graph import input_names, output_names
+from export.manifest import layer_cache_spec
 from models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,15 @@ class FlatKeyValueModel(nn.Module):
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model
+        self.per_layer = layer_cache_spec(model.config).per_layer  # K and V, or latent attention's one entry
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *past: Tensor
     ) -> tuple[Tensor, ...]:
-        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-        logits, presents = self.model(input_ids, attention_mask, position_ids, pairs)
-        return (logits, *(t for pair in presents for t in pair))
+        n = self.per_layer
+        layers = [tuple(past[n * i : n * i + n]) for i in range(len(past) // n)]
+        logits, presents = self.model(input_ids, attention_mask, position_ids, layers)
+        return (logits, *(t for layer in presents for t in layer))
 
 
 def attend_in_place_int8(
@@ -94,9 +97,10 @@ def example_inputs(model: Transformer, batch: int = 2, seq: int = 5, past: int =
     """Sizes > 1 everywhere so the exporter keeps every axis symbolic."""
     config = model.config
     dtype = model.token_embedding.weight.dtype
+    spec = layer_cache_spec(config)
     # Distinct tensors per cache input: torch.export merges inputs that alias one tensor.
     past_kv = [
-        torch.zeros(batch, config.n_heads, past, config.head_dim, dtype=dtype) for _ in range(2 * config.n_layers)
+        torch.zeros(batch, spec.heads, past, spec.width, dtype=dtype) for _ in range(spec.per_layer * config.n_layers)
     ]
     return (
         torch.randint(0, 256, (batch, seq), dtype=torch.int64),
@@ -126,7 +130,9 @@ def export_onnx(
     model = model.to(torch.float32 if int8 else dtype).eval()
     if new_only or int8:
         model.return_new_key_values_only()
-    n_layers = model.config.n_layers
+    n_layers, spec = model.config.n_layers, layer_cache_spec(model.config)
+    if int8 and not spec.quantizable:
+        raise ValueError(f"{model.config.scheme}: its {spec.kind} cache has no int8 graph")
     args = int8_example_inputs(model) if int8 else example_inputs(model)
     wrapper = Int8KeyValueModel(model) if int8 else FlatKeyValueModel(model)
     batch, sequence, past, total = "batch", "sequence", "past_sequence", "total_sequence"
@@ -135,7 +141,7 @@ def export_onnx(
         {0: batch, 1: sequence},
         {0: batch, 1: total},
         {0: batch, 1: sequence},
-        tuple([kv_shape] * ((4 if int8 else 2) * n_layers)),  # the *past varargs arrive as one tuple
+        tuple([kv_shape] * ((4 if int8 else spec.per_layer) * n_layers)),  # the *past varargs arrive as one tuple
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():
@@ -144,8 +150,8 @@ def export_onnx(
             wrapper,
             args,
             dynamo=True,
-            input_names=input_names(n_layers, int8),
-            output_names=output_names(n_layers, new_only or int8),
+            input_names=input_names(n_layers, int8, spec.entries),
+            output_names=output_names(n_layers, new_only or int8, spec.entries),
             dynamic_shapes=dynamic_shapes,
             opset_version=OPSET,
             optimize=True,

@@ -45,7 +45,7 @@ from contract.paths import REPOSITORY_ROOT
 from export.evaluate import onnx_bits_per_byte
 from export.fused import export_fused
 from export.int8_channels import kv_channel_scales
-from export.manifest import build_manifest, genai_config, write_json, write_tokenizer_json
+from export.manifest import build_manifest, genai_config, layer_cache_spec, write_json, write_tokenizer_json
 from export.onnx import OPSET, export_onnx
 from export.rope_variants import derive_rope_variant
 from export.runtime import OnnxCausalLM
@@ -87,6 +87,18 @@ PARITY_GRAPHS = ("float32", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # The scheme whose models take inference-time rope scaling (see model_variants).
 ROPE_SCHEME = "rope"
+
+
+# The graphs a cache that is not K and V (latent attention, contract.kv_spec) is exported as: the traced
+# ones. The int8 graphs quantize K and V, and the fused ones are GroupQueryAttention over K and V.
+TRACED_GRAPHS = ("float32", SERVING, "float16", SERVING_FP16)
+
+
+def graphs_for(scheme: str, graphs: tuple[str, ...]) -> tuple[str, ...]:
+    """The graphs of `graphs` a scheme's cache can be served by."""
+    if layer_cache_spec(ModelConfig(scheme=scheme)).quantizable:
+        return graphs
+    return tuple(variant for variant in graphs if variant in TRACED_GRAPHS)
 
 
 def cuda_onnxruntime() -> bool:
@@ -432,7 +444,7 @@ def run(options: ExportOptions) -> list[ExportResult]:
     specs = {spec.name: spec for spec in variants}
     results: dict[str, ExportResult] = {}
     with tempfile.TemporaryDirectory(prefix="rope-base-") as scratch:
-        jobs = [_Job(spec, options, graphs) for spec in variants if spec.scaling is None]
+        jobs = [_Job(spec, options, graphs_for(spec.scheme, graphs)) for spec in variants if spec.scaling is None]
         # Rope variants need a base rope model: this run's, the repository's, or one exported aside.
         scaled = [spec for spec in variants if spec.scaling is not None]
         rope_base = options.out / ROPE_SCHEME
@@ -450,7 +462,8 @@ def run(options: ExportOptions) -> list[ExportResult]:
                 if sequences is None:
                     progress.update()
                     return
-                pending[pool.submit(_verify_job, options.out / name, specs[name], graphs, sequences)] = name
+                served = graphs_for(specs[name].scheme, graphs)
+                pending[pool.submit(_verify_job, options.out / name, specs[name], served, sequences)] = name
 
             def derive_all() -> None:
                 for spec in scaled:

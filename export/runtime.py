@@ -64,9 +64,13 @@ class OnnxCausalLM:
         self.pad_token_id = int(self.manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
 
     def empty_past(self, batch: int) -> Past:
-        shape = (batch, self.manifest.n_heads, 0, self.manifest.head_dim)
+        spec = self.manifest.kv_spec
         dtype = NP_DTYPES[variant_dtype(self.dtype)]
-        return [np.zeros(shape, dtype=dtype) for _ in past_names(self.manifest.n_layers)]
+        return [np.zeros((batch, spec.heads, 0, spec.width), dtype=dtype) for _ in self._past_names]
+
+    @property
+    def _past_names(self) -> list[str]:
+        return past_names(self.manifest.n_layers, self.manifest.kv_spec.entries)
 
     def forward(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: Past
@@ -74,8 +78,8 @@ class OnnxCausalLM:
         """One graph call; returns logits (B, T, vocab) and the present K/V (past + new)."""
         check_positions(position_ids, self.manifest.max_positions)
         feeds = {INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, POSITION_IDS: position_ids}
-        feeds.update(zip(past_names(self.manifest.n_layers), past, strict=True))
-        outputs = output_names(self.manifest.n_layers, new_only=self.in_place)
+        feeds.update(zip(self._past_names, past, strict=True))
+        outputs = output_names(self.manifest.n_layers, new_only=self.in_place, entries=self.manifest.kv_spec.entries)
         logits, *present = self.session.run(outputs, feeds)
         if self.in_place:  # the serving graph returns only the new tokens' K/V
             present = [np.concatenate((old, new), axis=2) for old, new in zip(past, present, strict=True)]

@@ -8,8 +8,9 @@ attention over the latent). So positions live only in a small decoupled part: ea
 a no-position part (dotted with the up-projected key) and a rotated part (dotted with the shared
 rotated key). DeepSeek-V2, section 2.1: https://arxiv.org/abs/2405.04434.
 
-The scheme's cache per layer is the pair (rotated keys (B, 1, T, d_R), latents (B, 1, T, d_c)):
-the first element carries every position (what `move_keys` turns), the second none.
+The scheme's cache per layer is one tensor, (B, 1, T, d_c + d_R): each token's latent, which carries
+no position, then its rotated key, which carries every position (the columns `move_keys` turns).
+No K and no V: at decode it is both the one shared key and, its first d_c columns, the value.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from contract.kv_spec import LayerCacheSpec
 from models.config import ModelConfig
 from models.positional import (
     PositionalScheme,
@@ -31,7 +33,7 @@ from models.positional import (
     rope_inverse_frequencies,
 )
 
-KeyValue = tuple[Tensor, Tensor]
+LayerCache = tuple[Tensor]  # ([latent; rotated key],), (B, 1, T, d_c + d_R)
 
 
 def latent_rope_frequencies(config: ModelConfig) -> Tensor:
@@ -55,10 +57,16 @@ class LatentRotary(PositionalScheme):
         return RotaryRotation(cos.unsqueeze(1), sin.unsqueeze(1))  # (B, 1, T, d_R)
 
     def move_keys(self, keys: Tensor, offset: int) -> Tensor:
-        """Rotated keys (..., T, d_R) as if computed `offset` positions later; latents never move."""
+        """A layer's cache (..., T, d_c + d_R) as if computed `offset` positions later: its rotated
+        keys (the last d_R columns) turned, its latents (which carry no position) as they were."""
         freqs = offset * latent_rope_frequencies(self.config).to(keys.device, torch.float64)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return apply_rope(keys, torch.cos(emb).to(keys.dtype), torch.sin(emb).to(keys.dtype))
+        latent, rotated = keys.split((self.config.latent_width, self.config.latent_rope_width), dim=-1)
+        moved = apply_rope(rotated, torch.cos(emb).to(keys.dtype), torch.sin(emb).to(keys.dtype))
+        return torch.cat((latent, moved), dim=-1)
+
+    def key_frequencies(self) -> Tensor:
+        return latent_rope_frequencies(self.config)
 
     def attention(self, config: ModelConfig) -> nn.Module:
         return LatentAttention(config)
@@ -87,11 +95,12 @@ class LatentAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_dim + self.rope_dim)
         self.absorbed, self.fused = False, False
 
-    def empty_past(self, batch: int, dtype: torch.dtype, device: torch.device) -> KeyValue:
-        return (
-            torch.zeros((batch, 1, 0, self.rope_dim), dtype=dtype, device=device),
-            torch.zeros((batch, 1, 0, self.latent_dim), dtype=dtype, device=device),
-        )
+    def cache_spec(self) -> LayerCacheSpec:
+        """One entry a token, [latent; rotated key] (contract.kv_spec)."""
+        return LayerCacheSpec.latent(self.latent_dim, self.rope_dim)
+
+    def empty_past(self, batch: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
+        return (torch.zeros((batch, 1, 0, self.latent_dim + self.rope_dim), dtype=dtype, device=device),)
 
     def serve_in_place(self) -> None:
         """Serving layout: attend over the cached latents in absorbed form, return only new entries."""
@@ -101,30 +110,29 @@ class LatentAttention(nn.Module):
         self.fused = True
 
     def forward(
-        self, x: Tensor, score_bias: Tensor, rotation: QueryKeyRotation, past: KeyValue
-    ) -> tuple[Tensor, KeyValue]:
+        self, x: Tensor, score_bias: Tensor, rotation: QueryKeyRotation, past: LayerCache
+    ) -> tuple[Tensor, LayerCache]:
         batch, seq, width = x.shape
         q = self.query(x).view(batch, seq, self.n_heads, self.head_dim + self.rope_dim).transpose(1, 2)
         q_plain, q_rotated = q.split((self.head_dim, self.rope_dim), dim=-1)  # (B, nh, T, hs), (B, nh, T, d_R)
         latent, rotated_key = self.kv_down(x).split((self.latent_dim, self.rope_dim), dim=-1)
         latent = self.latent_norm(latent).unsqueeze(1)  # (B, 1, T, d_c)
         q_rotated, rotated_key = rotation(q_rotated, rotated_key.unsqueeze(1))  # rotated_key (B, 1, T, d_R)
+        new = torch.cat((latent, rotated_key), dim=-1)  # (B, 1, T, d_c + d_R)
         if self.absorbed:
-            y = self._attend_absorbed(q_plain, q_rotated, past, rotated_key, latent, score_bias)
-            present = (rotated_key, latent)
-        else:
-            present = (torch.cat((past[0], rotated_key), dim=2), torch.cat((past[1], latent), dim=2))
-            y = self._attend_up_projected(q_plain, q_rotated, *present, score_bias)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, width)), present
+            y = self._attend_absorbed(q_plain, q_rotated, past[0], new, score_bias)
+            return self.out_proj(y.transpose(1, 2).reshape(batch, seq, width)), (new,)
+        cache = torch.cat((past[0], new), dim=2)
+        y = self._attend_up_projected(q_plain, q_rotated, cache, score_bias)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, width)), (cache,)
 
     def _heads(self, projection: nn.Linear, latents: Tensor) -> Tensor:
         """Latents (B, 1, T, d_c) up-projected to (B, nh, T, hs)."""
         batch, _, length, _ = latents.shape
         return projection(latents[:, 0]).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
 
-    def _attend_up_projected(
-        self, q_plain: Tensor, q_rotated: Tensor, rotated_keys: Tensor, latents: Tensor, score_bias: Tensor
-    ) -> Tensor:
+    def _attend_up_projected(self, q_plain: Tensor, q_rotated: Tensor, cache: Tensor, score_bias: Tensor) -> Tensor:
+        latents, rotated_keys = cache.split((self.latent_dim, self.rope_dim), dim=-1)
         keys = torch.cat((self._heads(self.key_up, latents), rotated_keys.expand(-1, self.n_heads, -1, -1)), -1)
         values = self._heads(self.value_up, latents)
         query = torch.cat((q_plain, q_rotated), dim=-1)
@@ -141,21 +149,16 @@ class LatentAttention(nn.Module):
         return q_plain @ w_uk
 
     def _attend_absorbed(
-        self,
-        q_plain: Tensor,
-        q_rotated: Tensor,
-        past: KeyValue,
-        rotated_key: Tensor,
-        latent: Tensor,
-        score_bias: Tensor,
+        self, q_plain: Tensor, q_rotated: Tensor, past: Tensor, new: Tensor, score_bias: Tensor
     ) -> Tensor:
-        """Scores against the cache and the new tokens apart (the cache is read, never copied)."""
+        """One shared head whose key is [latent; rotated key] and whose value is the latent. Scores
+        against the cache and the new tokens apart (the cache is read in place, never copied)."""
         query = torch.cat((self.absorbed_query(q_plain), q_rotated), dim=-1)  # (B, nh, T, d_c + d_R)
-        past_keys = torch.cat((past[1], past[0]), dim=-1)  # (B, 1, P, d_c + d_R)
-        new_keys = torch.cat((latent, rotated_key), dim=-1)
-        scores = torch.cat((query @ past_keys.transpose(-2, -1), query @ new_keys.transpose(-2, -1)), dim=-1)
-        weights = torch.softmax(scores * self.scale + score_bias, dim=-1)
-        past_len = past[1].shape[2]
-        mixed = weights[..., :past_len] @ past[1] + weights[..., past_len:] @ latent  # (B, nh, T, d_c)
+        scores = torch.cat((query @ past.transpose(-2, -1), query @ new.transpose(-2, -1)), dim=-1)
+        weights = torch.softmax(scores * self.scale + score_bias, dim=-1)  # (B, nh, T, P + T)
+        past_len, latent = past.shape[2], slice(0, self.latent_dim)
+        mixed = (
+            weights[..., :past_len] @ past[..., latent] + weights[..., past_len:] @ new[..., latent]
+        )  # (B, nh, T, d_c)
         w_uv = self.value_up.weight.view(self.n_heads, self.head_dim, self.latent_dim)  # (nh, hs, d_c)
         return mixed @ w_uv.transpose(-2, -1)  # (B, nh, T, hs)

@@ -292,6 +292,10 @@ class PositionalScheme(nn.Module):
         """The attention layer this scheme needs; None = standard multi-head attention (`mla` has its own)."""
         return None
 
+    def key_frequencies(self) -> Tensor:
+        """The inverse frequencies `move_keys` turns cached keys with (RoPE's on the whole head)."""
+        return rope_rotation_frequencies(self.config)
+
     def layer_groups(self) -> tuple[LayerGroup, ...]:
         """The layers that attend alike, each group with its unit and window. One global group of
         every layer, unless the scheme is a hybrid."""

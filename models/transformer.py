@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from models.config import ModelConfig
 from models.positional import LayerGroup, QueryKeyRotation, build_positional
 
-KeyValue = tuple[Tensor, Tensor]  # each (B, nh, T, hs)
+KeyValue = tuple[Tensor, ...]  # (K, V), each (B, nh, T, hs); a scheme with its own attention may cache otherwise
 
 
 class Transformer(nn.Module):

@@ -23,8 +23,7 @@ def test_absorbed_decode_matches_up_projected_forward() -> None:
         head, past = model(tokens[:, :30])
         tail, new = model(tokens[:, 30:], past_key_values=past)
     torch.testing.assert_close(torch.cat((head, tail), dim=1), full, atol=2e-5, rtol=0)
-    rotated_keys, latents = new[0]
-    assert rotated_keys.shape == (2, 1, 10, 16) and latents.shape == (2, 1, 10, 64)
+    assert [layer[0].shape for layer in new] == [(2, 1, 10, 64 + 16)] * 4  # one [latent; rotated key] a layer
 
 
 def test_moving_rotated_keys_equals_computing_them_later() -> None:
@@ -34,9 +33,10 @@ def test_moving_rotated_keys_equals_computing_them_later() -> None:
     with torch.no_grad():
         _, at_zero = model(tokens, position_ids=positions)
         _, later = model(tokens, position_ids=positions + 100)
-    for (keys_zero, latents_zero), (keys_later, latents_later) in zip(at_zero, later, strict=True):
-        torch.testing.assert_close(model.positional.move_keys(keys_zero, 100), keys_later, atol=1e-5, rtol=0)
-        torch.testing.assert_close(latents_zero, latents_later)  # the latent carries no position
+    for (cache_zero,), (cache_later,) in zip(at_zero, later, strict=True):
+        torch.testing.assert_close(model.positional.move_keys(cache_zero, 100), cache_later, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache_zero[..., :64], cache_later[..., :64])  # the latent carries no position
+        assert not torch.allclose(cache_zero[..., 64:], cache_later[..., 64:])
 
 
 def test_cache_per_token_is_under_a_third_of_ropes_with_the_same_parameter_budget() -> None:
@@ -44,6 +44,6 @@ def test_cache_per_token_is_under_a_third_of_ropes_with_the_same_parameter_budge
     with torch.no_grad():
         _, mla_cache = mla(torch.zeros((1, 1), dtype=torch.long))
         _, rope_cache = rope(torch.zeros((1, 1), dtype=torch.long))
-    floats = sum(k.numel() + v.numel() for k, v in mla_cache)
+    floats = sum(t.numel() for layer in mla_cache for t in layer)
     assert floats / sum(k.numel() + v.numel() for k, v in rope_cache) <= 0.35
     assert abs(mla.num_parameters() / rope.num_parameters() - 1) < 0.01

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from contract.cache_policy import INT8, INT8_CHANNEL, CachePolicy
+from contract.kv_spec import KEY_VALUE
 from contract.manifest import DTYPE_BYTES, INT8_SCALE_BYTES
 
 # The storage kinds (contract.cache_policy): float rows' kind is the layout's dtype; INT8 rows hold int8
@@ -16,7 +17,8 @@ __all__ = ["INT8", "INT8_CHANNEL", "KVLayout"]
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one token's cache: K and V of every layer and head.
+    """The shape of one token's cache: each layer's `entries` (K and V of every head; latent attention:
+    one [latent; rotated key] of one shared head, contract.kv_spec), `n_heads` x `head_dim` each.
 
     A hybrid model served with per-group caches (`local_layers` non-empty) keeps its local layers'
     K/V apart: a row holds the global layers' K/V of every token (`tensors`, `token_bytes`) and a
@@ -33,6 +35,15 @@ class KVLayout:
     local_layers: tuple[int, ...] = ()  # layers whose K/V live in the row's local columns
     window: int = 0  # the tokens a local layer attends to, its query's own included
     local_width: int = 0  # the local columns of a row: the window, slack for shifts, guesses, a block
+    entries: tuple[str, ...] = KEY_VALUE  # what a layer caches per token (graph name suffixes)
+    # The columns of a layer's first entry that carry a rotation (None: all of them, RoPE's keys;
+    # latent attention: its rotated key's, after the latent).
+    rotated_columns: tuple[int, int] | None = None
+
+    @property
+    def per_layer(self) -> int:
+        """Cache tensors a layer keeps per token (2: K and V; 1: latent attention's one entry)."""
+        return len(self.entries)
 
     @property
     def split(self) -> bool:
@@ -47,11 +58,11 @@ class KVLayout:
     @property
     def tensors(self) -> int:
         """K/V tensors per token of the row's main array (the global layers')."""
-        return 2 * len(self.global_layers)
+        return self.per_layer * len(self.global_layers)
 
     @property
     def local_tensors(self) -> int:
-        return 2 * len(self.local_layers)
+        return self.per_layer * len(self.local_layers)
 
     @property
     def token_bytes(self) -> int:

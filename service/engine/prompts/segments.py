@@ -77,18 +77,23 @@ class SegmentAssembly:
                 self._rotated(kv.global_kv, offset, layout.global_layers),
                 self._rotated(kv.local_kv, offset, layout.local_layers),
             )
-        return self._rotated(kv, offset, tuple(range(kv.shape[0] // 2)))
+        return self._rotated(kv, offset, tuple(range(kv.shape[0] // self.runner.layout.per_layer)))
 
     def _rotated(self, kv: Array, offset: int, layers: tuple[int, ...]) -> Array:
-        """K/V of these layers, (2 x len(layers), heads, T, hd), with the rotated layers' keys turned by `offset`."""
+        """The cache of these layers, (per_layer x len(layers), heads, T, width), with the rotated layers' keys
+        turned by `offset`: only the columns that carry the rotation (latent attention: its rotated key, not
+        its latent), every other byte as it was."""
         assert self.reuse.rotary_inv_freq is not None
-        rotated = self.reuse.rotated_layers
-        rows = [2 * index for index, layer in enumerate(layers) if rotated is None or layer in rotated]
+        layout, rotated = self.runner.layout, self.reuse.rotated_layers
+        rows = [layout.per_layer * index for index, layer in enumerate(layers) if rotated is None or layer in rotated]
         if not rows:
             return kv
-        keys = rotate_keys(self.runner.backend, kv[rows], offset, self.reuse.rotary_inv_freq, self.runner.dtype)
+        start, stop = layout.rotated_columns or (0, kv.shape[-1])
+        keys = kv[rows][..., start:stop]
         placed = self.runner.backend.copy(kv)
-        placed[rows] = keys
+        placed[rows, ..., start:stop] = rotate_keys(
+            self.runner.backend, keys, offset, self.reuse.rotary_inv_freq, self.runner.dtype
+        )
         return placed
 
     def run(

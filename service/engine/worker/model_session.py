@@ -152,7 +152,8 @@ def cache_graphs(
 ) -> dict[str, CacheGraph]:
     """The graph of each storage kind: the `dtype` serving graph, serving-int8 when exported (and
     `int8`), and with `int8_channel` serving-fused-int8 (its rows are bound in place, past and present alike)."""
-    graphs = {dtype: CacheGraph(kind_variant(dtype), dtype, cache_input_names(manifest.n_layers))}
+    entries = manifest.kv_spec.entries
+    graphs = {dtype: CacheGraph(kind_variant(dtype), dtype, cache_input_names(manifest.n_layers, entries=entries))}
     if manifest.has_int8_cache and int8:
         graphs[INT8] = CacheGraph(kind_variant(INT8), "float32", cache_input_names(manifest.n_layers, int8=True))
     if int8_channel:
@@ -184,10 +185,12 @@ def split_layout(
 ) -> KVLayout:
     """The store's layout: every layer's K/V per token, or with `local` the global layers' per token
     and the local layers' in a window's columns per row."""
-    shape = (manifest.n_layers, manifest.n_heads, manifest.head_dim, dtype, channel_scales)
+    spec = manifest.kv_spec
+    shape = (manifest.n_layers, spec.heads, spec.width, dtype, channel_scales)
+    typed = {"entries": spec.entries, "rotated_columns": spec.rotated_columns}
     if local is None:
-        return KVLayout(*shape)
-    return KVLayout(*shape, local.layers, local.window, local_width(local.window, block_size))
+        return KVLayout(*shape, **typed)  # type: ignore[arg-type]
+    return KVLayout(*shape, local.layers, local.window, local_width(local.window, block_size), **typed)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -248,13 +251,14 @@ class GraphBinder:
 
     def __init__(self, backend: Backend, layout: KVLayout, vocab_size: int, graphs: dict[str, CacheGraph]) -> None:
         self.backend, self.layout, self.vocab_size, self.graphs = backend, layout, vocab_size, graphs
-        self.new_names = new_kv_names(layout.n_layers)
+        self.new_names = new_kv_names(layout.n_layers, layout.entries)
         # The fused graphs' cache names: a split layout's global layers' here, its local layers' apart.
-        past, present = cache_input_names(layout.n_layers)[0], present_names(layout.n_layers)
-        self.fused_cache_names = layer_kv_names(past, layout.global_layers)
-        self.present_names = layer_kv_names(present, layout.global_layers)
-        self.local_cache_names = layer_kv_names(past, layout.local_layers)
-        self.local_present_names = layer_kv_names(present, layout.local_layers)
+        n, entries = layout.per_layer, layout.entries
+        past, present = cache_input_names(layout.n_layers, entries=entries)[0], present_names(layout.n_layers, entries)
+        self.fused_cache_names = layer_kv_names(past, layout.global_layers, n)
+        self.present_names = layer_kv_names(present, layout.global_layers, n)
+        self.local_cache_names = layer_kv_names(past, layout.local_layers, n)
+        self.local_present_names = layer_kv_names(present, layout.local_layers, n)
 
     def _local(self, inputs: dict[str, Array], outputs: dict[str, Array], local: LocalPast | None) -> None:
         """A split layout's local past (and present: the same buffer, or `local.present`) and mask."""
