@@ -166,11 +166,11 @@ class CachePolicy:
 
     def missing(self, manifest: Manifest) -> str | None:
         """What the model's export lacks to serve this policy (None: nothing), as an error's reason."""
-        spec = manifest.kv_spec
-        if (self.bounded or self.int8) and spec.kind == LATENT_ATTENTION:
+        if (self.bounded or self.int8) and manifest.kv_spec.kind == LATENT_ATTENTION:
             return (
                 f"does not serve {self.form!r}: its latent attention cache (one [latent; rotated key] of "
-                f"{spec.width} numbers a token and layer) has neither an int8 graph nor eviction; it serves full"
+                f"{manifest.kv_spec.width} numbers a token and layer) has neither an int8 graph nor eviction; "
+                "it serves full"
             )
         if self.bounded and manifest.is_hybrid:
             return (

@@ -18,6 +18,7 @@ from contract.cache_policy import (
     CachePolicyError,
     parse_cache_policy,
 )
+from contract.kv_spec import LayerCacheSpec
 from contract.manifest import SERVING_FUSED_INT8, SERVING_INT8, CacheEviction
 
 
@@ -62,10 +63,17 @@ def test_where_eviction_puts_positions_and_what_a_model_must_have() -> None:
     assert window.original_positions(CacheEviction("original"))
     with pytest.raises(CachePolicyError, match="no eviction rule"):
         window.original_positions(None)
-    old = SimpleNamespace(cache_eviction=None, has_int8_cache=False, is_hybrid=False, local_cache=None)
+    full_attention = LayerCacheSpec.full(4, 32)
+    old = SimpleNamespace(
+        cache_eviction=None, has_int8_cache=False, is_hybrid=False, local_cache=None, kv_spec=full_attention
+    )
     assert FULL_POLICY.missing(old) is None  # type: ignore[arg-type]
     assert "before cache policies" in (window.missing(old) or "")  # type: ignore[arg-type]
     assert "serving-int8" in (parse_cache_policy("int8").missing(old) or "")  # type: ignore[arg-type]
+    latent = SimpleNamespace(**{**vars(old), "kv_spec": LayerCacheSpec.latent(64, 16)})
+    assert FULL_POLICY.missing(latent) is None  # type: ignore[arg-type]
+    for policy in ("int8", "window:64", "sinks:4+window:60"):
+        assert "latent attention" in (parse_cache_policy(policy).missing(latent) or "")  # type: ignore[arg-type]
 
 
 def test_a_policy_holds_one_policy_per_layer_group() -> None:

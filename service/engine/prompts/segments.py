@@ -17,13 +17,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from contract.manifest import REUSE_RECOMPUTE, REUSE_ROTATE, SegmentReuse
-from service.engine.kv import Array, KVStore, SplitKV
+from service.engine.kv import Array, Backend, KVStore, SplitKV
 from service.engine.kv.classes import rotate_keys
 from service.engine.kv.prefix import CachedPast
 from service.engine.prompts.prompt import PrefilledPrompt
 from service.engine.request import Request
 from service.engine.worker.runner import ModelRunner
+
+
+def keys_moved(
+    backend: Backend,
+    kv: Array,
+    rows: list[int],
+    columns: tuple[int, int],
+    offset: int,
+    inv_freq: np.ndarray,
+    dtype: str,
+) -> Array:
+    """A copy of `kv` (entries, heads, T, width) whose `rows` are turned by `offset` in `columns` [start, stop)
+    alone: a RoPE key's every column, a latent attention entry's rotated key but not its latent."""
+    start, stop = columns
+    placed = backend.copy(kv)
+    placed[rows, ..., start:stop] = rotate_keys(backend, kv[rows][..., start:stop], offset, inv_freq, dtype)
+    return placed
 
 
 @dataclass
@@ -88,13 +107,8 @@ class SegmentAssembly:
         rows = [layout.per_layer * index for index, layer in enumerate(layers) if rotated is None or layer in rotated]
         if not rows:
             return kv
-        start, stop = layout.rotated_columns or (0, kv.shape[-1])
-        keys = kv[rows][..., start:stop]
-        placed = self.runner.backend.copy(kv)
-        placed[rows, ..., start:stop] = rotate_keys(
-            self.runner.backend, keys, offset, self.reuse.rotary_inv_freq, self.runner.dtype
-        )
-        return placed
+        columns = layout.rotated_columns or (0, kv.shape[-1])
+        return keys_moved(self.runner.backend, kv, rows, columns, offset, self.reuse.rotary_inv_freq, self.runner.dtype)
 
     def run(
         self,
