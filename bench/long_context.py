@@ -1,8 +1,10 @@
-"""The long-context section: inter-token latency at long contexts for every scheme, hybrids beside rope.
+"""The long-context section: inter-token latency at long contexts for every scheme, the schemes that cut
+the cache (hybrids, latent attention) beside rope.
 
-A hybrid's local layers read at most their window however long the context, so its decode step
-should fall behind rope's less as the context grows; the section prints that as a ratio measured
-in the same run (`rnope-swa / rope  0.xx`), never as an absolute time.
+A hybrid's local layers read at most their window however long the context, and latent attention reads
+0.31x rope's bytes a token, so their decode steps should fall behind rope's less as the context grows; the
+section prints that as a ratio measured in the same run (`rnope-swa / rope  0.xx`, `mla / rope  0.xx`),
+never as an absolute time, then what decoupled RoPE saves latent attention (bench/latent.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import argparse
 import statistics
 from pathlib import Path
 
+from bench.latent import print_absorbed_step
 from bench.runners import batch_runner, step_seconds
+from contract.kv_spec import LATENT_ATTENTION
 from contract.manifest import Manifest
 from service.engine.worker.runner import ModelRunner
 
@@ -46,14 +50,17 @@ def long_context_steps(
     return {name: {c: statistics.median(v) for c, v in by_context.items()} for name, by_context in samples.items()}
 
 
-def hybrid_ratios(table: dict[str, dict[int, float]], context: int) -> dict[str, float]:
-    """Each hybrid's (a name ending in -swa) step time over rope's at `context`, where both ran."""
+def cuts_the_cache(manifest: Manifest) -> bool:
+    """A model that caches less than K and V of every layer a token: a hybrid's windows, or latent attention."""
+    return manifest.is_hybrid or manifest.kv_spec.kind == LATENT_ATTENTION
+
+
+def hybrid_ratios(table: dict[str, dict[int, float]], context: int, names: set[str]) -> dict[str, float]:
+    """The step time over rope's at `context` of each model in `names` (those that cut the cache), where both ran."""
     base = table.get(BASELINE, {}).get(context)
     if base is None:
         return {}
-    return {
-        name: row[context] / base for name, row in table.items() if name.endswith("-swa") and context in row
-    }
+    return {name: row[context] / base for name, row in table.items() if name in names and context in row}
 
 
 def print_long_context(folders: list[Path], args: argparse.Namespace, steps: int) -> None:
@@ -68,6 +75,8 @@ def print_long_context(folders: list[Path], args: argparse.Namespace, steps: int
     for name, row in table.items():
         cells = "".join(f"{row[c] * 1000:10.2f}" if c in row else f"{'-':>10}" for c in LONG_CONTEXTS)
         print(f"  {name:<12}{cells}")
+    cutting = {Manifest.load(folder).name for folder in folders if cuts_the_cache(Manifest.load(folder))}
     for context in LONG_CONTEXTS:
-        for name, ratio in hybrid_ratios(table, context).items():
+        for name, ratio in hybrid_ratios(table, context, cutting).items():
             print(f"  {name} / {BASELINE}  {ratio:.2f}   (at {context} tokens of context)")
+    print_absorbed_step(folders, LONG_CONTEXTS, args.threads, steps)

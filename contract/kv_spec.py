@@ -47,8 +47,8 @@ class LayerCacheSpec:
         return self.per_layer * self.heads * self.width
 
     @property
-    def quantizable(self) -> bool:
-        """Whether the int8 cache graphs exist for it (K and V of full attention only)."""
+    def key_value(self) -> bool:
+        """A K and a V of every head: what the int8 and fused (GroupQueryAttention) graphs are built for."""
         return self.kind == FULL_ATTENTION
 
     def rotated_rows(self, layers: tuple[int, ...] | range) -> list[int]:

@@ -131,7 +131,7 @@ def export_onnx(
     if new_only or int8:
         model.return_new_key_values_only()
     n_layers, spec = model.config.n_layers, layer_cache_spec(model.config)
-    if int8 and not spec.quantizable:
+    if int8 and not spec.key_value:
         raise ValueError(f"{model.config.scheme}: its {spec.kind} cache has no int8 graph")
     args = int8_example_inputs(model) if int8 else example_inputs(model)
     wrapper = Int8KeyValueModel(model) if int8 else FlatKeyValueModel(model)

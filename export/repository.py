@@ -96,7 +96,7 @@ TRACED_GRAPHS = ("float32", SERVING, "float16", SERVING_FP16)
 
 def graphs_for(scheme: str, graphs: tuple[str, ...]) -> tuple[str, ...]:
     """The graphs of `graphs` a scheme's cache can be served by."""
-    if layer_cache_spec(ModelConfig(scheme=scheme)).quantizable:
+    if layer_cache_spec(ModelConfig(scheme=scheme)).key_value:
         return graphs
     return tuple(variant for variant in graphs if variant in TRACED_GRAPHS)
 

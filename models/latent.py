@@ -1,4 +1,5 @@
-"""Multi-head latent attention with decoupled RoPE (`mla`): DeepSeek-V2's way to shrink the cache.
+"""Multi-head latent attention with decoupled RoPE: the attention layer of the `mla` scheme
+(models.positional.LatentRotary), DeepSeek-V2's way to shrink the cache.
 
 Keys and values are up-projected from one small latent per token (width `config.latent_dim`), so a
 token's cache is that latent plus one rotated key of width `config.latent_rope_dim` shared by every
@@ -16,6 +17,7 @@ No K and no V: at decode it is both the one shared key and, its first d_c column
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -23,53 +25,9 @@ from torch.nn import functional as F
 
 from contract.kv_spec import LayerCacheSpec
 from models.config import ModelConfig
-from models.positional import (
-    PositionalScheme,
-    QueryKeyRotation,
-    RotaryRotation,
-    apply_rope,
-    register,
-    rope_angles,
-    rope_inverse_frequencies,
-)
 
 LayerCache = tuple[Tensor]  # ([latent; rotated key],), (B, 1, T, d_c + d_R)
-
-
-def latent_rope_frequencies(config: ModelConfig) -> Tensor:
-    """Inverse frequencies [d_R / 2] of the decoupled rotated part: RoPE on a d_R-wide head."""
-    return rope_inverse_frequencies(config.latent_rope_width, config.rope_base, config.rope_scaling)[0]
-
-
-@register
-class LatentRotary(PositionalScheme):
-    """MLA: positions only in the decoupled rotated query and key parts (width d_R)."""
-
-    name = "mla"
-    rotates_keys = True
-    segment_reuse = "rotate"
-    #: A window or sinks would evict latents; not built (full precision, no int8: the graph has none).
-    bounded_policies = False
-
-    def rotation(self, position_ids: Tensor) -> QueryKeyRotation:
-        config = self.config
-        cos, sin = rope_angles(position_ids, config.latent_rope_width, config.rope_base, config.rope_scaling)
-        return RotaryRotation(cos.unsqueeze(1), sin.unsqueeze(1))  # (B, 1, T, d_R)
-
-    def move_keys(self, keys: Tensor, offset: int) -> Tensor:
-        """A layer's cache (..., T, d_c + d_R) as if computed `offset` positions later: its rotated
-        keys (the last d_R columns) turned, its latents (which carry no position) as they were."""
-        freqs = offset * latent_rope_frequencies(self.config).to(keys.device, torch.float64)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        latent, rotated = keys.split((self.config.latent_width, self.config.latent_rope_width), dim=-1)
-        moved = apply_rope(rotated, torch.cos(emb).to(keys.dtype), torch.sin(emb).to(keys.dtype))
-        return torch.cat((latent, moved), dim=-1)
-
-    def key_frequencies(self) -> Tensor:
-        return latent_rope_frequencies(self.config)
-
-    def attention(self, config: ModelConfig) -> nn.Module:
-        return LatentAttention(config)
+Rotation = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # models.positional.QueryKeyRotation
 
 
 class LatentAttention(nn.Module):
@@ -93,7 +51,7 @@ class LatentAttention(nn.Module):
         self.value_up = nn.Linear(self.latent_dim, config.d_model, bias=False)
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         self.scale = 1.0 / math.sqrt(self.head_dim + self.rope_dim)
-        self.absorbed, self.fused = False, False
+        self.in_place, self.absorbed, self.fused = False, False, False
 
     def cache_spec(self) -> LayerCacheSpec:
         """One entry a token, [latent; rotated key] (contract.kv_spec)."""
@@ -102,15 +60,18 @@ class LatentAttention(nn.Module):
     def empty_past(self, batch: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
         return (torch.zeros((batch, 1, 0, self.latent_dim + self.rope_dim), dtype=dtype, device=device),)
 
-    def serve_in_place(self) -> None:
-        """Serving layout: attend over the cached latents in absorbed form, return only new entries."""
-        self.absorbed = True
+    def serve_in_place(self, absorbed: bool = True) -> None:
+        """Serving layout: read the cache in place, return only the new entries; attend over the cached
+        latents in absorbed form, or (`absorbed` False, bench/latent.py's yardstick) up-project every
+        cached latent to per-head keys and values each call, as a model whose keys carried RoPE on every
+        dimension would have to (rotated full keys cannot be cached compressed)."""
+        self.in_place, self.absorbed = True, absorbed
 
     def use_fused_kernel(self) -> None:
         self.fused = True
 
     def forward(
-        self, x: Tensor, score_bias: Tensor, rotation: QueryKeyRotation, past: LayerCache
+        self, x: Tensor, score_bias: Tensor, rotation: Rotation, past: LayerCache
     ) -> tuple[Tensor, LayerCache]:
         batch, seq, width = x.shape
         q = self.query(x).view(batch, seq, self.n_heads, self.head_dim + self.rope_dim).transpose(1, 2)
@@ -119,12 +80,12 @@ class LatentAttention(nn.Module):
         latent = self.latent_norm(latent).unsqueeze(1)  # (B, 1, T, d_c)
         q_rotated, rotated_key = rotation(q_rotated, rotated_key.unsqueeze(1))  # rotated_key (B, 1, T, d_R)
         new = torch.cat((latent, rotated_key), dim=-1)  # (B, 1, T, d_c + d_R)
-        if self.absorbed:
+        if self.in_place and self.absorbed:
             y = self._attend_absorbed(q_plain, q_rotated, past[0], new, score_bias)
-            return self.out_proj(y.transpose(1, 2).reshape(batch, seq, width)), (new,)
-        cache = torch.cat((past[0], new), dim=2)
-        y = self._attend_up_projected(q_plain, q_rotated, cache, score_bias)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, width)), (cache,)
+        else:
+            y = self._attend_up_projected(q_plain, q_rotated, torch.cat((past[0], new), dim=2), score_bias)
+        present = new if self.in_place else torch.cat((past[0], new), dim=2)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, width)), (present,)
 
     def _heads(self, projection: nn.Linear, latents: Tensor) -> Tensor:
         """Latents (B, 1, T, d_c) up-projected to (B, nh, T, hs)."""

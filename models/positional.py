@@ -9,6 +9,9 @@ needs, computed once per forward and only *applied* inside attention:
 - a rotation of queries and keys (rope),
 - or nothing at all (none / NoPE: the causal mask is the only source of order).
 
+Latent attention (mla) is a rotation too, on a small decoupled part of each query and one shared key;
+it brings its own attention layer (models/latent.py), since what it caches is not a K and a V.
+
 A hybrid scheme (rnope-swa, rope-swa) splits the layers into groups (`LayerGroup`): local layers
 that attend within a sliding window with one unit, global layers that attend to everything with
 another. Every other scheme is one global group of all layers.
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from models.config import ModelConfig, RopeScaling
+from models.latent import LatentAttention
 from models.limits import check_positions
 
 ArrayT = TypeVar("ArrayT", np.ndarray, Tensor)
@@ -486,8 +490,42 @@ class RopeWindowsRopeGlobal(LocalGlobalHybrid):
     global_unit = RotaryPositions
 
 
-# Latent attention registers itself last (its module builds on the pieces above).
-from models import latent  # noqa: E402, F401
+def latent_rope_frequencies(config: ModelConfig) -> Tensor:
+    """Inverse frequencies [d_R / 2] of latent attention's decoupled rotated part: RoPE on a d_R-wide head."""
+    return rope_inverse_frequencies(config.latent_rope_width, config.rope_base, config.rope_scaling)[0]
+
+
+@register
+class LatentRotary(PositionalScheme):
+    """MLA (models/latent.py): positions only in the decoupled rotated query and key parts (width d_R),
+    so the cached latent carries none and the key up-projection folds into the query at decode."""
+
+    name = "mla"
+    rotates_keys = True
+    segment_reuse = "rotate"
+    #: A window or sinks would evict latents: not built; nor int8 (the latent cache has no int8 graph).
+    bounded_policies = False
+
+    def rotation(self, position_ids: Tensor) -> QueryKeyRotation:
+        config = self.config
+        cos, sin = rope_angles(position_ids, config.latent_rope_width, config.rope_base, config.rope_scaling)
+        return RotaryRotation(cos.unsqueeze(1), sin.unsqueeze(1))  # (B, 1, T, d_R)
+
+    def move_keys(self, keys: Tensor, offset: int) -> Tensor:
+        """A layer's cache (..., T, d_c + d_R) as if computed `offset` positions later: its rotated
+        keys (the last d_R columns) turned, its latents (which carry no position) as they were."""
+        freqs = offset * latent_rope_frequencies(self.config).to(keys.device, torch.float64)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        latent, rotated = keys.split((self.config.latent_width, self.config.latent_rope_width), dim=-1)
+        moved = apply_rope(rotated, torch.cos(emb).to(keys.dtype), torch.sin(emb).to(keys.dtype))
+        return torch.cat((latent, moved), dim=-1)
+
+    def key_frequencies(self) -> Tensor:
+        return latent_rope_frequencies(self.config)
+
+    def attention(self, config: ModelConfig) -> nn.Module:
+        return LatentAttention(config)
+
 
 # Every list of schemes (CLI choices, export, load tests, tests) is this one, in registration order.
 SCHEMES: tuple[str, ...] = tuple(SCHEME_REGISTRY)

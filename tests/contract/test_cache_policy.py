@@ -94,12 +94,13 @@ def test_a_policy_holds_one_policy_per_layer_group() -> None:
 
 
 def test_a_hybrid_refuses_bounded_policies_naming_the_form() -> None:
-    hybrid = SimpleNamespace(cache_eviction=None, has_int8_cache=True, is_hybrid=True, local_cache=None)
+    full = LayerCacheSpec.full(4, 32)
+    hybrid = SimpleNamespace(cache_eviction=None, has_int8_cache=True, is_hybrid=True, local_cache=None, kv_spec=full)
     assert "'window'" in (parse_cache_policy("window:64").missing(hybrid) or "")  # type: ignore[arg-type]
     assert parse_cache_policy("int8").missing(hybrid) is None  # type: ignore[arg-type]
     assert FULL_POLICY.missing(hybrid) is None  # type: ignore[arg-type]
     # Served with per-group caches (contract.manifest.LocalCache), whose local columns only the fused
     # float32 graphs read: int8 is refused, named.
-    split = SimpleNamespace(cache_eviction=None, has_int8_cache=True, is_hybrid=True, local_cache=object())
+    split = SimpleNamespace(**{**vars(hybrid), "local_cache": object()})
     assert "'int8'" in (parse_cache_policy("int8").missing(split) or "")  # type: ignore[arg-type]
     assert FULL_POLICY.missing(split) is None  # type: ignore[arg-type]

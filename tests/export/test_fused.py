@@ -13,17 +13,21 @@ import pytest
 from contract.graph import ATTENTION_MASK, input_names, layer_kv_names, new_kv_names, past_names, present_names
 from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FUSED, Manifest
 from export.fused import FUSED_POSITIONS
+from export.manifest import layer_cache_spec
 from export.repository import GRAPH_FILES
 from export.runtime import FusedDecoder, OnnxCausalLM
 from export.verify import FP32_TOLERANCE, check_fused_graph, check_prefill_graph, default_prompts
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
+from models.config import ModelConfig
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
 
-def test_every_scheme_has_a_fused_unit() -> None:
-    assert set(FUSED_POSITIONS) == set(SCHEMES)
+def test_every_scheme_that_caches_keys_and_values_has_a_fused_unit() -> None:
+    """GroupQueryAttention reads a K and a V: latent attention (one [latent; rotated key]) has no fused graph."""
+    key_value = {scheme for scheme in SCHEMES if layer_cache_spec(ModelConfig(scheme=scheme)).key_value}
+    assert set(FUSED_POSITIONS) == key_value and "mla" not in key_value
 
 
 @pytest.mark.parametrize("scheme", trained_schemes())

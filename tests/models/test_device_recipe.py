@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from models.checkpoints import WEIGHTS_DIR
+from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.device_recipe import main, recipe_arguments
 from models.positional import SCHEMES
 
 
 def test_the_recipe_is_the_shipped_weights_own() -> None:
-    for scheme in SCHEMES:
+    for scheme in trained_schemes():
         arguments = recipe_arguments(scheme)
         recorded = json.loads((WEIGHTS_DIR / scheme / "training.json").read_text())["command"]
         assert " ".join(arguments) in recorded

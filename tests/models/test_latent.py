@@ -47,3 +47,18 @@ def test_cache_per_token_is_under_a_third_of_ropes_with_the_same_parameter_budge
     floats = sum(t.numel() for layer in mla_cache for t in layer)
     assert floats / sum(k.numel() + v.numel() for k, v in rope_cache) <= 0.35
     assert abs(mla.num_parameters() / rope.num_parameters() - 1) < 0.01
+
+
+def test_the_up_projected_serving_form_bench_times_computes_the_same_step() -> None:
+    """bench/latent.py's yardstick (every cached latent up-projected each call) is the same function."""
+    model = _model()
+    tokens = torch.randint(0, 256, (1, 30))
+    with torch.no_grad():
+        model.return_new_key_values_only()
+        _, past = model(tokens[:, :29])
+        absorbed, _ = model(tokens[:, 29:], past_key_values=past)
+        for block in model.blocks:
+            block.attn.serve_in_place(absorbed=False)
+        projected, new = model(tokens[:, 29:], past_key_values=past)
+    torch.testing.assert_close(projected, absorbed, atol=2e-5, rtol=0)
+    assert new[0][0].shape[2] == 1  # still only the new entry back

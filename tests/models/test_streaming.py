@@ -145,7 +145,7 @@ def test_move_keys_equals_rotating_at_the_later_position(scaling: RopeScaling | 
 def test_only_rope_moves_keys(scheme: str) -> None:
     positional = build_positional(ModelConfig(scheme=scheme, **TINY))  # type: ignore[arg-type]
     keys = torch.randn(1, 2, 4, 16)
-    assert positional.rotates_keys == (scheme in ("rope", "rnope-swa", "rope-swa"))
+    assert positional.rotates_keys == (scheme in ("rope", "rnope-swa", "rope-swa", "mla"))
     assert positional.eviction_positions in ("cache", "original")
     if not positional.rotates_keys:
         assert positional.move_keys(keys, 5) is keys

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import models.config
+from export.manifest import layer_cache_spec
 from models.config import ModelConfig
 from models.limits import PositionLimitError
 from models.positional import SCHEME_REGISTRY, SCHEMES, matched_config
@@ -38,7 +39,8 @@ def test_cached_forward_equals_full_forward(scheme: str) -> None:
             pieces.append(chunk)
     real = mask.bool()
     assert torch.allclose(torch.cat(pieces, dim=1)[real], full[real], atol=1e-5)
-    assert past[0][0].shape == (3, 4, 24, 8)
+    spec = layer_cache_spec(model.config)  # K and V of 4 heads of 8; mla: one [latent 16; rotated key 4]
+    assert past[0][0].shape == (3, spec.heads, 24, spec.width) and len(past[0]) == spec.per_layer
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -85,7 +87,7 @@ def test_unknown_scheme_is_refused() -> None:
 
 def test_the_registry_is_the_one_list_of_schemes() -> None:
     assert SCHEMES == tuple(SCHEME_REGISTRY) == (
-        "sinusoidal", "learned", "relative", "rope", "alibi", "none", "rnope-swa", "rope-swa"
+        "sinusoidal", "learned", "relative", "rope", "alibi", "none", "rnope-swa", "rope-swa", "mla"
     )
 
 
@@ -118,13 +120,15 @@ def test_in_place_attention_over_a_padded_buffer_equals_concatenation(scheme: st
         full, _ = model(ids, mask)
         _, past = model(ids[:, :10], mask[:, :10])
         # A buffer of capacity 16: 10 filled columns, 6 unused slots masked out.
-        buffer = [tuple(torch.cat((t, torch.randn(2, 4, 6, 8)), dim=2) for t in layer) for layer in past]
+        unused = [tuple(torch.randn(2, t.shape[1], 6, t.shape[3]) for t in layer) for layer in past]
+        buffer = [tuple(torch.cat(pair, dim=2) for pair in zip(a, b, strict=True)) for a, b in zip(past, unused, strict=True)]
         buffer_mask = torch.cat((mask[:, :10], torch.zeros(2, 6, dtype=torch.long), mask[:, 10:]), dim=1)
         positions = mask.cumsum(-1)[:, 10:] - 1
         serving = tiny_model(scheme).return_new_key_values_only()
         logits, new = serving(ids[:, 10:], buffer_mask, positions, buffer)
     assert torch.allclose(logits, full[:, 10:], atol=1e-5)
-    assert new[0][0].shape == (2, 4, 4, 8)
+    spec = layer_cache_spec(model.config)
+    assert new[0][0].shape == (2, spec.heads, 4, spec.width)
 
 
 def test_hybrids_split_three_local_layers_and_one_global() -> None:
