@@ -121,7 +121,8 @@ def test_in_place_attention_over_a_padded_buffer_equals_concatenation(scheme: st
         _, past = model(ids[:, :10], mask[:, :10])
         # A buffer of capacity 16: 10 filled columns, 6 unused slots masked out.
         unused = [tuple(torch.randn(2, t.shape[1], 6, t.shape[3]) for t in layer) for layer in past]
-        buffer = [tuple(torch.cat(pair, dim=2) for pair in zip(a, b, strict=True)) for a, b in zip(past, unused, strict=True)]
+        layers = zip(past, unused, strict=True)
+        buffer = [tuple(torch.cat(pair, dim=2) for pair in zip(a, b, strict=True)) for a, b in layers]
         buffer_mask = torch.cat((mask[:, :10], torch.zeros(2, 6, dtype=torch.long), mask[:, 10:]), dim=1)
         positions = mask.cumsum(-1)[:, 10:] - 1
         serving = tiny_model(scheme).return_new_key_values_only()
