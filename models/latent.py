@@ -112,14 +112,19 @@ class LatentAttention(nn.Module):
     def _attend_absorbed(
         self, q_plain: Tensor, q_rotated: Tensor, past: Tensor, new: Tensor, score_bias: Tensor
     ) -> Tensor:
-        """One shared head whose key is [latent; rotated key] and whose value is the latent. Scores
-        against the cache and the new tokens apart (the cache is read in place, never copied)."""
+        """One shared head whose key is [latent; rotated key] and whose value is the latent. The heads'
+        queries are stacked as rows of one query matrix (multi-query attention's layout), so each
+        product is one matrix product against the cache as it lies: no copy of it per head, no
+        slice of its latent columns (the mix runs over whole entries and drops the rotated columns
+        after). Scores against the cache and the new tokens are computed apart."""
+        batch, heads, seq, _ = q_plain.shape
         query = torch.cat((self.absorbed_query(q_plain), q_rotated), dim=-1)  # (B, nh, T, d_c + d_R)
+        query = query.reshape(batch, 1, heads * seq, -1)  # (B, 1, nh*T, d_c + d_R)
         scores = torch.cat((query @ past.transpose(-2, -1), query @ new.transpose(-2, -1)), dim=-1)
-        weights = torch.softmax(scores * self.scale + score_bias, dim=-1)  # (B, nh, T, P + T)
-        past_len, latent = past.shape[2], slice(0, self.latent_dim)
-        mixed = (
-            weights[..., :past_len] @ past[..., latent] + weights[..., past_len:] @ new[..., latent]
-        )  # (B, nh, T, d_c)
+        scores = scores.view(batch, heads, seq, -1)  # (B, nh, T, P + T)
+        weights = torch.softmax(scores * self.scale + score_bias, dim=-1).view(batch, 1, heads * seq, -1)
+        past_len = past.shape[2]
+        mixed = weights[..., :past_len] @ past + weights[..., past_len:] @ new  # (B, 1, nh*T, d_c + d_R)
+        mixed = mixed[..., : self.latent_dim].view(batch, heads, seq, self.latent_dim)  # (B, nh, T, d_c)
         w_uv = self.value_up.weight.view(self.n_heads, self.head_dim, self.latent_dim)  # (nh, hs, d_c)
         return mixed @ w_uv.transpose(-2, -1)  # (B, nh, T, hs)
