@@ -31,7 +31,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from service.engine.messages import (
-    MAX_LOGPROBS,
     Add,
     Cancel,
     CoreConfig,
@@ -57,6 +56,7 @@ from service.engine.messages import (
     Stopped,
     read_messages,
 )
+from service.engine.processing.fields import FieldLimits, check_fields
 from service.engine.processing.streams import OutputStream
 from service.request_handle import RequestHandle, ResumeObserver
 
@@ -362,18 +362,12 @@ class EngineClient:
         prompt token has its own however much of the prompt the prefix cache or a reused segment
         would give the generation; max_new_tokens 0 asks for them alone (no generation)."""
         self._check_serving()
+        info = self.models.get(raw.model)
+        if info is not None:  # the one check of every field, before any work (an unknown model: NOT_FOUND below)
+            check_fields(raw, FieldLimits.of(info))
         request_id = f"{raw.model}-{next(self._ids)}"
         handle = RequestHandle(request_id, raw.model, raw, output=output or OutputStream())
-        if raw.max_new_tokens == 0 and raw.prompt_logprobs is None:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT, "max_new_tokens: 0 is allowed only with prompt log-probabilities (echo)"
-            )
         if raw.prompt_logprobs is not None:
-            if not 0 <= raw.prompt_logprobs <= MAX_LOGPROBS:  # before any work (the engine checks it again)
-                raise RequestError(
-                    ErrorKind.INVALID_ARGUMENT,
-                    f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {raw.prompt_logprobs}",
-                )
             self._score_prompt(handle, raw)
             if raw.max_new_tokens == 0:
                 handle.accepted = True

@@ -29,7 +29,7 @@ from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
 from service.engine.messages import MAX_SPECULATIVE_TOKENS, DrainReport, EngineConfig
-from service.engine.spec.proposer import PROPOSERS
+from service.engine.spec_decode.proposer import PROPOSERS
 from service.engine_client import EngineClient, EngineStartError
 from service.malloc import return_freed_memory_to_the_os
 from service.metrics import FRONT_END, ServiceMetrics

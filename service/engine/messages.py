@@ -120,7 +120,7 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
 
 # The most alternatives a token's log-probabilities may list (OpenAI's and vLLM's default limit).
 MAX_LOGPROBS = 20
-# The most speculative guesses a request's decode step may verify (service.engine.spec).
+# The most speculative guesses a request's decode step may verify (service.engine.spec_decode).
 MAX_SPECULATIVE_TOKENS = 16
 # Stop strings: each is looked for after every token, so their count and length bound the work a
 # request may ask for (10,000 of them once made a 1,024-token request 19x slower).
@@ -193,8 +193,8 @@ class EngineConfig:
     # Cache policy of requests that name none: "POLICY" for every model, "MODEL=POLICY" for one.
     default_cache_policies: tuple[str, ...] = ()
     prefix_cache: bool = True  # keep prompts' full blocks and reuse them for prompts that start alike
-    # Speculative decoding (service.engine.spec): guesses per step of a request that names none
-    # (0: off), the proposer by name (service.engine.spec.proposer.PROPOSERS), the n-gram
+    # Speculative decoding (service.engine.spec_decode): guesses per step of a request that names none
+    # (0: off), the proposer by name (service.engine.spec_decode.proposer.PROPOSERS), the n-gram
     # proposer's shortest and longest lookup, and the running batch above
     # which no request guesses: on 2 CPU cores guessing already costs at 2 streams (0.88-0.93x of not
     # guessing, `python -m bench --sections speculative`), so by default only a lone stream guesses.
@@ -241,6 +241,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # The store's row layout (KVLayout): a float row's bytes are this per token plus the fixed
     # local columns of a split hybrid (0 for whole rows), so hybrids are not counted as whole rows.
     kv_cache_bytes_per_sequence: int = 0
+    default_max_new_tokens: int = 64  # a request's max_new_tokens when it sets none (EngineConfig's)
 
     def prompt_ids(self, text: str) -> list[int]:
         """A text prompt's token ids, as the engine tokenizes it (service.engine.processing.input_processor)."""

@@ -33,7 +33,7 @@ from service.engine.sampler import Sampler, all_greedy, logprobs_by_row
 from service.engine.sched.admission import AdmissionControl, Backlog, open_trace
 from service.engine.sched.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.sched.step_observer import StepObserver
-from service.engine.spec.speculator import Speculator
+from service.engine.spec_decode.speculator import Speculator
 from service.engine.worker.decode_plan import DecodePlan
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.metrics import ServiceMetrics
@@ -112,7 +112,7 @@ class ModelEngine:
         )
         self._wake = threading.Condition()
         self.sampler = Sampler()
-        # Speculative decoding (service.engine.spec): for requests whose parameters ask for guesses.
+        # Speculative decoding (service.engine.spec_decode): for requests whose parameters ask for guesses.
         self.speculator = Speculator.of(config, self.runner.verifier, self.sampler, self.metrics)
         # What the current step produced (tokens, finishes, observations), published when the step ends.
         self._batch = OutputBatch()

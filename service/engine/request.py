@@ -11,7 +11,7 @@ from service.engine.messages import RequestStatus, TokenLogprob
 from service.engine.processing.detokenizer import IncrementalDetokenizer
 from service.engine.processing.streams import OutputSink, OutputStream
 from service.engine.sched.admission import Estimate
-from service.engine.spec.draft import DraftState
+from service.engine.spec_decode.draft import DraftState
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False  # EOS never ends the request: the sampler masks its logit
     min_tokens: int = 0  # nor before this many new tokens
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives' (None: none)
-    speculative_tokens: int = 0  # guesses a step may verify (service.engine.spec; 0: none)
+    speculative_tokens: int = 0  # guesses a step may verify (service.engine.spec_decode; 0: none)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits before sampling
 
     def eos_allowed(self, generated: int) -> bool:

@@ -158,7 +158,7 @@ class OpenAIApi:
                 try:
                     handles.append(await loop.run_in_executor(self._submitter, engine.submit, raw, output))
                 except RequestError as error:
-                    raise ApiError.of(error) from None
+                    raise ApiError.of(error, generation.names) from None
                 outputs.append(output)
             shapes = Shapes(generation, engine.models[generation.input.model])
             if generation.stream:

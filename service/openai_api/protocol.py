@@ -1,8 +1,10 @@
 """OpenAI's request and response shapes <-> the engine's GenerateInput, with no web framework.
 
-Requests are checked here, field by field, so every 400 names the field and the limit as the gRPC
-side does; what only the engine can check (prompt length against the model) comes back as its
-RequestError, with its field names turned into this API's (`max_new_tokens` is `max_tokens`).
+Requests are translated here, not checked: a body's shape and types are read (a 400 names the
+field), and every sampling and limit field is checked once, for gRPC and HTTP alike, where the
+engine client takes the request (service.engine.processing.fields); its RequestError comes back
+with the engine's field names turned into this API's (`Generation.names`: `max_new_tokens` is
+`max_tokens`).
 
 The chat template. These are byte-level code models trained on raw source files, never on dialogue,
 so there is no chat format to honour: the prompt is the messages' contents joined with one newline
@@ -20,6 +22,7 @@ tokens whose K/V was reused, not computed in context); /v1/models gives each mod
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 from dataclasses import dataclass
@@ -28,7 +31,6 @@ from typing import Any, ClassVar
 import msgspec
 
 from service.engine.messages import (
-    MAX_LOGPROBS,
     ErrorKind,
     GenerateInput,
     ModelInfo,
@@ -48,10 +50,12 @@ CHAT_ROLES = ("system", "user", "assistant", "developer")
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1}
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
 SEGMENT_FIELDS = ("text", "reusable")
-UINT32_MAX = 2**32 - 1  # gRPC's segment_repair_tokens is a uint32
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_BIASED_TOKENS = 1024  # logit_bias entries (more than any vocabulary served here: the engine checks ids)
 TOKEN_KEY = re.compile(r"[0-9]{1,10}")
+PARAM = re.compile(r"[A-Za-z_]\w*(\[[0-9]+\])*")  # a field an error names: `max_tokens`, `prompt[3]`
+# The engine's field names as /v1/completions spells them (chat: its own, Generation.names).
+API_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}
 _encode = msgspec.json.Encoder().encode
 
 
@@ -77,11 +81,13 @@ class ApiError(Exception):
         return _encode({"error": error})
 
     @classmethod
-    def of(cls, error: RequestError) -> ApiError:
-        """The engine's refusal, its field names as this API spells them."""
-        message = error.message.replace("max_new_tokens", "max_tokens")
+    def of(cls, error: RequestError, names: dict[str, str] | None = None) -> ApiError:
+        """The engine's refusal, its field names as this API spells them (`names`: engine's -> API's)."""
+        message = error.message
+        for engine_name, api_name in (names or API_NAMES).items():
+            message = re.sub(rf"\b{engine_name}\b", api_name, message)
         head = message.partition(":")[0].split(" ", 1)[0]  # "prompt + max_tokens: ..." names the prompt
-        param = head if head.isidentifier() else None
+        param = head if PARAM.fullmatch(head) else None
         if error.kind is ErrorKind.INVALID_ARGUMENT:
             return cls(400, message, param)
         if error.kind is ErrorKind.NOT_FOUND:
@@ -114,6 +120,8 @@ class Generation:
     chat: bool
     logprobs: int | None = None
     echo: bool = False
+    # The engine's field names -> this request's, for its errors (ApiError.of).
+    names: dict[str, str] = dataclasses.field(default_factory=lambda: API_NAMES)
 
     @property
     def input(self) -> GenerateInput:
@@ -154,24 +162,16 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         served = ", ".join(sorted(models)) or "none yet"
         message = f"model: {shown(model)} is not served here; served models: {served}"
         raise ApiError(404, message, "model", "model_not_found")
-    info = models[model]
     segments, repair = prompt_segments(body, chat)
     prompts: list[str | tuple[int, ...]]
     if chat:
         prompts = [chat_prompt(body.get("messages"))]
     else:
-        prompts = ["".join(s.text for s in segments)] if segments else completion_prompts(body.get("prompt"), info)
+        prompts = ["".join(s.text for s in segments)] if segments else completion_prompts(body.get("prompt"))
     logprobs, echo = requested_logprobs(body, chat)
-    limit = info.max_new_tokens_limit
-    max_tokens = _typed(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                        int, None)  # fmt: skip
-    lowest = 0 if echo else 1
-    if max_tokens is not None and not lowest <= max_tokens <= limit:
-        alone = "" if echo else " (0 only with echo: the prompt's log-probabilities alone)"
-        raise invalid("max_tokens", f"must be in [{lowest}, {limit}]{alone}, got {max_tokens}")
-    min_tokens = _typed(body, "min_tokens", int, 0)
-    if max_tokens is not None and not 0 <= min_tokens <= max_tokens:
-        raise invalid("min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    tokens_field = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _typed(body, tokens_field, int, None)
+    names = {**API_NAMES, "max_new_tokens": tokens_field, **({"logprobs": "top_logprobs"} if chat else {})}
     n = _typed(body, "n", int, 1)
     if n != 1:
         raise invalid("n", f"only 1 is supported, got {n}")
@@ -190,7 +190,7 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
     try:
         salt = cache_salt(tenant, _typed(body, "cache_salt", str, ""))
     except RequestError as error:
-        raise ApiError.of(error) from None
+        raise ApiError.of(error, names) from None
     raw = GenerateInput(
         model=model,
         prompt="",
@@ -202,7 +202,7 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         stop=tuple(s for s in stop or () if s),
         cache_policy=_typed(body, "cache_policy", str, ""),
         ignore_eos=_typed(body, "ignore_eos", bool, False),
-        min_tokens=min_tokens,
+        min_tokens=_typed(body, "min_tokens", int, 0),
         segments=segments,
         segment_repair_tokens=repair,
         logprobs=logprobs,
@@ -217,12 +217,12 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         msgspec.structs.replace(raw, prompt=p) if isinstance(p, str) else msgspec.structs.replace(raw, prompt_ids=p)
         for p in prompts
     )
-    return Generation(inputs, stream, bool(options.get("include_usage")), chat, logprobs, echo)
+    return Generation(inputs, stream, bool(options.get("include_usage")), chat, logprobs, echo, names)
 
 
 def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's `{"token id": bias}` (JSON keys are strings) as (id, bias) pairs; the engine checks
-    that each id is in the model's vocabulary and each bias in [-100, 100]."""
+    """OpenAI's `{"token id": bias}` (JSON keys are strings) as (id, bias) pairs; each id in the
+    model's vocabulary and each bias in [-100, 100] is checked with the other fields (fields.py)."""
     if value is None:
         return ()
     if not isinstance(value, dict):
@@ -239,7 +239,7 @@ def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def completion_prompts(prompt: Any, info: ModelInfo) -> list[str | tuple[int, ...]]:
+def completion_prompts(prompt: Any) -> list[str | tuple[int, ...]]:
     """A completion's prompts as OpenAI takes them: a string, a list of strings, a list of token ids,
     or a list of such lists; token ids are taken as they are (no BOS added: the client tokenized)."""
     if isinstance(prompt, str):
@@ -250,13 +250,13 @@ def completion_prompts(prompt: Any, info: ModelInfo) -> list[str | tuple[int, ..
     if len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
         raise invalid("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
     if all(_is_token(t) for t in prompt):
-        return [_token_ids(prompt, "prompt", info)]
+        return [tuple(prompt)]
     prompts: list[str | tuple[int, ...]] = []
     for index, item in enumerate(prompt):
         if isinstance(item, str):
             prompts.append(item)
         elif isinstance(item, list) and item and all(_is_token(t) for t in item):
-            prompts.append(_token_ids(item, f"prompt[{index}]", info))
+            prompts.append(tuple(item))
         else:
             raise invalid(f"prompt[{index}]", f"must be a string or a non-empty list of token ids, got {shown(item)}")
     return prompts
@@ -264,13 +264,6 @@ def completion_prompts(prompt: Any, info: ModelInfo) -> list[str | tuple[int, ..
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _token_ids(ids: list[int], field: str, info: ModelInfo) -> tuple[int, ...]:
-    for index, token in enumerate(ids):
-        if not 0 <= token < info.vocab_size:
-            raise invalid(f"{field}[{index}]", f"token id {token} is outside the vocabulary [0, {info.vocab_size})")
-    return tuple(ids)
 
 
 def requested_logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
@@ -283,14 +276,10 @@ def requested_logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bo
         top = _typed(body, "top_logprobs", int, None)
         if top is not None and not wanted:
             raise invalid("top_logprobs", "needs logprobs: true")
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
         return (top or 0) if wanted else None, False
     if body.get("top_logprobs") is not None:
         raise invalid("top_logprobs", "only on /v1/chat/completions (completions take logprobs: N)")
     logprobs = _typed(body, "logprobs", int, None)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     return logprobs, _typed(body, "echo", bool, False)
 
 
@@ -301,8 +290,6 @@ def prompt_segments(body: dict[str, Any], chat: bool) -> tuple[tuple[PromptSegme
         if body.get(field) is not None:
             raise invalid(field, "only on /v1/completions (send the prompt there as segments)")
     raw, repair = body.get("segments"), _typed(body, "segment_repair_tokens", int, 0)
-    if not 0 <= repair <= UINT32_MAX:
-        raise invalid("segment_repair_tokens", f"must be in [0, {UINT32_MAX}], got {repair}")
     if raw is None:
         return (), repair
     if not isinstance(raw, list):

@@ -4,6 +4,7 @@ server on loopback that keeps serving after each refusal."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,13 @@ import numpy as np
 import pytest
 
 from service.api import generation_pb2 as pb
-from service.engine.messages import MAX_CACHE_SALT_CHARACTERS, MAX_STOP_CHARACTERS, MAX_STOP_STRINGS, RequestError
+from service.engine.messages import (
+    MAX_CACHE_SALT_CHARACTERS,
+    MAX_STOP_CHARACTERS,
+    MAX_STOP_STRINGS,
+    GenerateInput,
+    RequestError,
+)
 from service.engine.sampler import processed_logits
 from service.openai_api.app import MAX_JSON_DEPTH, json_depth
 from service.openai_api.protocol import ApiError, logit_bias
@@ -155,10 +162,61 @@ def test_logit_bias_minus_100_bans_the_greedy_token(server: ServerProcess) -> No
     assert banned != first
 
 
-def test_refusals_raise_request_errors_in_the_engine_alike() -> None:
-    """The engine is the one place that checks stop strings and logit_bias (both front ends reach it)."""
-    from service.engine.processing.input_processor import check_stop
+def test_every_field_is_checked_in_one_function() -> None:
+    """fields.check_fields is the one place (both front ends reach it through the engine client)."""
+    from service.engine.processing.fields import FieldLimits, check_fields
 
-    check_stop(("a",) * MAX_STOP_STRINGS)
-    with pytest.raises(RequestError):
-        check_stop(("a",) * (MAX_STOP_STRINGS + 1))
+    limits = FieldLimits("alibi", 1024, 64, 259)
+    check_fields(GenerateInput("alibi", "x", stop=("a",) * MAX_STOP_STRINGS), limits)
+    for bad, field in [
+        (GenerateInput("alibi", "x", stop=("a",) * (MAX_STOP_STRINGS + 1)), "stop"),
+        (GenerateInput("alibi", "x", max_new_tokens=0), "max_new_tokens"),
+        (GenerateInput("alibi", "x", min_tokens=65), "min_tokens"),  # above the default max_new_tokens
+        (GenerateInput("alibi", "x", temperature=math.nan), "temperature"),
+        (GenerateInput("alibi", "", prompt_ids=(256, 259)), "prompt[1]"),
+        (GenerateInput("alibi", "x", seed=-1), "seed"),
+        (GenerateInput("alibi", "x", segment_repair_tokens=2**32), "segment_repair_tokens"),
+    ]:
+        with pytest.raises(RequestError) as error:
+            check_fields(bad, limits)
+        assert error.value.message.startswith(f"{field}: "), error.value.message
+    check_fields(GenerateInput("alibi", "x", max_new_tokens=0, prompt_logprobs=0), limits)  # echo alone
+
+
+# Each bad value as gRPC and HTTP send it: (gRPC fields, HTTP fields, the message's start).
+BAD_FIELDS = [
+    ({"max_new_tokens": 5000}, {"max_tokens": 5000}, "max_new_tokens: must be in [1, 1024]"),
+    ({"max_new_tokens": 0}, {"max_tokens": 0}, "max_new_tokens: must be in [1, 1024] (0 only with"),
+    ({"max_new_tokens": 8, "min_tokens": 9}, {"max_tokens": 8, "min_tokens": 9}, "min_tokens: must be in [0,"),
+    ({"temperature": -1.0}, {"temperature": -1}, "temperature: must be >= 0"),
+    ({"top_p": 1.5}, {"top_p": 1.5}, "top_p: must be in (0, 1]"),
+    ({"top_p": 0.0}, {"top_p": 0}, "top_p: must be in (0, 1]"),
+    ({"top_k": -5}, {"top_k": -5}, "top_k: must be >= 0"),
+    ({"logprobs": 21}, {"logprobs": 21}, "logprobs: must be in [0, 20]"),
+    ({"stop": ["x"] * 17}, {"stop": ["x"] * 17}, f"stop: at most {MAX_STOP_STRINGS}"),
+    ({"stop": ["y" * 300]}, {"stop": ["y" * 300]}, f"stop: each string at most {MAX_STOP_CHARACTERS}"),
+    ({"logit_bias": {300: 1.0}}, {"logit_bias": {"300": 1}}, "logit_bias: token id 300 is outside"),
+    ({"logit_bias": {65: 101.0}}, {"logit_bias": {"65": 101}}, "logit_bias: the bias of token 65"),
+    ({"speculative_tokens": 17}, {"speculative_tokens": 17}, "speculative_tokens: must be in [0, 16]"),
+    ({"prompt": "", "prompt_token_ids": [256, 999]}, {"prompt": [256, 999]}, "prompt[1]: token id 999"),
+    ({"prompt": "", "segments": [pb.PromptSegment(text="x")] * 257},
+     {"prompt": None, "segments": [{"text": "x"}] * 257}, "segments: at most 256"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("grpc_fields", "http_fields", "start"), BAD_FIELDS)
+def test_grpc_and_http_refuse_each_bad_value_with_the_same_message(
+    server: ServerProcess, grpc_fields: dict[str, object], http_fields: dict[str, object], start: str
+) -> None:
+    """One check for both front ends: the same words, only the field's name as each API spells it."""
+    request = pb.GenerateRequest(**{"model": "alibi", "prompt": PROMPT, "max_new_tokens": 4, **grpc_fields})  # type: ignore[arg-type]
+    with pytest.raises(grpc.RpcError) as refused:
+        server.stub.Generate(request, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    message = refused.value.details()
+    assert message.startswith(start), message
+    response = post(server, {"model": "alibi", "prompt": PROMPT, "max_tokens": 4, **http_fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] == message.replace("max_new_tokens", "max_tokens").replace("prompt_logprobs", "echo")
+    assert error["param"] == error["message"].partition(":")[0]

@@ -178,7 +178,7 @@ def test_grpc_refuses_bad_logprob_values_with_invalid_argument(server: ServerPro
         (pb.GenerateRequest(model="rope", prompt="x", logprobs=21), "logprobs: must be in [0, 20], got 21"),
         (pb.GenerateRequest(model="rope", prompt="x", prompt_logprobs=99), "prompt_logprobs: must be in [0, 20]"),
         (pb.GenerateRequest(model="rope", prompt_token_ids=[256, 999]), "prompt[1]: token id 999 is outside"),
-        (pb.GenerateRequest(model="rope", prompt="x", max_new_tokens=0), "max_new_tokens: 0 is allowed only with"),
+        (pb.GenerateRequest(model="rope", prompt="x", max_new_tokens=0), "(0 only with prompt_logprobs"),
         (pb.GenerateRequest(model="learned", prompt="y" * 300, max_new_tokens=0, prompt_logprobs=0),
          "prompt: 300 tokens to score exceed max_positions=256"),
     ]  # fmt: skip

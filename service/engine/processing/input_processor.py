@@ -1,29 +1,20 @@
-"""Input processing: defaults, validation and tokenization, in one place for every RPC.
+"""Input processing in the engine: defaults, tokenization and what only the model can check.
 
-Generate, GenerateStream and Score all pass through here (as vLLM v1's input processor), so a
-default or a limit is written once and every error names the field and the limit.
+Generate, GenerateStream and Score all pass through here. A generation's fields arrive checked
+(service.engine.processing.fields, where the front end hands the request over); what is left to
+check needs the model: its cache policy against the export, and the prompt's length once
+tokenized. Every error names the field and the limit.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from contract.cache_policy import FIELD as POLICY_FIELD
 from contract.cache_policy import FULL_POLICY, CachePolicy, CachePolicyError, parse_cache_policy
 from contract.manifest import Manifest
-from service.engine.messages import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_SEGMENTS,
-    MAX_SPECULATIVE_TOKENS,
-    MAX_STOP_CHARACTERS,
-    MAX_STOP_STRINGS,
-    ErrorKind,
-    GenerateInput,
-    PromptSegment,
-    RequestError,
-)
+from service.engine.messages import ErrorKind, GenerateInput, PromptSegment, RequestError
+from service.engine.processing.fields import check_logprobs, check_token_ids
 from service.engine.request import Request, SamplingParams
 
 
@@ -68,42 +59,9 @@ class InputProcessor:
         return policy
 
     def token_ids(self, ids: tuple[int, ...] | list[int], field: str = "prompt") -> list[int]:
-        """A prompt given as token ids, taken as they are (no BOS added), each checked against the vocabulary."""
-        vocab = self.manifest.vocab_size
-        for index, token in enumerate(ids):
-            if not 0 <= token < vocab:
-                raise RequestError(
-                    ErrorKind.INVALID_ARGUMENT,
-                    f"{field}[{index}]: token id {token} is outside the vocabulary [0, {vocab}) of model "
-                    f"{self.manifest.name!r}",
-                )
+        """A text to score given as token ids, taken as they are (no BOS added), each in the vocabulary."""
+        check_token_ids(ids, self.manifest.vocab_size, self.manifest.name, field)
         return list(ids)
-
-    def logit_bias(self, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-        """The request's (token id, bias) pairs, each id in the vocabulary once, each bias in range."""
-        vocab, seen = self.manifest.vocab_size, set()
-        for token, bias in pairs:
-            if not 0 <= token < vocab:
-                raise RequestError(
-                    ErrorKind.INVALID_ARGUMENT,
-                    f"logit_bias: token id {token} is outside the vocabulary [0, {vocab}) of model "
-                    f"{self.manifest.name!r}",
-                )
-            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
-                raise RequestError(
-                    ErrorKind.INVALID_ARGUMENT,
-                    f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                    f"got {bias}",
-                )
-            if token in seen:
-                raise RequestError(ErrorKind.INVALID_ARGUMENT, f"logit_bias: token id {token} is given twice")
-            seen.add(token)
-        return tuple((int(token), float(bias)) for token, bias in pairs)
-
-    @staticmethod
-    def check_logprobs(value: int | None, field: str) -> None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"{field}: must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def request(self, raw: GenerateInput, request_id: str) -> Request:
         """The engine's Request of a generation input, built here alone: for a new request
@@ -117,17 +75,9 @@ class InputProcessor:
         return request
 
     def generate(self, raw: GenerateInput) -> tuple[list[int], SamplingParams, CachePolicy]:
-        if raw.prompt and raw.prompt_ids:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, "prompt: set either text or token ids, not both")
-        if not raw.prompt and not raw.prompt_ids:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, "prompt: must not be empty")
-        self.check_logprobs(raw.logprobs, "logprobs")
-        self.check_logprobs(raw.prompt_logprobs, "prompt_logprobs")
-        check_stop(raw.stop)
-        if len(raw.segments) > MAX_SEGMENTS:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT, f"segments: at most {MAX_SEGMENTS} in one prompt, got {len(raw.segments)}"
-            )
+        """Token ids, sampling parameters (the server's defaults for what the request leaves unset)
+        and cache policy of an input whose fields were checked already (fields.check_fields, where
+        the front end hands it over): here only what needs the model (its policy, its length)."""
         params = SamplingParams(
             max_new_tokens=self.limits.default_max_new_tokens if raw.max_new_tokens is None else raw.max_new_tokens,
             temperature=raw.temperature,
@@ -141,11 +91,10 @@ class InputProcessor:
             speculative_tokens=(
                 self.limits.default_speculative_tokens if raw.speculative_tokens is None else raw.speculative_tokens
             ),
-            logit_bias=self.logit_bias(raw.logit_bias),
+            logit_bias=tuple((int(token), float(bias)) for token, bias in raw.logit_bias),
         )
-        self.check(params)
         policy = self.cache_policy(raw.cache_policy)
-        ids = self.token_ids(raw.prompt_ids) if raw.prompt_ids else self.tokenize(raw.prompt)
+        ids = list(raw.prompt_ids) if raw.prompt_ids else self.tokenize(raw.prompt)
         self.check_length(len(ids), params.max_new_tokens, policy)
         return ids, params, policy
 
@@ -176,29 +125,6 @@ class InputProcessor:
                 "of this server",
             )
 
-    def check(self, params: SamplingParams) -> None:
-        limit = self.limits.max_new_tokens_limit
-        if not 0 < params.max_new_tokens <= limit:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT, f"max_new_tokens: must be in [1, {limit}], got {params.max_new_tokens}"
-            )
-        if not (params.temperature >= 0.0 and math.isfinite(params.temperature)):
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"temperature: must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_p: must be in (0, 1], got {params.top_p}")
-        if params.top_k < 0:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"top_k: must be >= 0, got {params.top_k}")
-        if not 0 <= params.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT,
-                f"speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}], got {params.speculative_tokens}",
-            )
-        if not 0 <= params.min_tokens <= params.max_new_tokens:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT,
-                f"min_tokens: must be in [0, max_new_tokens={params.max_new_tokens}], got {params.min_tokens}",
-            )
-
     def score(
         self, text: str, cache_policy: str = "", token_ids: list[int] | None = None, top: int = 0, field: str = "text"
     ) -> tuple[list[int], CachePolicy]:
@@ -206,7 +132,7 @@ class InputProcessor:
         positions must fit like a generation's. `field`: the name errors give the text (echo's: prompt)."""
         if not text and not token_ids:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"{field}: must not be empty")
-        self.check_logprobs(top, "prompt_logprobs" if field == "prompt" else "top")
+        check_logprobs(top, "prompt_logprobs" if field == "prompt" else "top")
         policy = self.cache_policy(cache_policy)
         ids = self.token_ids(token_ids, field) if token_ids else self.tokenize(text)
         scored = len(ids) - 1
@@ -229,15 +155,3 @@ def segment_spans(segments: tuple[PromptSegment, ...], add_bos: bool) -> tuple[t
             spans.append((offset, offset + length))
         offset += length
     return tuple(spans)
-
-
-def check_stop(stop: tuple[str, ...]) -> None:
-    """Stop strings are looked for after every token: their count and length are bounded."""
-    if len(stop) > MAX_STOP_STRINGS:
-        raise RequestError(ErrorKind.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
-    for index, text in enumerate(stop):
-        if len(text) > MAX_STOP_CHARACTERS:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT,
-                f"stop: each string at most {MAX_STOP_CHARACTERS} characters, string {index} has {len(text)}",
-            )

@@ -45,7 +45,7 @@ from service.engine.kv.scratch import ScratchArray
 from service.engine.messages import Scored
 from service.engine.prompts.prompt import PrefilledPrompt, StreamedPrompt, chunk_inputs
 from service.engine.sampler import log_softmax, top_logprobs
-from service.engine.spec.verifier import BlockVerifier
+from service.engine.spec_decode.verifier import BlockVerifier
 from service.engine.worker.decode_plan import DecodeCall, DecodeCalls, DecodePlan
 from service.engine.worker.model_session import (
     GraphBinder,

@@ -11,9 +11,9 @@ from service.engine.messages import EngineConfig
 from service.engine.model_metrics import ModelMetrics
 from service.engine.request import Request
 from service.engine.sampler import Sampler, processed_logits
-from service.engine.spec.draft import draft_room
-from service.engine.spec.proposer import Proposer, make_proposer
-from service.engine.spec.verifier import BlockVerifier
+from service.engine.spec_decode.draft import draft_room
+from service.engine.spec_decode.proposer import Proposer, make_proposer
+from service.engine.spec_decode.verifier import BlockVerifier
 
 
 class Speculator:

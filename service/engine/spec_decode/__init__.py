@@ -3,6 +3,7 @@ graph call verifies them, and the request keeps those the model would have produ
 
 - `proposer`: the `Proposer` interface and the registry that picks one by name
   (`--speculative-method`: `ngram`, vLLM's prompt lookup; a draft model would register there).
+- `ngram`: the n-gram ("prompt lookup") proposer, a file per proposer.
 - `draft`: a request's draft state (its history, how well its guesses fare, when it pauses) and how
   many guesses its step may verify (`draft_room`).
 - `speculator`: one model's decisions around a verification: what each request feeds, the model's

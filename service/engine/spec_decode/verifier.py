@@ -1,5 +1,5 @@
 """Speculative blocks: one call per capacity class verifies every row's last token and guesses at
-once, reading the class's cache in place (service.engine.spec says why). Two ways:
+once, reading the class's cache in place (service.engine.spec_decode says why). Two ways:
 
 - A class with one row of full float32 rows that decodes through the fused graph verifies through
   the fused prompt graph bound to that row in place (GroupQueryAttention's continued prompt takes one

@@ -23,9 +23,10 @@ from service.engine.engine import Engine
 from service.engine.kv import INT8_CHANNEL
 from service.engine.messages import EngineConfig, GenerateInput
 from service.engine.request import Request, SamplingParams
-from service.engine.spec.draft import MIN_GUESSES, PAUSE_STEPS, DraftState, draft_room
-from service.engine.spec.proposer import NgramProposer, make_proposer
-from service.engine.spec.speculator import accepted_prefix
+from service.engine.spec_decode.draft import MIN_GUESSES, PAUSE_STEPS, DraftState, draft_room
+from service.engine.spec_decode.ngram import NgramProposer
+from service.engine.spec_decode.proposer import make_proposer
+from service.engine.spec_decode.speculator import accepted_prefix
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
