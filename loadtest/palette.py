@@ -32,7 +32,7 @@ class Style:
 
 
 # The schemes in models.positional.SCHEMES order (a test checks the keys against it): Okabe-Ito's
-# colour-blind-safe hues, then two more for the hybrids.
+# colour-blind-safe hues, then two more for the hybrids and one for latent attention.
 SCHEMES: dict[str, Style] = {
     "sinusoidal": Style("#e69f00", "s"),  # orange
     "learned": Style("#56b4e9", "^"),  # sky blue
@@ -42,6 +42,7 @@ SCHEMES: dict[str, Style] = {
     "none": Style("#d55e00", "P"),  # vermillion
     "rnope-swa": Style("#000000", "X"),  # black
     "rope-swa": Style("#8c564b", "h"),  # brown
+    "mla": Style("#bcbd22", "p"),  # olive
 }
 # A scaled variant's marker, by scaling method (models.config.RopeScaling kinds).
 METHOD_MARKERS = {"linear": "<", "ntk": ">", "yarn": "*"}

@@ -409,7 +409,7 @@ class ModelEngine:
         one is, known beforehand), and those it ends (or whose sampling failed) are finished. A step
         where some request guesses its next tokens verifies them instead (`_decode_speculative`)."""
         if self.speculator.active and any(request.draft is not None for request in requests):
-            fed = self.speculator.drafts(requests, self.store.kind_of)
+            fed = self.speculator.drafts(requests, self.store.verifies_blocks)
             if fed is not None:
                 self._decode_speculative(requests, fed)
             if self.speculator.take_growth():  # more room for guesses: the next step reserves it

@@ -86,6 +86,7 @@ class CapacityClass:
         change their row count in place (`resized_from`); `storage`: rows already laid out (that)."""
         self.backend, self.layout, self.capacity = backend, layout, capacity
         self.kind = kind or layout.dtype
+        self.spec = layout.storage(self.kind)  # what its rows are and which graphs may read them
         self.rotary_inv_freq = rotary_inv_freq
         self.storage = storage or make_rows(self.kind, backend, layout, rows, capacity, reserve_bytes)
         self.cache = self.storage.cache  # (2 x layers, rows, heads, capacity, head_dim)

@@ -9,6 +9,7 @@ import numpy as np
 from contract.cache_policy import INT8, INT8_CHANNEL, CachePolicy
 from contract.kv_spec import KEY_VALUE
 from contract.manifest import DTYPE_BYTES, INT8_SCALE_BYTES
+from service.engine.kv.spec import StorageSpec
 
 # The storage kinds (contract.cache_policy): float rows' kind is the layout's dtype; INT8 rows hold int8
 # values with per-token scales, INT8_CHANNEL rows int8 values with the model's fixed per-channel scales.
@@ -107,6 +108,10 @@ class KVLayout:
         if kind == INT8_CHANNEL:
             return self.tensors * self.n_heads * self.head_dim
         return self.token_bytes
+
+    def storage(self, kind: str) -> StorageSpec:
+        """The typed spec of rows of a storage kind (what callers ask instead of comparing kinds)."""
+        return StorageSpec(kind, self.kind_token_bytes(kind))
 
     def kind_of(self, policy: CachePolicy) -> str:
         """The storage kind of a row under a cache policy, on this model (CachePolicy.kind: INT8_CHANNEL

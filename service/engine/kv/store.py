@@ -296,6 +296,12 @@ class KVStore:
         klass.reserved.discard(sequence_id)
         self._release_if_empty(klass)
 
+    def verifies_blocks(self, sequence_id: str) -> bool:
+        """Whether a sequence's rows take several tokens in one call (StorageSpec.verifies_blocks); a
+        sequence not yet in a class: its rows will be of the layout's float kind, which does."""
+        kind = self.kind_of.get(sequence_id)
+        return kind is None or self.layout.storage(kind).verifies_blocks
+
     def write(self, sequence_id: str, kv: Array, length: int, policy: RowPolicy | None = None) -> None:
         """A prefilled prompt's cache, (tensors, heads, length, head_dim), into its reserved row
         (float K/V, quantized there for an int8 row; or an int8 row's own `Int8KV`)."""

@@ -4,9 +4,10 @@ each request feeds, the model's own token after each fed token, and how many a r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from service.engine.kv import INT8_CHANNEL
 from service.engine.messages import EngineConfig
 from service.engine.model_metrics import ModelMetrics
 from service.engine.request import Request
@@ -49,11 +50,11 @@ class Speculator:
         grew, self.grew = self.grew, False
         return grew
 
-    def drafts(self, requests: list[Request], kinds: dict[str, str]) -> list[list[int]] | None:
+    def drafts(self, requests: list[Request], verifies_blocks: Callable[[str], bool]) -> list[list[int]] | None:
         """What each request feeds this step: its last token and its proposer's guesses (None when
         none guesses: a plain step). No request guesses in a batch larger than `max_batch` (there the
         graph's time grows with the tokens fed, so guesses cost more than they save), in a row whose
-        graph takes one token (`kinds`: each sequence's storage kind), or while its drafting pauses."""
+        graph takes one token (`verifies_blocks`: whether a sequence's rows do), or while its drafting pauses."""
         if len(requests) > self.max_batch:
             return None
         fed, guessed = [], False
@@ -66,7 +67,7 @@ class Speculator:
                 else:
                     remaining = request.params.max_new_tokens - len(request.output_ids)
                     room = draft_room(request.cache_policy, request.num_tokens, remaining, request.lookahead)
-                    if room and kinds.get(request.request_id) != INT8_CHANNEL:
+                    if room and verifies_blocks(request.request_id):
                         draft.sync(request.output_ids, request.prompt_ids)
                         guesses = self.proposer.propose(draft.history, room)
                         guessed = guessed or bool(guesses)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, KVStore
+from service.engine.kv import Array, CapacityClass, KVStore
 from service.engine.messages import MAX_SPECULATIVE_TOKENS
 from service.engine.worker.decode_plan import DecodeCalls
 from service.engine.worker.model_session import GraphBinder, LocalPast, ModelSession
@@ -148,13 +148,13 @@ class BlockVerifier:
     def verifies(self, klass: CapacityClass) -> bool:
         """Whether a class's rows can verify several tokens in one call: every kind the explicit
         serving graphs read (float, per-token int8); the int8-channel rows' fused graph takes one."""
-        return klass.kind != INT8_CHANNEL
+        return klass.spec.verifies_blocks
 
     def _in_place(self, klass: CapacityClass) -> bool:
         """A one-row class of full float32 rows decoding through the fused graph, where the export has
         the fused prompt graph: its verification runs there, in place. A class of split rows always
         does (one call per row: the explicit graph cannot read their local columns)."""
-        one_row = len(klass.members) == 1 and klass.kind == "float32" and self.calls.fused(klass)
+        one_row = len(klass.members) == 1 and klass.spec.full_float32 and self.calls.fused(klass)
         if not one_row and klass.local is None:
             return False
         if self._prompt_session is False:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from service.engine.kv import INT8_CHANNEL, Array, CapacityClass
+from service.engine.kv import Array, CapacityClass
 from service.engine.worker.model_session import GraphBinder, LocalPast, ModelSession
 
 
@@ -47,7 +47,7 @@ class DecodeCalls:
         fused_session: ModelSession | None,
         fused_dtype: str | None,
     ) -> None:
-        """`sessions`: the explicit serving graph's per storage kind (INT8_CHANNEL: the fused int8
+        """`sessions`: the explicit serving graph's per storage kind (int8-channel rows: the fused int8
         graph's); `fused_session`: the fused decode graph's for full rows of `fused_dtype`, if any."""
         self._binder, self._sessions = binder, sessions
         self._fused_session, self._fused_dtype = fused_session, fused_dtype
@@ -61,7 +61,7 @@ class DecodeCalls:
         past = [array[:, :batch] for array in klass.arrays]
         inputs = (klass.input_ids[:batch], klass.mask[:batch], klass.positions[:batch])
         if self.fused(klass):
-            fused = self._sessions[klass.kind] if klass.kind == INT8_CHANNEL else self._fused_session
+            fused = self._sessions[klass.kind] if klass.spec.written_by_kernel else self._fused_session
             assert fused is not None
             local = None if klass.local is None else LocalPast(klass.local.mask[:batch], klass.local.cache[:, :batch])
             binding, logits = self._binder.bind_in_place(fused, *inputs, past[0], local)
@@ -78,7 +78,7 @@ class DecodeCalls:
         """The fused graph takes a class of full rows in its own dtype (it cannot shift a bounded
         row by one token, nor read int8 rows' per-token scales); the fused int8 graph takes the
         int8-channel classes (unbounded rows only)."""
-        if klass.kind == INT8_CHANNEL:
+        if klass.spec.written_by_kernel:
             return True
         return self._fused_session is not None and klass.kind == self._fused_dtype and not klass.bounded
 

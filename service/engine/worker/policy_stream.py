@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from contract.cache_policy import CachePolicy
-from service.engine.kv import INT8_CHANNEL, Array, CapacityClass, RowPolicy
+from service.engine.kv import Array, CapacityClass, RowPolicy
 from service.engine.prompts.prompt import StreamedPrompt
 from service.engine.worker.model_session import GraphBinder, ModelSession
 
@@ -77,7 +77,7 @@ class PolicyStream:
         row = CapacityClass(backend, layout, capacity, 1, self.rotary_inv_freq, kind)
         row.write(request_id, past[:, 0], len(head), self.row_policy(policy))
         new_kv, inputs = None, (row.input_ids, row.mask, row.positions)
-        if kind == INT8_CHANNEL:  # the fused int8 graph appends each token's K/V in the row itself
+        if row.spec.written_by_kernel:  # the fused int8 graph appends each token's K/V in the row itself
             binding, step_logits = binder.bind_in_place(session, *inputs, row.arrays[0])
         else:
             binding, step_logits, new_kv = binder.bind(session, *inputs, row.arrays, kind)
