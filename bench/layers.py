@@ -25,6 +25,7 @@ from service.api import generation_pb2 as pb
 from service.api import generation_pb2_grpc
 from service.engine.engine import Engine
 from service.engine.messages import EngineConfig, GenerateInput
+from service.engine.prompts.prompt import PromptRun
 from service.engine.worker import denormals
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.engine_client import EngineClient
@@ -115,7 +116,8 @@ def decode_tokens_per_second_runner(folder: Path, new_tokens: int, threads: int,
     """The engine's own runner without gRPC, scheduler or sampler: the in-process ceiling. It
     decodes as the engine's steady batch does, one plan until the row fills and moves up."""
     runner = ModelRunner(Manifest.load(folder), StoreConfig(1 << 34, 16, 4096), device, threads)
-    prompt = runner.prefill_batch({"r": TOKENIZER.encode("def main():\n")})[0]
+    ids = TOKENIZER.encode("def main():\n")
+    *_, [prompt] = runner.prefill([PromptRun("r", ids)], len(ids))
     runner.store.reserve("r", prompt.length + 1)
     runner.join([prompt])
     token = int(prompt.logits.argmax())

@@ -23,6 +23,7 @@ from contract.manifest import Manifest
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.engine.messages import EngineConfig
+from service.engine.prompts.prompt import PromptRun
 from service.engine.worker import denormals
 from service.engine.worker.denormals import flush_denormals_on_this_thread
 from service.engine.worker.runner import ModelRunner, StoreConfig
@@ -70,10 +71,8 @@ def runner_ttft(runner: ModelRunner, text: str, chunk_tokens: int) -> float:
     """Seconds to compute a prompt's cache and last logits through the runner (the prefill worker's call)."""
     ids = TOKENIZER.encode(text)
     started = time.perf_counter()
-    if len(ids) <= chunk_tokens:
-        runner.prefill_batch({"p": ids})
-    else:
-        runner.prefill_chunked("p", ids, chunk_tokens)
+    for _ in runner.prefill([PromptRun("p", ids)], chunk_tokens):  # whole, or chunk by chunk
+        pass
     return time.perf_counter() - started
 
 
@@ -113,7 +112,7 @@ def genai_prompt_seconds(folder: Path, text: str, threads: int) -> float | None:
 def profile_prompt_graph(runner: ModelRunner, tokens: int, threads: int) -> list[tuple[str, str, float, float]]:
     """(node, op type, ms, share) of the `TOP_NODES` slowest nodes of the runner's prompt graph on one
     `tokens`-token prompt, from ONNX Runtime's profiler (SessionOptions.enable_profiling)."""
-    path = runner.prompt_graph_path()
+    path = runner.prompt_graph
     with tempfile.TemporaryDirectory(prefix="prefill-profile-") as scratch:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -198,7 +197,7 @@ def print_prefill(args: argparse.Namespace, repository: Path, server_threads: in
             print(f"    {name:<12} {rate / sgemm:5.2f}   {figures['gRPC'] / figures['genai']:5.2f}")
     runner = ModelRunner(Manifest.load(repository / args.model), StoreConfig(1 << 30, 16, 8192), "cpu", 0)
     tokens = PROFILE_BYTES + 1
-    print(f"\nPrompt graph of {args.model} ({Path(runner.prompt_graph_path()).name}), {tokens} tokens in one call, "
+    print(f"\nPrompt graph of {args.model} ({Path(runner.prompt_graph).name}), {tokens} tokens in one call, "
           f"{threads} thread(s): top nodes by ONNX Runtime's profiler")  # fmt: skip
     for node, op, ms, share in profile_prompt_graph(runner, tokens, threads):
         print(f"  {node:<44}{op:<28}{ms:8.2f} ms {share * 100:5.1f}%")

@@ -46,7 +46,7 @@ from service.engine.kv import Array, SplitKV
 from service.engine.kv.classes import rotate_keys
 from service.engine.messages import PromptSegment
 from service.engine.processing.input_processor import segment_spans
-from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
 from service.engine.prompts.segments import SegmentAssembly
 from service.engine.worker.runner import ModelRunner, StoreConfig
 
@@ -111,7 +111,8 @@ class AnswerScorer:
         are turned back one, so that the placement's rotation by the offset lands them right."""
         kept: list[Array | None] = []
         for start, end in spans:
-            *_, computed = self.runner.prefill_chunks("score", token_ids[:1] + token_ids[start:end], CHUNK_TOKENS)
+            document = PromptRun("score", token_ids[:1] + token_ids[start:end])
+            *_, [computed] = self.runner.prefill([document], CHUNK_TOKENS)
             assert computed is not None
             kv = computed.cache[:, :, 1:]
             if self.declared.mode == REUSE_ROTATE:
@@ -126,7 +127,7 @@ class AnswerScorer:
     def _prompt(self, prompt: DocumentPrompt, mode: str, repair: int) -> PrefilledPrompt:
         token_ids = TOKENIZER.encode(prompt.text)
         if mode == "full":
-            *_, last = self.runner.prefill_chunks("score", token_ids, CHUNK_TOKENS)
+            *_, [last] = self.runner.prefill([PromptRun("score", token_ids)], CHUNK_TOKENS)
             assert last is not None
             return last
         segments = tuple(PromptSegment(text, reusable) for text, reusable in prompt.segments())

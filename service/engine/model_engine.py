@@ -105,7 +105,7 @@ class ModelEngine:
             config.prefill_nice,
         )  # fmt: skip
         # Prefix-cache hits with a short tail left go to a thread of their own (TailWorker).
-        tails = config.tail_prefill_tokens > 0 and config.prefix_cache and self.runner.open_tail_session()
+        tails = config.tail_prefill_tokens > 0 and config.prefix_cache and self.runner.prompt_sessions.open_tail()
         self._tail_tokens = config.tail_prefill_tokens if tails else 0
         self.tail_worker = TailWorker(
             self.runner, self._deliver_prefilled, self.observer.prefill, manifest.name, self._nothing_decodes

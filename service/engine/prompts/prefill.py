@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from service.engine.kv.prefix import CachedPast
-from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
 from service.engine.request import Request
+from service.engine.worker.prompt_sessions import Lane
 from service.engine.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,11 @@ class PrefillJob:
     token_ids: list[int]
     past: CachedPast | None = None  # the prefix cache's K/V of the leading tokens
     compute: Callable[[], PrefilledPrompt] | None = None  # its own prefill (reused segments), instead
+
+    @property
+    def run(self) -> PromptRun:
+        """What the runner computes (ModelRunner.prefill)."""
+        return PromptRun(self.request.request_id, self.token_ids, self.past, self.request.cache_policy)
 
     @property
     def computed_tokens(self) -> int:
@@ -101,7 +107,7 @@ class PrefillWorker(_JobThread):
         self._deliver = deliver
         self._observe = observe
         super().__init__(f"prefill-{name}")
-        self._long: deque[tuple[PrefillJob, Iterator[PrefilledPrompt | None]]] = deque()
+        self._long: deque[tuple[PrefillJob, Iterator[list[PrefilledPrompt] | None]]] = deque()
         self._long_done = 0  # prompt tokens of the oldest long prompt computed so far
         self._ready = threading.Event()
         self._open_error: Exception | None = None
@@ -128,7 +134,7 @@ class PrefillWorker(_JobThread):
     def _loop(self) -> None:
         self._lower_priority()
         try:
-            self.runner.open_prefill_session()
+            self.runner.prompt_sessions.open()
         except Exception as error:
             self._open_error = error
             return
@@ -146,24 +152,17 @@ class PrefillWorker(_JobThread):
                     continue
                 idle_wait = None if release else RELEASE_AFTER_IDLE_SECONDS
                 short, hits = [], []
-                while self._jobs:
+                while self._jobs:  # when each runs (the runner decides how)
                     job = self._jobs.popleft()
-                    policy = job.request.cache_policy
                     if job.past is not None or job.compute is not None:  # a prefix-cache hit, reused segments
                         hits.append(job)
-                    elif policy.cached(len(job.token_ids)) < len(job.token_ids):  # past a bounded policy's budget
-                        streamed = self.runner.stream_through_policy(
-                            job.request.request_id, job.token_ids, policy, self.chunk_tokens
-                        )
-                        self._long.append((job, streamed))
-                    elif len(job.token_ids) <= self.chunk_tokens:
-                        short.append(job)
+                    elif job.run.streams or len(job.token_ids) > self.chunk_tokens:  # one chunk a turn
+                        self._long.append((job, self.runner.prefill([job.run], self.chunk_tokens)))
                     else:
-                        chunks = self.runner.prefill_chunks(job.request.request_id, job.token_ids, self.chunk_tokens)
-                        self._long.append((job, chunks))
+                        short.append(job)
             if release:
                 try:
-                    self.runner.release_prompt_memory()
+                    self.runner.prompt_sessions.release()
                 except Exception:
                     logger.exception("prefill worker: releasing the prompt arena failed")
                 continue
@@ -182,7 +181,7 @@ class PrefillWorker(_JobThread):
         among the long prompts when longer than `chunk_tokens`). Each computed one is delivered at
         once: a burst of hits would otherwise wait for the last of them to get a first token."""
         for job in jobs:
-            chunks = self.runner.prefill_chunks(job.request.request_id, job.token_ids, self.chunk_tokens, job.past)
+            chunks = self.runner.prefill([job.run], self.chunk_tokens)
             if job.compute is None and job.computed_tokens > self.chunk_tokens:
                 self._long.append((job, chunks))
             elif job.aborted:
@@ -190,7 +189,7 @@ class PrefillWorker(_JobThread):
             else:
                 started = time.monotonic()
                 try:
-                    prompt = job.compute() if job.compute is not None else next(chunks)
+                    prompt = job.compute() if job.compute is not None else _only(next(chunks))
                 except Exception as error:
                     results.append(PrefillResult(job, error=error))
                     continue
@@ -217,7 +216,8 @@ class PrefillWorker(_JobThread):
         """One call for the batch; if it fails, each prompt alone, so the failure stays with its cause."""
         started = time.monotonic()
         try:
-            prompts = self.runner.prefill_batch({j.request.request_id: j.token_ids for j in batch})
+            *_, prompts = self.runner.prefill([j.run for j in batch], self.chunk_tokens)
+            assert prompts is not None
         except Exception as error:
             if len(batch) == 1:
                 results.append(PrefillResult(batch[0], error=error))
@@ -240,7 +240,7 @@ class PrefillWorker(_JobThread):
             return
         started = time.monotonic()
         try:
-            prompt = next(chunks)
+            computed = next(chunks)
         except Exception as error:
             self._long.popleft()
             self._long_done = 0
@@ -249,10 +249,10 @@ class PrefillWorker(_JobThread):
         tokens = min(self.chunk_tokens, job.computed_tokens - self._long_done)
         self._observe(time.monotonic() - started, 1, tokens)
         self._long_done += tokens
-        if prompt is not None:
+        if computed is not None:
             self._long.popleft()
             self._long_done = 0
-            results.append(PrefillResult(job, prompt))
+            results.append(PrefillResult(job, _only(computed)))
 
 
 class TailWorker(_JobThread):
@@ -296,8 +296,16 @@ class TailWorker(_JobThread):
             return PrefillResult(job)
         started = time.monotonic()
         try:
-            prompt = self.runner.prefill_tail(job.request.request_id, job.token_ids, job.past, self._idle())
+            lane = Lane.IDLE_TAIL if self._idle() else Lane.TAIL
+            *_, computed = self.runner.prefill([job.run], len(job.token_ids), lane)
+            prompt = _only(computed)
         except Exception as error:
             return PrefillResult(job, error=error)
         self._observe(time.monotonic() - started, 1, job.computed_tokens)
         return PrefillResult(job, prompt)
+
+
+def _only(computed: list[PrefilledPrompt] | None) -> PrefilledPrompt:
+    """The one prompt of a one-prompt call."""
+    assert computed is not None and len(computed) == 1
+    return computed[0]

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contract.cache_policy import CachePolicy
 from service.engine.kv import Array, RowPolicy
+from service.engine.kv.prefix import CachedPast
 
 
 def chunk_inputs(
@@ -21,6 +23,30 @@ def chunk_inputs(
         end = min(start + chunk_tokens, len(token_ids))
         ids = np.asarray([token_ids[start:end]], dtype=np.int64)
         yield end, ids, np.ones((1, end), dtype=np.int64), np.arange(start, end, dtype=np.int64)[None]
+
+
+@dataclass(frozen=True)
+class PromptRun:
+    """One prompt to compute into a row (ModelRunner.prefill): its tokens after the first `done`,
+    whose K/V `past` holds (a prefix-cache hit's blocks; a one-row array, (2 x layers, 1, heads, P,
+    head_dim), of reused segments), through `policy` where that keeps fewer tokens than the prompt."""
+
+    request_id: str
+    token_ids: list[int]
+    past: Array | CachedPast | None = None
+    policy: CachePolicy | None = None
+
+    @property
+    def done(self) -> int:
+        """Tokens whose K/V the past holds."""
+        past = self.past
+        return 0 if past is None else past.tokens if isinstance(past, CachedPast) else int(past.shape[3])
+
+    @property
+    def streams(self) -> bool:
+        """No past, and a policy that keeps fewer tokens than the prompt: it streams through the policy."""
+        n = len(self.token_ids)
+        return self.past is None and self.policy is not None and self.policy.cached(n) < n
 
 
 @dataclass

@@ -23,7 +23,7 @@ from contract.manifest import REUSE_RECOMPUTE, REUSE_ROTATE, SegmentReuse
 from service.engine.kv import Array, Backend, KVStore, SplitKV
 from service.engine.kv.classes import rotate_keys
 from service.engine.kv.prefix import CachedPast
-from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
 from service.engine.request import Request
 from service.engine.worker.runner import ModelRunner
 
@@ -61,9 +61,9 @@ class SegmentAssembly:
 
     def _compute(self, request_id: str, token_ids: list[int], past: Array | None) -> PrefilledPrompt:
         """`token_ids` after the `past` they extend, computed in that context."""
-        *_, result = self.runner.prefill_chunks(request_id, token_ids, self.chunk_tokens, past)
+        *_, result = self.runner.prefill([PromptRun(request_id, token_ids, past)], self.chunk_tokens)
         assert result is not None
-        return result
+        return result[0]
 
     def _append(self, past: Array | None, piece: Array, start: int, stop: int) -> Array:
         """past (2 x layers, 1, heads, P, hd) and the tokens [start, stop) of a segment's placed K/V

@@ -85,7 +85,7 @@ class ModelSession:
         options = ort.SessionOptions()
         # arena=False for the serving graph's prompt calls: their intermediates grow with batch x
         # length^2 and an arena would hold their all-time peak resident. The fused prompt session
-        # keeps one and is released when idle (ModelRunner.release_prompt_memory).
+        # keeps one and is released when idle (PromptSessions.release).
         options.enable_cpu_mem_arena = arena
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads

@@ -24,7 +24,7 @@ PromptForward = Callable[..., tuple[np.ndarray, Array]]
 
 
 class PolicyStream:
-    """Streams prompts through bounded policies (ModelRunner.stream_through_policy): their heads through
+    """Streams prompts through bounded policies (ModelRunner.prefill, ModelRunner.score): their heads through
     `prompt_forward`, the rest through rows bound by `binder`, made with `row_policy`'s eviction state."""
 
     def __init__(

@@ -16,7 +16,11 @@ instead: it reads the same buffers and writes each new token's K/V into them its
 outputs are bound to the past buffers), so the store only advances lengths and masks. Classes
 holding a bounded or int8 row keep the explicit graph, which the fused kernel cannot express.
 
-Prompts run in a second session (the prefill worker's, in its own thread) and touch no store
+Prompts enter through three methods: `prefill` (a prompt's chunks, or a batch of whole prompts, into
+rows), `continue_logits` (every logit of what follows a computed prompt) and `score`; which graph
+call serves them (one padded batch, chunks, in place through the fused graph, a split row's local
+window, a bounded policy's stream) is decided here. They run in sessions of their own
+(prompt_sessions.py: the prefill worker's, in its own thread, and the tail worker's) and touch no store
 state; their caches are written into the rows the scheduler reserved, on the engine thread. Where the
 export has the fused prompt graph (prefill-fused: one GroupQueryAttention per layer over the prompt's
 tokens, no score or mask tensor in the graph) and `attention` allows it, prompts run through it: its
@@ -29,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +47,7 @@ from service.engine.kv.arrays import NumpyArrays
 from service.engine.kv.prefix import CachedPast
 from service.engine.kv.scratch import ScratchArray
 from service.engine.messages import Scored
-from service.engine.prompts.prompt import PrefilledPrompt, StreamedPrompt, chunk_inputs
+from service.engine.prompts.prompt import PrefilledPrompt, PromptRun, StreamedPrompt, chunk_inputs
 from service.engine.sampler import log_softmax, top_logprobs
 from service.engine.spec_decode.verifier import BlockVerifier
 from service.engine.worker.decode_plan import DecodeCall, DecodeCalls, DecodePlan
@@ -56,6 +60,7 @@ from service.engine.worker.model_session import (
     serving_plan,
 )
 from service.engine.worker.policy_stream import PolicyStream
+from service.engine.worker.prompt_sessions import Lane, PromptLane, PromptSessions
 from service.engine.worker.split_prompts import SplitPrompts
 
 logger = logging.getLogger(__name__)
@@ -78,10 +83,6 @@ class RunnerTimings:
 
 # A text scored on a split layout goes through the prompt graph in chunks of this many tokens.
 SCORE_CHUNK_TOKENS = 512
-# The fused prompt session keeps a memory arena (with glibc's mmap threshold pinned, service/malloc.py,
-# an arena-less call maps every intermediate fresh and page-faults it in: 21,000 faults and about a
-# quarter of a 2,048-token prompt's time here, docs/measurements.md); `release_prompt_memory` gives
-# the arena back to the system, which the prefill worker does once it has been idle a while.
 
 
 class ModelRunner:
@@ -122,15 +123,15 @@ class ModelRunner:
         self.sessions = {kind: self._session(self.threads, True, graph.variant) for kind, graph in self.graphs.items()}
         self.session = self.sessions[self.dtype]
         self.fused_session = self._session(self.threads, True, self.fused.variant) if self.fused else None
-        # Prompts and scoring (prefill worker, gRPC threads); the worker opens its own on its thread.
-        self.prefill_session: ModelSession | None = None
-        self.tail_session: ModelSession | None = None  # open_tail_session()
-        self.idle_tail_session: ModelSession | None = None  # open_tail_session(): all the prefill threads
-        self._tail_scratch = ScratchArray() if isinstance(self.backend, NumpyArrays) else None  # kv/scratch.py
-        self._prompt_memory_held = False  # the prompt session's arena holds intermediates of past calls
-        self.prefill_sessions: dict[str, ModelSession] = {}  # by kind, for prompts streaming through a row
+        # Prompts and scoring (prefill worker, tail worker, gRPC threads); the worker opens its own on its thread.
+        tail_scratch = ScratchArray() if isinstance(self.backend, NumpyArrays) else None  # kv/scratch.py
+        self.prompt_sessions = PromptSessions(
+            self._session, self.graphs, self.dtype, self.prompt_variant, self.prefill_threads, tail_scratch,
+            self._release_arena,
+        )  # fmt: skip
         if open_prefill_session:
-            self.open_prefill_session()
+            self.prompt_sessions.open()
+        self.prompt_graph = str(manifest.onnx_path(self.prompt_variant or self.variant))  # (for profiling it)
         self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
         self.timings = RunnerTimings()
         fused_dtype = self.fused.dtype if self.fused else None
@@ -144,42 +145,13 @@ class ModelRunner:
         marker = os.environ.get("POSENC_FAULT_INJECTION_MARKER")
         self._fault_marker = marker.encode() if marker else None
 
-    def open_prefill_session(self) -> None:
-        """(Re)create the prompt session from the calling thread: ONNX Runtime's pool threads
-        inherit that thread's OS priority."""
-        self.prefill_sessions = {
-            kind: self._session(self.prefill_threads, False, graph.variant) for kind, graph in self.graphs.items()
-        }
-        self.prefill_session = (
-            self._session(self.prefill_threads, True, self.prompt_variant)
-            if self.prompt_variant
-            else self.prefill_sessions[self.dtype]
-        )
-
     def _verify_session(self) -> ModelSession | None:
         """The fused prompt graph's session for fused rows' speculative blocks (spec/verifier.py), or None."""
         return self._session(self.threads, True, self.prompt_variant) if self.fused and self.prompt_variant else None
 
-    def open_tail_session(self) -> bool:
-        """Fused prompt sessions for prefix-cache hits' short tails (service.engine.prompts.prefill.TailWorker):
-        one of one intra-op thread, so the calling thread does the work, at its own priority, beside
-        running decode steps; and one of the prefill threads for a tail nothing decodes beside (a
-        tail is arithmetic-bound: 64 tokens over 1,600 cached take 3.5 ms on one core, 2.4 on two).
-        False where there is no fused prompt graph (such tails go to the prefill worker)."""
-        if self.prompt_variant is not None and self.tail_session is None:
-            self.tail_session = self._session(1, True, self.prompt_variant)
-            if self.prefill_threads > 1:
-                self.idle_tail_session = self._session(self.prefill_threads, True, self.prompt_variant)
-        return self.tail_session is not None
-
-    def release_prompt_memory(self) -> None:
-        """Give the fused prompt session's arena back to the system: a one-token call whose run
-        options shrink the arena after it (ONNX Runtime frees every arena region no live tensor
-        uses). The arena keeps a busy worker's calls from page-faulting their intermediates in;
-        released, an idle server's resident memory returns to what its caches hold."""
-        if not self._prompt_memory_held:  # set by fused prompt calls only
-            return
-        self._prompt_memory_held = False
+    def _release_arena(self) -> None:
+        """A one-token call whose run options shrink the fused prompt session's arena after it
+        (PromptSessions.release)."""
         ids = np.full((1, 1), self.pad_token_id, dtype=np.int64)
         self._prompt_forward(ids, np.ones_like(ids), np.zeros_like(ids), None, last_only=True, release=True)
 
@@ -210,9 +182,9 @@ class ModelRunner:
     ) -> tuple[np.ndarray, Array]:
         """One prompt call: host logits (B, T or 1, vocab; with `last_only` each row's last token's) and
         the whole cache, past and new, (2L, B, heads, P + T, hd). Batches come padded as
-        `pad_batch` pads them (the fused prompt graph: on the right)."""
-        session = self.prefill_session
-        assert session is not None, "open_prefill_session() first"
+        `_pad_batch` pads them (the fused prompt graph: on the right)."""
+        session = self.prompt_sessions.worker
+        assert session is not None, "prompt_sessions.open() first"
         backend, layout = self.backend, self.layout
         batch = ids.shape[0]
         if past is None:
@@ -229,7 +201,7 @@ class ModelRunner:
         session.run(binding, release_arena=release)
         if local is not None:
             cache = SplitKV(cache, local.present)
-        self._prompt_memory_held = not release
+        self.prompt_sessions.held = not release
         if not last_only:
             return backend.download(logits).astype(np.float32), cache
         last = mask.sum(axis=1) - past.shape[3] - 1  # each row's last token among the new columns
@@ -242,7 +214,7 @@ class ModelRunner:
             return cache[:, row, :, columns]
         return self.split_prompts.row_cache(cache, row, columns)
 
-    def pad_batch(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[slice]]:
+    def _pad_batch(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[slice]]:
         """(input_ids, attention_mask, position_ids) of prompts in one call, and each row's columns:
         left-padded for the explicit graph, right-padded for the fused prompt graph."""
         if self.prompt_variant is None:
@@ -251,79 +223,73 @@ class ModelRunner:
         ids, mask, positions = right_pad_batch(prompts, self.pad_token_id)
         return ids, mask, positions, [slice(0, len(p)) for p in prompts]
 
-    def prompt_graph_path(self) -> str:
-        """The graph prompts run through (for profiling it)."""
-        return str(self.manifest.onnx_path(self.prompt_variant or self.variant))
-
     def _check_fault(self, prompts: list[list[int]]) -> None:
         if self._fault_marker and any(self._fault_marker in bytes(t for t in ids if t < 256) for ids in prompts):
             raise RuntimeError("injected fault (POSENC_FAULT_INJECTION_MARKER)")
 
-    def prefill_batch(self, prompts: dict[str, list[int]]) -> list[PrefilledPrompt]:
-        """Whole prompts in one left-padded call; each row's cache comes back without padding."""
-        self._check_fault(list(prompts.values()))
-        ids, mask, positions, columns = self.pad_batch(list(prompts.values()))
+    def prefill(
+        self, runs: list[PromptRun], chunk_tokens: int, lane: Lane = Lane.WORKER
+    ) -> Iterator[list[PrefilledPrompt] | None]:
+        """The one way to compute prompts into rows: yields None after every chunk but the last (the
+        caller may do other work, or give up, in between), then the computed prompts in order. Whole
+        prompts of up to `chunk_tokens` with no past (several: the prefill worker's batch) take one
+        padded call. Otherwise one prompt at a time: streamed through its policy where that keeps
+        fewer tokens than the prompt (PolicyStream), else in chunks of `chunk_tokens` (bounding the
+        score tensors) after its past, each chunk attending to the cache of the ones before (through
+        the fused prompt graph in place, where there is one). `lane`: the session (Lane)."""
+        if lane is Lane.WORKER and all(not run.streams and self._whole(run, chunk_tokens) for run in runs):
+            self._check_fault([run.token_ids for run in runs])
+            yield self._batch(runs)
+            return
+        (run,) = runs
+        if run.streams:
+            assert run.policy is not None
+            for streamed in self._stream_through_policy(run.request_id, run.token_ids, run.policy, chunk_tokens):
+                yield None if streamed is None else [streamed]
+            return
+        self._check_fault([run.token_ids])
+        for prompt in self._chunks(run, chunk_tokens, self.prompt_sessions.lane(lane)):
+            yield None if prompt is None else [prompt]
+
+    @staticmethod
+    def _whole(run: PromptRun, chunk_tokens: int) -> bool:
+        return run.past is None and len(run.token_ids) <= chunk_tokens
+
+    def _batch(self, runs: list[PromptRun]) -> list[PrefilledPrompt]:
+        """Whole prompts in one padded call; each row's cache comes back without padding."""
+        prompts = [run.token_ids for run in runs]
+        ids, mask, positions, columns = self._pad_batch(prompts)
         logits, cache = self._prompt_forward(ids, mask, positions, None, last_only=True)
         return [
-            PrefilledPrompt(rid, logits[row, -1], self._row_cache(cache, row, columns[row]), len(p))
-            for row, (rid, p) in enumerate(prompts.items())
+            PrefilledPrompt(run.request_id, logits[row, -1], self._row_cache(cache, row, columns[row]), len(p))
+            for row, (run, p) in enumerate(zip(runs, prompts, strict=True))
         ]
 
-    def prefill_tail(
-        self, request_id: str, token_ids: list[int], past: CachedPast, idle: bool = False
-    ) -> PrefilledPrompt:
-        """A prompt whose first tokens' K/V are `past` (a prefix-cache hit), its rest in one call of
-        the fused prompt graph through the tail session (`open_tail_session`); `idle`: nothing decodes
-        meanwhile, so the call may take every prefill thread."""
-        assert self.tail_session is not None, "open_tail_session() first"
-        self._check_fault([token_ids])
-        session = self.idle_tail_session if idle and self.idle_tail_session is not None else self.tail_session
-        (prompt,) = self._chunks_in_place(
-            request_id, token_ids, len(token_ids), past.tokens, past, session, self._tail_scratch
-        )
-        assert prompt is not None  # one chunk: the whole rest
-        return prompt
-
-    def prefill_chunks(
-        self, request_id: str, token_ids: list[int], chunk_tokens: int, past: Array | CachedPast | None = None
-    ) -> Iterator[PrefilledPrompt | None]:
-        """A long prompt in chunks of `chunk_tokens` (bounding the score tensors), each chunk
-        attending to the cache of the ones before. Yields None after every chunk but the last,
-        so the caller can interleave other work or give up between chunks. `past`: the K/V of the
-        prompt's first tokens, (2 x layers, 1, heads, P, head_dim), already known (a prefix-cache
-        hit, its blocks assembled here): only the rest is computed, at positions P on."""
-        self._check_fault([token_ids])
-        done = 0 if past is None else past.tokens if isinstance(past, CachedPast) else int(past.shape[3])
+    def _chunks(self, run: PromptRun, chunk_tokens: int, lane: PromptLane) -> Iterator[PrefilledPrompt | None]:
+        """One prompt after its past in chunks; None after every chunk but the last."""
         if self.prompt_variant is not None:  # one cache array for the whole prompt, every chunk in place
-            yield from self._chunks_in_place(request_id, token_ids, chunk_tokens, done, past)
+            yield from self._chunks_in_place(run, chunk_tokens, lane)
             return
-        for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
+        token_ids, past = run.token_ids, run.past
+        for end, ids, mask, positions in chunk_inputs(token_ids, run.done, chunk_tokens):
             past = past.assemble() if isinstance(past, CachedPast) else past
             logits, past = self._prompt_forward(ids, mask, positions, past, last_only=True)
-            yield PrefilledPrompt(request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
+            yield PrefilledPrompt(run.request_id, logits[0, -1], past[:, 0], end) if end == len(token_ids) else None
 
-    def _chunks_in_place(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        chunk_tokens: int,
-        done: int,
-        past: Array | CachedPast | None,
-        session: ModelSession | None = None,
-        scratch: ScratchArray | None = None,
-    ) -> Iterator[PrefilledPrompt | None]:
-        """`prefill_chunks` through the fused prompt graph: the cache array is made once, with room
+    def _chunks_in_place(self, run: PromptRun, chunk_tokens: int, lane: PromptLane) -> Iterator[PrefilledPrompt | None]:
+        """`_chunks` through the fused prompt graph: the cache array is made once, with room
         for the whole prompt (the past, if any, in its first columns), and each chunk's call reads
         the columns before it and writes its own after them, in place (the kernel's shared-buffer
         mode takes a buffer longer than the call's tokens; the mask says how many count). No chunk
-        copies the past into a new array, and no call allocates a cache. `scratch`: the calling
+        copies the past into a new array, and no call allocates a cache. `lane.scratch`: the calling
         thread's kept host memory to assemble a cached past into (the tail worker's)."""
         if self.layout.split:
-            yield from self.split_prompts.chunks(request_id, token_ids, chunk_tokens, done, past, session, scratch)
+            yield from self.split_prompts.chunks(run, chunk_tokens, lane)
             return
+        token_ids, done, past = run.token_ids, run.done, run.past
         room = len(token_ids) - done
         if isinstance(past, CachedPast):
-            cache = past.assemble(room, scratch)
+            cache = past.assemble(room, lane.scratch)
         else:
             layout = self.layout
             shape = (layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim)
@@ -331,8 +297,8 @@ class ModelRunner:
             if past is not None:
                 cache[:, :, :, :done] = past
         for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
-            logits, cache = self._prompt_in_place(ids, mask, positions, cache, session)
-            yield PrefilledPrompt(request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
+            logits, cache = self._prompt_in_place(ids, mask, positions, cache, lane.session)
+            yield PrefilledPrompt(run.request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
 
     def one_row_past(self, past: CachedPast, token_ids: list[int]) -> Array:
         """A prefix-cache hit of `token_ids` as a one-row past, (2 x layers, 1, heads, P, head_dim); a split
@@ -357,27 +323,16 @@ class ModelRunner:
         (1, 1, vocab; with `last_only` False every token's, (1, S, vocab)) and the cache. `session`: the
         prefill worker's unless given; `local`: a split layout's local mask and buffer (bound in place
         the same way)."""
-        session = session or self.prefill_session
-        assert session is not None, "open_prefill_session() first"
+        session = session or self.prompt_sessions.worker
+        assert session is not None, "prompt_sessions.open() first"
         backend = self.backend
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
         local_past = None if local is None else LocalPast(backend.upload(local[0]), local[1])
         binding, logits = self.binder.bind_prompt_in_place(session, *inputs, cache, local_past)
         session.run(binding)
-        if session is self.prefill_session:  # the tail session's small arena is kept (not released when idle)
-            self._prompt_memory_held = True
+        if session is self.prompt_sessions.worker:  # the tail session's small arena is kept (not released when idle)
+            self.prompt_sessions.held = True
         return backend.download(logits[:, -1:] if last_only else logits).astype(np.float32), cache
-
-    def prefill_chunked(
-        self, request_id: str, token_ids: list[int], chunk_tokens: int, aborted: Callable[[], bool] = lambda: False
-    ) -> PrefilledPrompt | None:
-        """All chunks of a prompt at once; None if `aborted()` turns true in between."""
-        for result in self.prefill_chunks(request_id, token_ids, chunk_tokens):
-            if result is not None:
-                return result
-            if aborted():
-                return None
-        raise ValueError("prefill_chunked: empty prompt")
 
     def score(self, token_ids: list[int], policy: CachePolicy | None = None, top: int = 0) -> Scored:
         """Teacher-forced log-probabilities of token_ids[1:] and the greedy prediction at each
@@ -387,11 +342,11 @@ class ModelRunner:
         likeliest tokens and their log-probabilities too (echo's alternatives)."""
         inputs = token_ids[:-1]
         if policy is not None and len(inputs) > (head := policy.exact_tokens(len(inputs))):
-            *_, streamed = self.stream_through_policy("score", inputs, policy, len(inputs), True, head)
+            *_, streamed = self._stream_through_policy("score", inputs, policy, len(inputs), True, head)
             assert streamed is not None and streamed.all_logits is not None
             logits = streamed.all_logits
         elif self.layout.split:  # in chunks: the local layers never hold more than a window and a chunk
-            logits = self.split_prompts.logits(inputs, 0, None, SCORE_CHUNK_TOKENS)
+            logits = self.split_prompts.logits(PromptRun("score", inputs), SCORE_CHUNK_TOKENS)
         else:
             ids = np.asarray([inputs], dtype=np.int64)
             positions = np.arange(ids.shape[1], dtype=np.int64)[None]
@@ -405,8 +360,10 @@ class ModelRunner:
         """Every logit (len(token_ids) - done, vocab) of a prompt's tokens after its first `done`, whose K/V
         are `past` ((2 x layers, 1, heads, done, head_dim); a split layout's one-row `SplitKV`), in chunks
         of `chunk_tokens`: what follows a computed prompt, scored without a row of the store."""
+        run = PromptRun("score", token_ids, past)
+        assert run.done == done, f"a past of {run.done} tokens continued after {done}"
         if self.layout.split:
-            return self.split_prompts.logits(token_ids, done, past, chunk_tokens)
+            return self.split_prompts.logits(run, chunk_tokens)
         kept: list[np.ndarray] = []
         for _, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
             logits, past = self._prompt_forward(ids, mask, positions, past, last_only=False)
@@ -417,7 +374,7 @@ class ModelRunner:
         """A new row's eviction state for a request's policy."""
         return RowPolicy(policy.budget or 0, policy.sinks, policy.original_positions(self.eviction))
 
-    def stream_through_policy(
+    def _stream_through_policy(
         self,
         request_id: str,
         token_ids: list[int],
@@ -427,8 +384,8 @@ class ModelRunner:
         head_tokens: int | None = None,
     ) -> Iterator[StreamedPrompt | None]:
         """A prompt longer than a bounded policy's budget, as the policy sees it (PolicyStream.stream)."""
-        session = self.prefill_sessions.get(self.layout.kind_of(policy))
-        assert session is not None, "open_prefill_session() first"
+        session = self.prompt_sessions.by_kind.get(self.layout.kind_of(policy))
+        assert session is not None, "prompt_sessions.open() first"
         yield from self.policy_stream.stream(
             request_id, token_ids, policy, session, chunk_tokens, keep_logits, head_tokens
         )

@@ -15,9 +15,9 @@ import numpy as np
 
 from service.engine.kv import Array, Backend, KVLayout, SplitKV
 from service.engine.kv.prefix import CachedPast
-from service.engine.kv.scratch import ScratchArray
-from service.engine.prompts.prompt import PrefilledPrompt, chunk_inputs
+from service.engine.prompts.prompt import PrefilledPrompt, PromptRun, chunk_inputs
 from service.engine.worker.model_session import LocalPast, ModelSession
+from service.engine.worker.prompt_sessions import PromptLane
 
 # ModelRunner._prompt_in_place: one row's chunk with its past in place -> (host logits, cache).
 PromptInPlace = Callable[..., tuple[np.ndarray, Array]]
@@ -54,30 +54,24 @@ class SplitPrompts:
             return SplitKV(cache, self.repair_window(token_ids, past.tokens, past.repair, cache, None))
         return SplitKV(cache, past.assemble_local())
 
-    def logits(self, token_ids: list[int], done: int, past: SplitKV | None, chunk_tokens: int) -> np.ndarray:
-        """Every logit (len(token_ids) - done, vocab) of the tokens after the first `done`, whose K/V are
-        `past` (a one-row `SplitKV`), in chunks: the local layers never hold more than a window and a chunk."""
+    def logits(self, run: PromptRun, chunk_tokens: int) -> np.ndarray:
+        """Every logit (len(token_ids) - done, vocab) of the run's tokens after its past (a one-row
+        `SplitKV`), in chunks: the local layers never hold more than a window and a chunk."""
         kept: list[np.ndarray] = []
-        for _ in self.chunks("score", token_ids, chunk_tokens, done, past, all_logits=kept):
+        for _ in self.chunks(run, chunk_tokens, PromptLane(), all_logits=kept):
             pass
         return np.concatenate(kept)
 
     def chunks(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        chunk_tokens: int,
-        done: int,
-        past: Array | CachedPast | None,
-        session: ModelSession | None = None,
-        scratch: ScratchArray | None = None,
-        all_logits: list[np.ndarray] | None = None,
+        self, run: PromptRun, chunk_tokens: int, lane: PromptLane, all_logits: list[np.ndarray] | None = None
     ) -> Iterator[PrefilledPrompt | None]:
         """ModelRunner._chunks_in_place for a split layout: the global layers' cache array holds the whole
         prompt, the local layers' only the window before a chunk and the chunk (window - 1 + chunk_tokens
         columns, whatever the prompt's length): after each chunk its last window - 1 tokens move to the
         front. A cached past brings the local window before it (KVStore.cached_past). `all_logits`: gets
         every chunk's logits (S, vocab) (scoring)."""
+        request_id, token_ids, done, past = run.request_id, run.token_ids, run.done, run.past
+        session, scratch = lane.session, lane.scratch
         layout, room = self.layout, len(token_ids) - done
         keep = layout.window - 1
         if isinstance(past, CachedPast) and past.repair:  # the cache kept no local window before the hit

@@ -21,7 +21,7 @@ from contract.manifest import Manifest
 from service.engine.kv import CapacityClass, KVLayout, KVStore, RowPolicy
 from service.engine.messages import EngineConfig, GenerateInput, RequestStatus
 from service.engine.model_engine import ModelEngine
-from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
 from service.engine.request import Request
 from service.metrics import ServiceMetrics
 
@@ -77,6 +77,15 @@ class FakeVerifier:
         self.pending = {}
 
 
+class FakePromptSessions:
+    """No sessions to open or release, and no tail lane (tails go to the prefill worker)."""
+
+    def open(self) -> None: ...
+    def release(self) -> None: ...
+    def open_tail(self) -> bool:
+        return False
+
+
 class FakeRunner:
     """What ModelEngine asks of its runner, on a real KV store: prompts computed whole, decode steps
     over every member of the store, speculative blocks through `verifier`."""
@@ -86,6 +95,7 @@ class FakeRunner:
         self.backend = self.store.backend
         self.verifier = FakeVerifier(self)
         self.prompts: dict[str, int] = {}  # prompt length by sequence, to check the rows' chains
+        self.prompt_sessions = FakePromptSessions()
 
     def row_of(self, sequence: str) -> tuple[CapacityClass, int]:
         (klass,) = [k for k in self.store.batches() if sequence in k.members]
@@ -102,14 +112,9 @@ class FakeRunner:
         self.prompts[sequence] = len(ids)
         return PrefilledPrompt(sequence, logits_after(ids), kv_of(ids), len(ids))
 
-    def prefill_batch(self, prompts: dict[str, list[int]]) -> list[PrefilledPrompt]:
-        return [self.prompt(sequence, ids) for sequence, ids in prompts.items()]
-
-    def prefill_chunks(
-        self, sequence: str, ids: list[int], chunk: int, past: object = None
-    ) -> Iterator[PrefilledPrompt]:
-        assert past is None, "no prefix cache here"
-        yield self.prompt(sequence, ids)
+    def prefill(self, runs: list[PromptRun], chunk: int, lane: object = None) -> Iterator[list[PrefilledPrompt]]:
+        assert all(run.past is None for run in runs), "no prefix cache here"
+        yield [self.prompt(run.request_id, run.token_ids) for run in runs]
 
     def row_policy(self, policy: CachePolicy) -> RowPolicy:
         return RowPolicy(policy.budget or 0, policy.sinks, policy.original_positions(None))
@@ -132,11 +137,6 @@ class FakeRunner:
             new = [fed[sequence] for sequence in klass.members]
             klass.append_step(np.asarray(new, dtype=np.float32)[None, :, None, None, None].repeat(2, axis=0))
         return np.stack([logits[sequence] for sequence in plan])
-
-    def open_prefill_session(self) -> None: ...
-    def release_prompt_memory(self) -> None: ...
-    def open_tail_session(self) -> bool:
-        return False
 
     def forget_calls(self, everything: bool = False) -> None: ...
 

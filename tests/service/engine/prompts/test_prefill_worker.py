@@ -14,8 +14,17 @@ from models.tokenizer import TOKENIZER
 from service.engine.kv.prefix import CachedPast
 from service.engine.kv.scratch import MAX_REUSED_BYTES, ScratchArray
 from service.engine.prompts.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
+from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
 from service.engine.request import Request, SamplingParams
+from service.engine.worker.prompt_sessions import Lane
 from service.engine.worker.runner import ModelRunner, StoreConfig
+from tests.service.engine.prompt_calls import batch, chunked
+
+
+def tail(runner: ModelRunner, request_id: str, ids: list[int], past: CachedPast) -> PrefilledPrompt:
+    """A prefix-cache hit's rest in one call on the tail worker's lane."""
+    *_, [prompt] = runner.prefill([PromptRun(request_id, ids, past)], len(ids), Lane.TAIL)
+    return prompt
 
 
 def job(name: str, text: str) -> PrefillJob:
@@ -70,7 +79,7 @@ def test_short_prompts_do_not_wait_behind_a_long_one(runner: ModelRunner) -> Non
     assert 2 in collector.calls  # the two short prompts ran as one batched call
     long = next(r for r in collector.results if r.job.request.request_id == "long")
     assert long.prompt is not None and long.prompt.cache.shape[2] == long.prompt.length == len(long.job.token_ids)
-    whole = runner.prefill_batch({"long": long.job.token_ids})[0]
+    whole = batch(runner, {"long": long.job.token_ids})[0]
     np.testing.assert_allclose(long.prompt.logits, whole.logits, atol=1e-3)
 
 
@@ -114,21 +123,21 @@ def test_the_prompt_arena_is_handed_back_once_the_worker_idles(
         pytest.skip("an export without the fused prompt graph")
     monkeypatch.setattr(prefill_module, "RELEASE_AFTER_IDLE_SECONDS", 0.5)
     released = threading.Event()
-    release = runner.release_prompt_memory
+    release = runner.prompt_sessions.release
 
     def observed_release() -> None:
         release()
         released.set()
 
-    monkeypatch.setattr(runner, "release_prompt_memory", observed_release)
+    monkeypatch.setattr(runner.prompt_sessions, "release", observed_release)
     collector = Collector()
     worker = start(runner, collector, chunk_tokens=256)
     try:
         worker.submit([job("long", "x = [i * 2 for i in range(10)]\n" * 32)])  # 993 tokens: 4 chunks
         collector.wait_for(1)
-        assert runner._prompt_memory_held
+        assert runner.prompt_sessions.held
         assert released.wait(timeout=10)
-        assert not runner._prompt_memory_held
+        assert not runner.prompt_sessions.held
         worker.submit([job("again", "def f(x):\n    return x\n" * 30)])
         assert collector.wait_for(2) == ["long", "again"]
         assert all(r.prompt is not None for r in collector.results)
@@ -148,6 +157,7 @@ def test_releasing_the_prompt_arena_returns_its_memory_to_the_system(repository:
         f"""
         from pathlib import Path
         from contract.manifest import Manifest
+        from service.engine.prompts.prompt import PromptRun
         from service.engine.worker.runner import ModelRunner, StoreConfig
         from service.malloc import return_freed_memory_to_the_os
         return_freed_memory_to_the_os()
@@ -159,9 +169,9 @@ def test_releasing_the_prompt_arena_returns_its_memory_to_the_system(repository:
         if runner.prompt_variant is None:
             print("skip")
             raise SystemExit
-        runner.prefill_chunked("long", [100 + i % 50 for i in range(1000)], 256)
+        list(runner.prefill([PromptRun("long", [100 + i % 50 for i in range(1000)])], 256))
         held = resident()
-        runner.release_prompt_memory()
+        runner.prompt_sessions.release()
         print(held, resident())
         """
     )
@@ -176,14 +186,14 @@ def test_a_tail_worker_computes_a_hit_as_the_whole_prompt_at_the_callers_priorit
     """A prefix-cache hit's tail on the tail worker: the whole prompt's logits and K/V, from its
     one-thread session on its own thread, at normal priority where the prefill worker's is lowered."""
     text = "def read_config(path):\n    with open(path) as handle:\n        return handle.read()\n"
-    whole = runner.prefill_chunked("whole", TOKENIZER.encode(text), 512)
+    whole = chunked(runner, "whole", TOKENIZER.encode(text), 512)
     assert whole is not None
     blocks = [whole.cache[:, :, start : start + 16] for start in range(0, 64, 16)]  # 4 blocks cached
     hit = job("hit", text)
     hit.past = CachedPast(blocks, runner.backend, runner.dtype)
     assert hit.computed_tokens == len(hit.token_ids) - 64
-    assert runner.open_tail_session()
-    runner.release_prompt_memory()  # the whole prompt's call above held the prefill session's arena
+    assert runner.prompt_sessions.open_tail()
+    runner.prompt_sessions.release()  # the whole prompt's call above held the prefill session's arena
     tails = Collector()
     worker = TailWorker(runner, tails.deliver, tails.observe, "alibi")
     worker.start()
@@ -196,7 +206,7 @@ def test_a_tail_worker_computes_a_hit_as_the_whole_prompt_at_the_callers_priorit
     assert prompt is not None and tails.calls == [1]
     np.testing.assert_allclose(prompt.logits, whole.logits, atol=1e-4)
     np.testing.assert_allclose(prompt.cache, whole.cache, atol=1e-5)
-    assert not runner._prompt_memory_held  # a tail leaves the idle prefill worker nothing to release
+    assert not runner.prompt_sessions.held  # a tail leaves the idle prefill worker nothing to release
     lowered = Collector()
     prefill = start(runner, lowered, chunk_tokens=32)
     try:
@@ -213,13 +223,13 @@ def test_a_tail_with_nothing_decoding_beside_it_takes_every_prefill_thread(repos
     of all the prefill threads (not the one-thread session), with the same logits and K/V."""
     runner = ModelRunner(Manifest.load(repository / "alibi"), StoreConfig(64 << 20, 16, 1024), "cpu", threads=2)
     text = "def read_config(path):\n    with open(path) as handle:\n        return handle.read()\n"
-    whole = runner.prefill_chunked("whole", TOKENIZER.encode(text), 512)
+    whole = chunked(runner, "whole", TOKENIZER.encode(text), 512)
     assert whole is not None
     blocks = [whole.cache[:, :, start : start + 16] for start in range(0, 64, 16)]
-    assert runner.open_tail_session() and runner.idle_tail_session is not None
+    assert runner.prompt_sessions.open_tail() and runner.prompt_sessions.idle_tail is not None
     used: list[str] = []
-    for name in ("tail_session", "idle_tail_session"):
-        session = getattr(runner, name)
+    for name in ("tail", "idle_tail"):
+        session = getattr(runner.prompt_sessions, name)
 
         def recorded(binding: object, release_arena: bool = False, run=session.run, name: str = name) -> None:
             used.append(name)
@@ -239,7 +249,7 @@ def test_a_tail_with_nothing_decoding_beside_it_takes_every_prefill_thread(repos
             decoding.pop(0)
     finally:
         worker.stop()
-    assert used == ["tail_session", "idle_tail_session"]
+    assert used == ["tail", "idle_tail"]
     for result in tails.results:
         assert result.prompt is not None
         np.testing.assert_allclose(result.prompt.logits, whole.logits, atol=1e-4)
@@ -268,18 +278,18 @@ def test_hits_reuse_the_tail_workers_memory_only_after_their_prompts_are_dropped
     never while an earlier hit's prompt, which the engine thread copies from, still views it."""
     text = "def read_config(path):\n    with open(path) as handle:\n        return handle.read()\n"
     ids = TOKENIZER.encode(text)
-    whole = runner.prefill_chunked("whole", ids, 512)
+    whole = chunked(runner, "whole", ids, 512)
     assert whole is not None
     blocks = [whole.cache[:, :, start : start + 16] for start in range(0, 64, 16)]
-    assert runner.open_tail_session()
-    held = runner.prefill_tail("a", ids, CachedPast(blocks, runner.backend, runner.dtype))
+    assert runner.prompt_sessions.open_tail()
+    held = tail(runner, "a", ids, CachedPast(blocks, runner.backend, runner.dtype))
     expected = held.cache.copy()
-    other = runner.prefill_tail("b", ids, CachedPast(blocks, runner.backend, runner.dtype))
+    other = tail(runner, "b", ids, CachedPast(blocks, runner.backend, runner.dtype))
     assert not np.shares_memory(held.cache, other.cache)  # `held` is still read: not written over
     np.testing.assert_array_equal(held.cache, expected)
     address = other.cache.__array_interface__["data"][0]
     del other
-    again = runner.prefill_tail("c", ids, CachedPast(blocks, runner.backend, runner.dtype))
+    again = tail(runner, "c", ids, CachedPast(blocks, runner.backend, runner.dtype))
     assert again.cache.__array_interface__["data"][0] == address  # b's memory, free again
     np.testing.assert_allclose(again.cache, whole.cache, atol=1e-5)
     np.testing.assert_allclose(again.logits, whole.logits, atol=1e-4)

@@ -31,6 +31,7 @@ from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
 from service.server import parse_config
+from tests.service.engine.prompt_calls import chunked
 
 SCHEMES = ["alibi", "learned", "none", "relative", "rope", "sinusoidal"]
 POLICIES = ["full", "window:64", "sinks:4+window:60+int8", "int8"]
@@ -275,9 +276,9 @@ def decode(runner: ModelRunner, ids: list[int], policy: object, new: int, guesse
     """A greedy sequence of `new` tokens through the runner, as the engine drives it (reserve, join,
     then plain steps or verify + commit), never past `new` tokens; and how many guesses it verified."""
     store, proposer = runner.store, NgramProposer()
-    runner.open_prefill_session()
+    runner.prompt_sessions.open()
     store.reserve("r", policy.cached(len(ids) + 1 + guesses), policy)  # type: ignore[attr-defined,arg-type]
-    prompt = runner.prefill_chunked("r", ids, 512)
+    prompt = chunked(runner, "r", ids, 512)
     assert prompt is not None
     prompt.policy = runner.row_policy(policy)  # type: ignore[arg-type]
     runner.join([prompt])

@@ -12,8 +12,9 @@ from contract.graph import target_logprobs
 from contract.manifest import PREFILL_FUSED, Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
-from service.engine.prompts.prompt import PrefilledPrompt
+from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
 from service.engine.worker.runner import ModelRunner, StoreConfig
+from tests.service.engine.prompt_calls import batch, chunked
 
 PROMPTS = {
     "a": TOKENIZER.encode("def f(x):\n"),
@@ -59,14 +60,14 @@ def test_sequences_joining_moving_and_leaving_match_lone_runs(repository: Path, 
             assert store.reserve(rid, store.length(rid) + 1)
         record(runner.decode({rid: tokens[rid] for rid in store.members()}))
 
-    joined(runner.prefill_batch({"a": PROMPTS["a"]}))
+    joined(batch(runner, {"a": PROMPTS["a"]}))
     for _ in range(30):
         step()
     # "b" is computed in chunks, then "b" and "c" join together, into other classes than "a".
-    b = runner.prefill_chunked("b", PROMPTS["b"], chunk_tokens=20)
+    b = chunked(runner, "b", PROMPTS["b"], chunk_tokens=20)
     assert b is not None
     step()
-    joined([b, *runner.prefill_batch({"c": PROMPTS["c"]})])
+    joined([b, *batch(runner, {"c": PROMPTS["c"]})])
     assert len(list(store.batches())) == 2  # two graph calls per step from here
     for _ in range(30):
         step()
@@ -90,9 +91,9 @@ def test_a_plan_held_across_steps_decodes_as_the_dict_path(repository: Path, bac
     stepping by id (a fresh plan each step) gives it."""
     held, fresh = runner_for(repository, "alibi", backend), runner_for(repository, "alibi", backend)
     for runner in (held, fresh):
-        b = runner.prefill_chunked("b", PROMPTS["b"], chunk_tokens=20)
+        b = chunked(runner, "b", PROMPTS["b"], chunk_tokens=20)
         assert b is not None
-        prompts = [b, *runner.prefill_batch({"a": PROMPTS["a"], "c": PROMPTS["c"]})]
+        prompts = [b, *batch(runner, {"a": PROMPTS["a"], "c": PROMPTS["c"]})]
         for prompt in prompts:
             assert runner.store.reserve(prompt.request_id, prompt.length + 8)  # room for 8 steps
         runner.join(prompts)
@@ -115,7 +116,7 @@ def test_torch_path_gives_the_numpy_path_s_greedy_tokens(repository: Path) -> No
     results = {}
     for backend in ("numpy", "torch"):
         runner = runner_for(repository, "alibi", backend)
-        prompts = runner.prefill_batch(PROMPTS)
+        prompts = batch(runner, PROMPTS)
         for prompt in prompts:
             runner.store.reserve(prompt.request_id, prompt.length + 1)
         runner.join(prompts)
@@ -137,9 +138,9 @@ def test_torch_path_gives_the_numpy_path_s_greedy_tokens(repository: Path) -> No
 def test_batched_prompts_match_lone_prompts(repository: Path) -> None:
     """Left padding of a batched prefill is cut off: each row's cache is its lone cache."""
     runner = runner_for(repository, "rope")
-    together = runner.prefill_batch(PROMPTS)
+    together = batch(runner, PROMPTS)
     for prompt in together:
-        alone = runner.prefill_batch({prompt.request_id: PROMPTS[prompt.request_id]})[0]
+        alone = batch(runner, {prompt.request_id: PROMPTS[prompt.request_id]})[0]
         assert prompt.cache.shape == alone.cache.shape == (8, 4, len(PROMPTS[prompt.request_id]), 32)
         np.testing.assert_allclose(prompt.logits, alone.logits, atol=1e-4)
         np.testing.assert_allclose(prompt.cache, alone.cache, atol=1e-4)
@@ -151,7 +152,7 @@ def test_logits_continued_after_a_computed_prompt_are_the_scored_text_s(reposito
     scoring the whole text in one call gives from there on."""
     runner = runner_for(repository, "rope", attention=attention)
     text = PROMPTS["b"]
-    computed = runner.prefill_chunked("p", text[:20], chunk_tokens=20)
+    computed = chunked(runner, "p", text[:20], chunk_tokens=20)
     assert computed is not None
     rest = runner.continue_logits(text, 20, computed.cache[:, None], chunk_tokens=8)
     scored = runner.score(text)
@@ -162,7 +163,7 @@ def test_logits_continued_after_a_computed_prompt_are_the_scored_text_s(reposito
 def test_aborted_chunked_prefill_returns_nothing(repository: Path) -> None:
     runner = runner_for(repository, "alibi")
     calls = iter([False, True])
-    assert runner.prefill_chunked("x", PROMPTS["b"], chunk_tokens=8, aborted=lambda: next(calls)) is None
+    assert chunked(runner, "x", PROMPTS["b"], chunk_tokens=8, aborted=lambda: next(calls)) is None
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
@@ -174,7 +175,7 @@ def test_fused_decode_equals_explicit_decode(repository: Path, model: str, backe
     runs = {}
     for attention in ("fused", "explicit"):
         runner = runner_for(repository, model, backend, attention)
-        prompts = runner.prefill_batch(PROMPTS)
+        prompts = batch(runner, PROMPTS)
         for prompt in prompts:
             runner.store.reserve(prompt.request_id, prompt.length + 1)
         runner.join(prompts)
@@ -200,7 +201,7 @@ def test_a_class_with_a_bounded_row_keeps_the_explicit_graph(repository: Path) -
     graph, a class of full rows beside it through the fused one; both give the lone runs' logits."""
     runner = runner_for(repository, "alibi", attention="fused")
     window = runner.row_policy(parse_cache_policy("window:64"))
-    prompts = runner.prefill_batch({"a": PROMPTS["a"], "c": PROMPTS["c"]})
+    prompts = batch(runner, {"a": PROMPTS["a"], "c": PROMPTS["c"]})
     runner.store.reserve("a", prompts[0].length + 1)
     runner.store.reserve("c", 65)  # a row of the next class (80 tokens), apart from "a"
     prompts[1].policy = window
@@ -233,7 +234,7 @@ def test_the_fused_prompt_graph_equals_the_explicit_one(repository: Path, model:
     for attention in ("auto", "explicit"):
         runner = runner_for(repository, model, backend, attention)
         assert (runner.prompt_variant is None) == (attention == "explicit")
-        runs[attention] = [*runner.prefill_batch(PROMPTS), runner.prefill_chunked("b", PROMPTS["b"], chunk_tokens=20)]
+        runs[attention] = [*batch(runner, PROMPTS), chunked(runner, "b", PROMPTS["b"], chunk_tokens=20)]
     for fused, explicit in zip(runs["auto"], runs["explicit"], strict=True):
         assert fused.length == explicit.length and fused.request_id == explicit.request_id
         np.testing.assert_allclose(fused.logits, explicit.logits, atol=1e-4)
@@ -255,14 +256,14 @@ def test_a_prefix_cache_hit_computed_in_place_equals_the_whole_prompt(
     if runner.prompt_variant is None:
         pytest.skip("an export without the fused prompt graph")
     prompt = PROMPTS["b"] * 3
-    whole = runner.prefill_chunked("w", prompt, chunk_tokens=512)
+    whole = chunked(runner, "w", prompt, chunk_tokens=512)
     cache = np.asarray(whole.cache)  # (2L, heads, T, hd)
     for release in (False, True):  # with the arena holding the last call's regions, and released
         if release:
-            runner.release_prompt_memory()
+            runner.prompt_sessions.release()
         for cached in (16, 64):
             blocks = [runner.backend.upload(cache[:, :, start : start + 16]) for start in range(0, cached, 16)]
-            *_, hit = runner.prefill_chunks("h", prompt, 512, CachedPast(blocks, runner.backend, "float32"))
+            *_, [hit] = runner.prefill([PromptRun("h", prompt, CachedPast(blocks, runner.backend, "float32"))], 512)
             assert hit is not None and hit.length == len(prompt)
             np.testing.assert_allclose(hit.logits, whole.logits, atol=1e-4)
             np.testing.assert_allclose(np.asarray(hit.cache), cache, atol=1e-4)
@@ -283,7 +284,7 @@ def test_only_a_process_that_opts_in_flushes_denormals_and_there_every_graph_thr
     both = FLUSH_TO_ZERO | DENORMALS_ARE_ZERO
     if mxcsr() is None:
         pytest.skip("MXCSR is read through glibc on x86-64 Linux only")
-    runner_for(repository, "alibi").prefill_batch({"a": PROMPTS["a"]})  # this process: not opted in
+    batch(runner_for(repository, "alibi"), {"a": PROMPTS["a"]})  # this process: not opted in
     assert mxcsr() & both == 0  # type: ignore[operator]
     script = textwrap.dedent(
         f"""
@@ -291,13 +292,14 @@ def test_only_a_process_that_opts_in_flushes_denormals_and_there_every_graph_thr
         from pathlib import Path
         from contract.manifest import Manifest
         from service.engine.worker import denormals
+        from service.engine.prompts.prompt import PromptRun
         from service.engine.worker.runner import ModelRunner, StoreConfig
         denormals.enable()
         manifest = Manifest.load(Path({str(repository / "alibi")!r}))
         runner = ModelRunner(manifest, StoreConfig(64 << 20, 16, 1024), "cpu", 1)
         seen = []
         def work():
-            runner.prefill_batch({{"a": [100, 101, 102]}})
+            list(runner.prefill([PromptRun("a", [100, 101, 102])], 3))
             seen.append(denormals.mxcsr())
         thread = threading.Thread(target=work)
         thread.start()

@@ -16,7 +16,9 @@ from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 from service.engine.kv import SplitKV
 from service.engine.kv.prefix import block_hashes
+from service.engine.prompts.prompt import PromptRun
 from service.engine.worker.runner import ModelRunner, StoreConfig
+from tests.service.engine.prompt_calls import chunked
 
 HYBRIDS = ("rnope-swa", "rope-swa")
 TEXT = (
@@ -69,7 +71,7 @@ def test_greedy_tokens_and_logits_equal_pytorch_past_the_window(repository: Path
     the local columns fill and shift back to the window, and every step's logits are PyTorch's."""
     runner = runner_for(repository, model)
     prompt = prompt_of(length)
-    computed = runner.prefill_chunked("r", prompt, chunk_tokens=128)
+    computed = chunked(runner, "r", prompt, chunk_tokens=128)
     assert computed is not None and isinstance(computed.cache, SplitKV)
     assert computed.cache.local_kv.shape[2] <= runner.layout.local_width
     assert runner.store.reserve("r", length + 1)
@@ -86,14 +88,14 @@ def test_a_prefix_hit_needs_only_the_local_window_before_it(repository: Path, mo
     all its full blocks and computes only its tail, with the window before it: the whole prompt's logits."""
     runner = runner_for(repository, model)
     store, prompt = runner.store, prompt_of(700)
-    whole = runner.prefill_chunked("w", prompt, chunk_tokens=256)
+    whole = chunked(runner, "w", prompt, chunk_tokens=256)
     assert whole is not None
     extra = ("m", "full")
     hashes = block_hashes(prompt, 16, extra)
     assert store.cache_prompt(prompt, hashes, extra, whole.cache, "full") == len(hashes)
     past = store.cached_past(prompt, hashes, extra, len(prompt) - 1)
     assert past is not None and past.tokens == 688 and past.local_tokens == 63
-    *_, hit = runner.prefill_chunks("h", prompt, 256, past)
+    *_, [hit] = runner.prefill([PromptRun("h", prompt, past)], 256)
     assert hit is not None
     np.testing.assert_allclose(hit.logits, whole.logits, atol=1e-4)
     np.testing.assert_allclose(np.asarray(hit.cache.global_kv), np.asarray(whole.cache.global_kv), atol=1e-4)
@@ -107,14 +109,14 @@ def test_a_prefix_hit_whose_window_was_not_kept_recomputes_only_the_window(repos
     runner = runner_for(repository, model)
     store, cached = runner.store, prompt_of(1000)
     extra = ("m", "full")
-    first = runner.prefill_chunked("c", cached, chunk_tokens=256)
+    first = chunked(runner, "c", cached, chunk_tokens=256)
     assert first is not None
     store.cache_prompt(cached, block_hashes(cached, 16, extra), extra, first.cache, "full")
     other = cached[:500] + TOKENIZER.encode(TAIL * 6)[1:]
     past = store.cached_past(other, block_hashes(other, 16, extra), extra, len(other) - 1)
     assert past is not None and past.tokens == 496 and past.repair == 189
-    *_, hit = runner.prefill_chunks("h", other, 128, past)
-    fresh = runner.prefill_chunked("f", other, chunk_tokens=128)
+    *_, [hit] = runner.prefill([PromptRun("h", other, past)], 128)
+    fresh = chunked(runner, "f", other, chunk_tokens=128)
     assert hit is not None and fresh is not None
     np.testing.assert_allclose(hit.logits, fresh.logits, atol=1e-4)
     np.testing.assert_allclose(np.asarray(hit.cache.global_kv), np.asarray(fresh.cache.global_kv), atol=1e-4)
@@ -132,7 +134,7 @@ def test_speculative_blocks_keep_what_plain_decoding_keeps(repository: Path, mod
     expected: dict[str, list[int]] = {}
     for runner in (plain, spec):
         for rid, prompt in prompts.items():
-            computed = runner.prefill_chunked(rid, prompt, chunk_tokens=128)
+            computed = chunked(runner, rid, prompt, chunk_tokens=128)
             assert computed is not None and runner.store.reserve(rid, len(prompt) + 1)
             runner.join([computed])
             expected[rid] = [int(computed.logits.argmax())]
@@ -172,7 +174,7 @@ def test_logits_continued_after_a_computed_prompt_are_the_whole_text_s(repositor
     the logits of the whole text's own chunks, past the local window."""
     runner = runner_for(repository, model)
     text = prompt_of(500)
-    computed = runner.prefill_chunked("p", text[:300], chunk_tokens=128)
+    computed = chunked(runner, "p", text[:300], chunk_tokens=128)
     assert computed is not None and isinstance(computed.cache, SplitKV)
     past = SplitKV(computed.cache.global_kv[:, None], computed.cache.local_kv[:, None])
     rest = runner.continue_logits(text, 300, past, chunk_tokens=128)
@@ -198,7 +200,7 @@ def test_the_explicit_graphs_serve_a_hybrid_with_whole_rows(repository: Path, mo
     runner = runner_for(repository, model, "explicit")
     assert not runner.layout.split
     prompt = prompt_of(300)
-    computed = runner.prefill_chunked("r", prompt, chunk_tokens=128)
+    computed = chunked(runner, "r", prompt, chunk_tokens=128)
     assert computed is not None and runner.store.reserve("r", len(prompt) + 1)
     runner.join([computed])
     tokens, seen = greedy(runner, "r", computed.logits, 40)
