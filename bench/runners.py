@@ -60,7 +60,7 @@ def policy_runner(
             local = runner.backend.upload((rng.standard_normal(local_shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
             cache = SplitKV(cache, local)
         runner.store.reserve(f"r{i}", policy.cached(history + 1), policy)
-        row = runner.row_policy(policy)
+        row = layout.row_eviction(policy)
         row.evicted = history - cached
         prompts.append(PrefilledPrompt(f"r{i}", logits, cache, cached, row))
     runner.join(prompts)

@@ -354,7 +354,7 @@ class ModelEngine:
         for result in ready:
             assert result.prompt is not None
             if result.prompt.policy is None:
-                result.prompt.policy = self.runner.row_policy(result.job.request.cache_policy)
+                result.prompt.policy = self.store.layout.row_eviction(result.job.request.cache_policy)
         try:
             self.runner.join([r.prompt for r in ready])  # type: ignore[misc]
         except Exception as error:

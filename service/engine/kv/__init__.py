@@ -6,7 +6,7 @@
 - `rows`: how a class stores its rows (`FloatRows`, `Int8Rows` with per-token scales).
 - `local`: a hybrid's sliding-window layers' K/V, a fixed number of columns per row (`LocalRows`).
 - `classes`: dense in-place batches of one row width (`CapacityClass`) on a ladder of widths,
-  and a row's cache policy and eviction state (`RowPolicy`).
+- `spec`: what rows of a storage kind are (`StorageSpec`) and a row's eviction state (`RowEviction`).
 - `store`: the owner of it all (`KVStore`), whose accounting is its allocation.
 
 Why capacity classes (compared side by side with `python -m service.bench`): one left-padded batch
@@ -16,10 +16,11 @@ class.
 """
 
 from service.engine.kv.arrays import Array, Backend, NumpyArrays, TorchArrays, make_backend
-from service.engine.kv.classes import CapacityClass, RowPolicy, capacity_ladder
+from service.engine.kv.classes import CapacityClass, capacity_ladder
 from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout, local_width
 from service.engine.kv.local import LocalRows
 from service.engine.kv.rows import Int8KV, SplitKV
+from service.engine.kv.spec import RowEviction, StorageSpec
 from service.engine.kv.store import KVBudgetError, KVStore, StoreStats
 
 __all__ = [
@@ -34,8 +35,9 @@ __all__ = [
     "KVStore",
     "LocalRows",
     "NumpyArrays",
-    "RowPolicy",
+    "RowEviction",
     "SplitKV",
+    "StorageSpec",
     "StoreStats",
     "TorchArrays",
     "capacity_ladder",

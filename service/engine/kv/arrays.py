@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from contract.cache_policy import INT8
 from contract.kv_int8 import CHANNEL_QMIN, QMAX, quantize_channels, quantize_numpy
-from service.engine.kv.layout import INT8
 
 Array = Any  # np.ndarray or torch.Tensor, as the backend makes them
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from service.engine.kv.arrays import Array, Backend
 from service.engine.kv.layout import KVLayout
 from service.engine.kv.local import LocalRows
 from service.engine.kv.rows import Rows, SplitKV, make_rows
+from service.engine.kv.spec import RowEviction
 
 GROWTH = 1.25  # capacity ratio between neighbouring classes: a row is >= 1/GROWTH full
 SMALLEST_CLASS_BLOCKS = 4
@@ -47,23 +47,6 @@ def rotate_keys(backend: Backend, keys: Array, offset: int, inv_freq: np.ndarray
     half = keys.shape[-1] // 2
     rotated_half = backend.concatenate([-keys[..., half:], keys[..., :half]], axis=-1)
     return keys * cos + rotated_half * sin
-
-
-@dataclass
-class RowPolicy:
-    """A row's cache policy (contract.cache_policy) and its eviction state.
-
-    `budget` 0 is `full`. A bounded row never holds more than `budget` tokens: the step that would
-    exceed it first evicts the oldest token after the `sinks` (its row shifts left by one column,
-    a copy of at most `budget` tokens, the same every step). `original_positions`: the next
-    position counts evicted tokens too (absolute schemes, and RoPE, whose sink keys are instead
-    moved by `evicted` positions from `anchor`, their keys before the first eviction)."""
-
-    budget: int = 0
-    sinks: int = 0
-    original_positions: bool = True
-    evicted: int = 0
-    anchor: Array | None = None  # (n_layers, heads, sinks, head_dim), RoPE sinks only
 
 
 class CapacityClass:
@@ -99,7 +82,7 @@ class CapacityClass:
         self.input_ids = backend.zeros((rows, 1), "int64")
         self.row_index = backend.arange(rows)
         self.lengths = np.zeros(rows, dtype=np.int64)  # cached tokens per row (host: no device reads)
-        self.policies: list[RowPolicy] = []  # of rows [0, B)
+        self.policies: list[RowEviction] = []  # of rows [0, B)
         self.members: list[str] = []  # sequence ids of rows [0, B)
         self.reserved: set[str] = set()  # promised a row here, not yet written (prefill, or a move)
         self.uniform = True  # every member has the same length: the step writes one column slice
@@ -167,10 +150,10 @@ class CapacityClass:
         self.members, self.reserved, self.uniform = list(old.members), set(old.reserved), old.uniform
         self.policies, self.bounded = list(old.policies), old.bounded
 
-    def write(self, sequence_id: str, kv: Array, length: int, policy: RowPolicy | None = None) -> None:
+    def write(self, sequence_id: str, kv: Array, length: int, policy: RowEviction | None = None) -> None:
         """A reserved sequence's cache (tensors, heads, length, head_dim), float or this kind's own
         (`row_cache` of a class of this kind), becomes the next member row."""
-        policy = policy or RowPolicy()
+        policy = policy or RowEviction()
         row = len(self.members)
         if isinstance(kv, SplitKV):
             assert self.local is not None, "a split row's cache goes to a class with local columns"
@@ -291,7 +274,7 @@ class CapacityClass:
         self.lengths[row] = length - 1
         self.mask[row, length - 1] = 0
         if sinks and self.rotary_inv_freq is not None:
-            keys = (slice(0, None, 2), row, slice(None), slice(None, sinks))
+            keys = (slice(0, None, self.layout.per_layer), row, slice(None), slice(None, sinks))
             if policy.anchor is None:  # as stored (INT8: dequantized), before the first move
                 policy.anchor = self.backend.copy(self.storage.read(keys))
             self._put(keys, self._rotate(policy.anchor, policy.evicted + 1))

@@ -8,8 +8,8 @@ import numpy as np
 
 from contract.cache_policy import INT8, INT8_CHANNEL, CachePolicy
 from contract.kv_spec import KEY_VALUE
-from contract.manifest import DTYPE_BYTES, INT8_SCALE_BYTES
-from service.engine.kv.spec import StorageSpec
+from contract.manifest import DTYPE_BYTES, INT8_SCALE_BYTES, CacheEviction
+from service.engine.kv.spec import RowEviction, StorageSpec
 
 # The storage kinds (contract.cache_policy): float rows' kind is the layout's dtype; INT8 rows hold int8
 # values with per-token scales, INT8_CHANNEL rows int8 values with the model's fixed per-channel scales.
@@ -40,6 +40,9 @@ class KVLayout:
     # The columns of a layer's first entry that carry a rotation (None: all of them, RoPE's keys;
     # latent attention: its rotated key's, after the latent).
     rotated_columns: tuple[int, int] | None = None
+    # Where positions go once a bounded policy evicts (the manifest's `cache_eviction`; None: the
+    # scheme serves no bounded policy).
+    positions: CacheEviction | None = field(default=None, compare=False)
 
     @property
     def per_layer(self) -> int:
@@ -112,6 +115,10 @@ class KVLayout:
     def storage(self, kind: str) -> StorageSpec:
         """The typed spec of rows of a storage kind (what callers ask instead of comparing kinds)."""
         return StorageSpec(kind, self.kind_token_bytes(kind))
+
+    def row_eviction(self, policy: CachePolicy) -> RowEviction:
+        """A new row's eviction state under a request's cache policy."""
+        return RowEviction.of(policy, self.positions)
 
     def kind_of(self, policy: CachePolicy) -> str:
         """The storage kind of a row under a cache policy, on this model (CachePolicy.kind: INT8_CHANNEL

@@ -21,10 +21,11 @@ import numpy as np
 
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.kv.arrays import Array, Backend, NumpyArrays
-from service.engine.kv.classes import GROWTH, CapacityClass, RowPolicy, capacity_ladder
+from service.engine.kv.classes import GROWTH, CapacityClass, capacity_ladder
 from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
 from service.engine.kv.prefix import CachedBlock, CachedPast, PrefixCache
 from service.engine.kv.rows import SplitKV
+from service.engine.kv.spec import RowEviction
 
 # A class moves up the ladder as a whole when each of its rows would be at least this full there.
 PROMOTED_FILL = 1 / GROWTH**2
@@ -302,7 +303,7 @@ class KVStore:
         kind = self.kind_of.get(sequence_id)
         return kind is None or self.layout.storage(kind).verifies_blocks
 
-    def write(self, sequence_id: str, kv: Array, length: int, policy: RowPolicy | None = None) -> None:
+    def write(self, sequence_id: str, kv: Array, length: int, policy: RowEviction | None = None) -> None:
         """A prefilled prompt's cache, (tensors, heads, length, head_dim), into its reserved row
         (float K/V, quantized there for an int8 row; or an int8 row's own `Int8KV`)."""
         klass = self._class_of(sequence_id)

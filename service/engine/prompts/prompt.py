@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from contract.cache_policy import CachePolicy
-from service.engine.kv import Array, RowPolicy
+from service.engine.kv import Array, RowEviction
 from service.engine.kv.prefix import CachedPast
 
 
@@ -57,7 +57,7 @@ class PrefilledPrompt:
     logits: np.ndarray  # (vocab,) at the last position, float32, host
     cache: Array  # (2 x layers, heads, length, head_dim) on the store's device
     length: int
-    policy: RowPolicy | None = None  # the row's policy and eviction state (None: full, or set at join)
+    policy: RowEviction | None = None  # the row's policy and eviction state (None: full, or set at join)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from service.engine.kv import Array, CapacityClass
+from service.engine.kv import Array, CapacityClass, StorageSpec
 from service.engine.worker.model_session import GraphBinder, LocalPast, ModelSession
 
 
@@ -45,12 +45,12 @@ class DecodeCalls:
         binder: GraphBinder,
         sessions: dict[str, ModelSession],
         fused_session: ModelSession | None,
-        fused_dtype: str | None,
+        fused_rows: StorageSpec | None,
     ) -> None:
         """`sessions`: the explicit serving graph's per storage kind (int8-channel rows: the fused int8
-        graph's); `fused_session`: the fused decode graph's for full rows of `fused_dtype`, if any."""
+        graph's); `fused_session`: the fused decode graph's for full rows stored as `fused_rows`, if any."""
         self._binder, self._sessions = binder, sessions
-        self._fused_session, self._fused_dtype = fused_session, fused_dtype
+        self._fused_session, self._fused_rows = fused_session, fused_rows
         self.by_class: dict[tuple[int, str], DecodeCall] = {}  # by the class key (capacity, kind)
 
     def get(self, klass: CapacityClass) -> DecodeCall:
@@ -80,7 +80,7 @@ class DecodeCalls:
         int8-channel classes (unbounded rows only)."""
         if klass.spec.written_by_kernel:
             return True
-        return self._fused_session is not None and klass.kind == self._fused_dtype and not klass.bounded
+        return self._fused_session is not None and klass.spec == self._fused_rows and not klass.bounded
 
     def forget(self, exists: Callable[[tuple[int, str]], bool], everything: bool = False) -> None:
         """Drop the bindings (and output buffers) of classes that no longer exist, or all of them."""

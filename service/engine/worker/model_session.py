@@ -187,7 +187,7 @@ def split_layout(
     and the local layers' in a window's columns per row."""
     spec = manifest.kv_spec
     shape = (manifest.n_layers, spec.heads, spec.width, dtype, channel_scales)
-    typed = {"entries": spec.entries, "rotated_columns": spec.rotated_columns}
+    typed = {"entries": spec.entries, "rotated_columns": spec.rotated_columns, "positions": manifest.cache_eviction}
     if local is None:
         return KVLayout(*shape, **typed)  # type: ignore[arg-type]
     return KVLayout(*shape, local.layers, local.window, local_width(local.window, block_size), **typed)  # type: ignore[arg-type]

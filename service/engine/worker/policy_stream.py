@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from contract.cache_policy import CachePolicy
-from service.engine.kv import Array, CapacityClass, RowPolicy
+from service.engine.kv import Array, CapacityClass
 from service.engine.prompts.prompt import StreamedPrompt
 from service.engine.worker.model_session import GraphBinder, ModelSession
 
@@ -25,17 +25,16 @@ PromptForward = Callable[..., tuple[np.ndarray, Array]]
 
 class PolicyStream:
     """Streams prompts through bounded policies (ModelRunner.prefill, ModelRunner.score): their heads through
-    `prompt_forward`, the rest through rows bound by `binder`, made with `row_policy`'s eviction state."""
+    `prompt_forward`, the rest through rows bound by `binder`, whose eviction state the layout makes."""
 
     def __init__(
         self,
         binder: GraphBinder,
         rotary_inv_freq: np.ndarray | None,
         prompt_forward: PromptForward,
-        row_policy: Callable[[CachePolicy], RowPolicy],
     ) -> None:
         self.binder, self.rotary_inv_freq = binder, rotary_inv_freq
-        self.prompt_forward, self.row_policy = prompt_forward, row_policy
+        self.prompt_forward = prompt_forward
 
     def stream(
         self,
@@ -75,7 +74,7 @@ class PolicyStream:
             yield None
         assert past is not None
         row = CapacityClass(backend, layout, capacity, 1, self.rotary_inv_freq, kind)
-        row.write(request_id, past[:, 0], len(head), self.row_policy(policy))
+        row.write(request_id, past[:, 0], len(head), layout.row_eviction(policy))
         new_kv, inputs = None, (row.input_ids, row.mask, row.positions)
         if row.spec.written_by_kernel:  # the fused int8 graph appends each token's K/V in the row itself
             binding, step_logits = binder.bind_in_place(session, *inputs, row.arrays[0])

@@ -42,7 +42,7 @@ from contract.cache_policy import CachePolicy
 from contract.graph import left_pad_batch, right_pad_batch
 from contract.graph import target_logprobs as log_probabilities
 from contract.manifest import Manifest, serving_variant
-from service.engine.kv import Array, CapacityClass, KVStore, RowPolicy, SplitKV, make_backend
+from service.engine.kv import Array, CapacityClass, KVStore, SplitKV, make_backend
 from service.engine.kv.arrays import NumpyArrays
 from service.engine.kv.prefix import CachedPast
 from service.engine.kv.scratch import ScratchArray
@@ -134,9 +134,9 @@ class ModelRunner:
         self.prompt_graph = str(manifest.onnx_path(self.prompt_variant or self.variant))  # (for profiling it)
         self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
         self.timings = RunnerTimings()
-        fused_dtype = self.fused.dtype if self.fused else None
-        self.calls = DecodeCalls(self.binder, self.sessions, self.fused_session, fused_dtype)
-        self.policy_stream = PolicyStream(self.binder, rotary, self._prompt_forward, self.row_policy)
+        fused_rows = self.layout.storage(self.fused.dtype) if self.fused else None
+        self.calls = DecodeCalls(self.binder, self.sessions, self.fused_session, fused_rows)
+        self.policy_stream = PolicyStream(self.binder, rotary, self._prompt_forward)
         self.verifier = BlockVerifier(
             self.store, self.binder, self.calls, self.sessions, self.pad_token_id, self.timings,
             self._verify_session,
@@ -369,10 +369,6 @@ class ModelRunner:
             logits, past = self._prompt_forward(ids, mask, positions, past, last_only=False)
             kept.append(logits[0])
         return np.concatenate(kept)
-
-    def row_policy(self, policy: CachePolicy) -> RowPolicy:
-        """A new row's eviction state for a request's policy."""
-        return RowPolicy(policy.budget or 0, policy.sinks, policy.original_positions(self.eviction))
 
     def _stream_through_policy(
         self,

@@ -24,7 +24,7 @@ from models.streaming import stream_logits, stream_logprobs
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
-from service.engine.kv import KVLayout, KVStore, NumpyArrays, RowPolicy, capacity_ladder
+from service.engine.kv import KVLayout, KVStore, NumpyArrays, RowEviction, capacity_ladder
 from service.process import ServerProcess, wait_for
 
 WEIGHTS = REPOSITORY_ROOT / "models" / "weights"
@@ -376,17 +376,17 @@ def test_default_cache_policy_flag_sets_defaults_and_a_bad_one_refuses_to_start(
 def test_a_bounded_row_keeps_its_sinks_and_the_latest_tokens_in_place() -> None:
     """KVStore with a tiny layout on numpy, block_size 1 (classes 4, 5, 7, 9, ...), rows reserved
     and stepped as the scheduler and the runner do, token i's K = i and V = -i:
-    - a: RowPolicy(budget=8, sinks=2), 3 tokens written + 20 steps -> tokens 1, 2, 18..23 in order;
-    - b: RowPolicy(budget=5, cache positions), 1 + 20 -> 17..21;
-    - c: RowPolicy(budget=8, sinks=1), 6 + 20 -> 1, 20..26 (shares a class with a at another length).
+    - a: RowEviction(budget=8, sinks=2), 3 tokens written + 20 steps -> tokens 1, 2, 18..23 in order;
+    - b: RowEviction(budget=5, cache positions), 1 + 20 -> 17..21;
+    - c: RowEviction(budget=8, sinks=1), 6 + 20 -> 1, 20..26 (shares a class with a at another length).
     Rows move up the ladder until they hold their budget; from then on physical_bytes never changes.
     The next position counts evicted tokens for original positions, not for cache positions."""
     layout = KVLayout(n_layers=1, n_heads=2, head_dim=3, dtype="float32")
     store = KVStore(layout, 1 << 20, block_size=1, max_tokens=64, backend=NumpyArrays())
     policies = {
-        "a": RowPolicy(budget=8, sinks=2),
-        "b": RowPolicy(budget=5, sinks=0, original_positions=False),
-        "c": RowPolicy(budget=8, sinks=1),
+        "a": RowEviction(budget=8, sinks=2),
+        "b": RowEviction(budget=5, sinks=0, original_positions=False),
+        "c": RowEviction(budget=8, sinks=1),
     }
     starts = {"a": 3, "b": 1, "c": 6}
 

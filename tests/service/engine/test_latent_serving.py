@@ -18,8 +18,11 @@ import torch
 
 from contract.manifest import Manifest
 from export.repository import ExportOptions, run
+from export.runtime import OnnxCausalLM
+from export.verify import FP32_TOLERANCE, check_parity, default_prompts
 from models.checkpoints import WEIGHTS_DIR
 from models.positional import matched_config
+from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
 from service.engine.kv import NumpyArrays
@@ -32,15 +35,24 @@ PROMPT = "def main():\n    for line in open(path):\n"
 
 
 @pytest.fixture(scope="module")
-def latent_repository(tmp_path_factory: pytest.TempPathFactory, repository: Path) -> Path:
-    """A repository of `mla` (shipped, or seeded untrained) beside the shipped `rope`."""
-    if (repository / "mla").is_dir():
-        return repository
+def latent_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped `mla` weights, or a seeded untrained model of the same shape."""
+    if (WEIGHTS_DIR / "mla" / "model.safetensors").is_file():
+        return WEIGHTS_DIR
     weights = tmp_path_factory.mktemp("latent_weights")
     torch.manual_seed(1234)
     Transformer(matched_config("mla")).save(weights / "mla")
     shutil.copy(WEIGHTS_DIR / "rope" / "tokenizer.json", weights / "mla")
     (weights / "mla" / "training.json").write_text(json.dumps({"val_bpb": None, "command": "untrained stand-in"}))
+    return weights
+
+
+@pytest.fixture(scope="module")
+def latent_repository(tmp_path_factory: pytest.TempPathFactory, repository: Path, latent_weights: Path) -> Path:
+    """A repository of `mla` beside the shipped `rope`."""
+    if (repository / "mla").is_dir():
+        return repository
+    weights = latent_weights
     out = tmp_path_factory.mktemp("latent_repository")
     run(ExportOptions(weights=weights, out=out, schemes=("mla",), verify=False, workers=1))
     (out / "rope").symlink_to(repository / "rope")
@@ -63,6 +75,20 @@ def test_its_cache_is_one_latent_and_rotated_key_a_token_under_a_third_of_ropes(
     assert mla.kv_cache_bytes_per_token <= 0.35 * rope.kv_cache_bytes_per_token
     spec = Manifest.load(server.repository / "mla").kv_spec
     assert (spec.entries, spec.heads, spec.width, spec.rotated_columns) == (("latent",), 1, 80, (64, 80))
+
+
+@pytest.mark.parametrize("variant", ["float32", "serving-float32"])
+def test_its_graphs_match_pytorch_and_cached_decoding_matches_recomputation(
+    latent_repository: Path, latent_weights: Path, variant: str
+) -> None:
+    """Prefill and 32 cached steps against PyTorch; the serving graph is the absorbed form."""
+    model = Transformer.load(latent_weights / "mla")
+    runtime = OnnxCausalLM(latent_repository / "mla", variant)
+    report = check_parity(model, runtime, default_prompts(TOKENIZER.bos_token_id))
+    assert report.max_abs <= FP32_TOLERANCE and report.cached_vs_full_max_abs <= FP32_TOLERANCE
+    assert report.greedy_equal
+    traced = {"float32", "serving-float32", "float16", "serving-float16"}  # no int8 or fused graph: they read K and V
+    assert set(Manifest.load(latent_repository / "mla").data["variants"]) <= traced
 
 
 def test_int8_and_bounded_policies_are_refused_by_name(server: ServerProcess) -> None:

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from contract.cache_policy import CachePolicy
 from contract.manifest import Manifest
-from service.engine.kv import CapacityClass, KVLayout, KVStore, RowPolicy
+from service.engine.kv import CapacityClass, KVLayout, KVStore
 from service.engine.messages import EngineConfig, GenerateInput, RequestStatus
 from service.engine.model_engine import ModelEngine
 from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
@@ -115,9 +114,6 @@ class FakeRunner:
     def prefill(self, runs: list[PromptRun], chunk: int, lane: object = None) -> Iterator[list[PrefilledPrompt]]:
         assert all(run.past is None for run in runs), "no prefix cache here"
         yield [self.prompt(run.request_id, run.token_ids) for run in runs]
-
-    def row_policy(self, policy: CachePolicy) -> RowPolicy:
-        return RowPolicy(policy.budget or 0, policy.sinks, policy.original_positions(None))
 
     def join(self, prompts: list[PrefilledPrompt]) -> None:
         for prompt in prompts:

@@ -28,7 +28,7 @@ from models.streaming import stream_logits, stream_logprobs
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
-from service.engine.kv import INT8, Int8KV, KVLayout, KVStore, RowPolicy, TorchArrays
+from service.engine.kv import INT8, Int8KV, KVLayout, KVStore, RowEviction, TorchArrays
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.process import ServerProcess
 
@@ -157,7 +157,7 @@ def test_eviction_shifts_int8_values_and_their_scales_together() -> None:
     store = KVStore(LAYOUT, 1 << 20, 16, 256)
     assert store.reserve("w", 8, INT8_POLICY)
     prompt = kv(8)
-    store.write("w", prompt, 8, RowPolicy(budget=8, sinks=2))
+    store.write("w", prompt, 8, RowEviction(budget=8, sinks=2))
     klass = store.kinds[INT8][64]
     klass.append_step(kv(1, seed=3)[:, None])
     q, scale = quantize_numpy(np.concatenate([prompt[:, :, :2], prompt[:, :, 3:], kv(1, seed=3)], axis=2))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from contract.manifest import REUSE_AS_IS, REUSE_RECOMPUTE, REUSE_ROTATE, Manifest
+from models.checkpoints import trained_schemes
 from models.positional import SCHEMES, build_positional, matched_config
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
@@ -27,6 +28,7 @@ def test_each_scheme_declares_what_reuse_at_another_offset_needs(repository: Pat
     """The declaration lives with the scheme (models.positional) and reaches the service through the manifest."""
     expected = {"rope": REUSE_ROTATE, "sinusoidal": REUSE_RECOMPUTE, "learned": REUSE_RECOMPUTE}
     expected |= {"rnope-swa": REUSE_ROTATE, "rope-swa": REUSE_ROTATE}  # their local layers' keys are rotated
+    expected |= {"mla": REUSE_ROTATE}  # only its decoupled rotated key; the latent carries no position
     for scheme in SCHEMES:
         mode = expected.get(scheme, REUSE_AS_IS)
         assert build_positional(matched_config(scheme)).segment_reuse == mode
@@ -77,7 +79,7 @@ def segmented(model: str, prefix: str, repair: int = 0) -> pb.GenerateRequest:
     return pb.GenerateRequest(model=model, segments=segments, max_new_tokens=24, segment_repair_tokens=repair)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", trained_schemes())  # the served ones (mla: test_latent_serving.py)
 def test_a_segment_is_reused_behind_another_prefix_where_the_scheme_allows(server: ServerProcess, scheme: str) -> None:
     info = {m.name: m for m in server.stub.ListModels(pb.ListModelsRequest(), timeout=10).models}[scheme]
     reusable = info.segment_reuse != REUSE_RECOMPUTE

@@ -280,7 +280,7 @@ def decode(runner: ModelRunner, ids: list[int], policy: object, new: int, guesse
     store.reserve("r", policy.cached(len(ids) + 1 + guesses), policy)  # type: ignore[attr-defined,arg-type]
     prompt = chunked(runner, "r", ids, 512)
     assert prompt is not None
-    prompt.policy = runner.row_policy(policy)  # type: ignore[arg-type]
+    prompt.policy = runner.layout.row_eviction(policy)  # type: ignore[arg-type]
     runner.join([prompt])
     output = [int(np.argmax(prompt.logits))]
     verified = 0

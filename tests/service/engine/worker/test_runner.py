@@ -200,7 +200,7 @@ def test_a_class_with_a_bounded_row_keeps_the_explicit_graph(repository: Path) -
     """A window row cannot be shifted by the fused kernel: its class decodes through the explicit
     graph, a class of full rows beside it through the fused one; both give the lone runs' logits."""
     runner = runner_for(repository, "alibi", attention="fused")
-    window = runner.row_policy(parse_cache_policy("window:64"))
+    window = runner.layout.row_eviction(parse_cache_policy("window:64"))
     prompts = batch(runner, {"a": PROMPTS["a"], "c": PROMPTS["c"]})
     runner.store.reserve("a", prompts[0].length + 1)
     runner.store.reserve("c", 65)  # a row of the next class (80 tokens), apart from "a"
