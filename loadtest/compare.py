@@ -23,6 +23,8 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import cast
@@ -106,11 +108,20 @@ def start_results(
 def unscored(served: Repository, results: Results, sections: set[str]) -> Repository:
     """`--seeds-only`: each scheme's further seeds that one of `sections` of the results does not hold
     yet (a seed already scored in all of them is left as it is)."""
+
     def held(model: str) -> bool:
         return all(model in getattr(results, SEEDED_FIGURES[section]) for section in sections)
 
     models = {scheme: [scheme, *(m for m in names[1:] if not held(m))] for scheme, names in served.models.items()}
     return replace(served, models=models)
+
+
+@contextmanager
+def timer(seconds: dict[str, float], sections: set[str]) -> Iterator[None]:
+    """Records how long the sections measured together took (as "latency+load"), for the run's record."""
+    started = time.perf_counter()
+    yield
+    seconds["+".join(s for s in SECTIONS + OPT_IN if s in sections)] = round(time.perf_counter() - started, 1)
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -153,23 +164,34 @@ def run(args: argparse.Namespace) -> Path:
         + (2 * budget.load_rounds + 1) * ("routing" in sections)
         + len(schemes) * ("evaluation" in sections)
     )
+    seconds: dict[str, float] = {}
     with tqdm(total=steps, desc="compare", unit="task") as progress:
         if sections & set(timed.SECTIONS):
-            timed.measure_timed_sections(repository, threads, schemes, sections, held_out, budget, results, progress)
+            with timer(seconds, sections & set(timed.SECTIONS)):
+                timed.measure_timed_sections(repository, threads, schemes, sections, held_out, budget, results,
+                                             progress)  # fmt: skip
         if untimed:
-            scored.measure_scored_sections(repository, threads, schemes, sections, served, held_out, budget, results,
-                                           progress)  # fmt: skip
+            with timer(seconds, set(untimed)):
+                scored.measure_scored_sections(repository, threads, schemes, sections, served, held_out, budget,
+                                               results, progress)  # fmt: skip
         if "reuse" in sections:
-            reuse.measure_reuse(repository, threads, served.models, held_out, budget, results, progress)
+            with timer(seconds, {"reuse"}):
+                reuse.measure_reuse(repository, threads, served.models, held_out, budget, results, progress)
         if "speculative" in sections:
             seeded = [m for s in schemes for m in (served.extra(s) if budget.seeds_only else served.models[s])]
-            speculative.measure_speculative(repository, threads, seeded, held_out.data, budget, results, progress)
+            with timer(seconds, {"speculative"}):
+                speculative.measure_speculative(repository, threads, seeded, held_out.data, budget, results,
+                                                progress)  # fmt: skip
         if "routing" in sections:
-            routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
+            with timer(seconds, {"routing"}):
+                routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
         if "evaluation" in sections:
-            results.evaluation = evaluate(repository, schemes, budget.score_windows, budget.evaluation_choices,
-                                          threads=threads)  # fmt: skip
+            with timer(seconds, {"evaluation"}):
+                results.evaluation = evaluate(repository, schemes, budget.score_windows, budget.evaluation_choices,
+                                              threads=threads)  # fmt: skip
             progress.update(len(schemes))
+    record["seconds"] = seconds
+    print("seconds per section: " + ", ".join(f"{name} {value:.0f}" for name, value in seconds.items()))
     results.write(out / "results.json")
     from loadtest.report.document import write_report  # matplotlib, only once there is something to draw
 
