@@ -270,7 +270,8 @@ def measure_timed_sections(
         progress.update(len(schemes))
     if "load" in sections:
         measure_load_series(repository, threads, schemes, held_out, budget, results, progress)
-        measure_budget_load(repository, threads, schemes, held_out, budget, results, progress)
+        if budget.budget_load:
+            measure_budget_load(repository, threads, schemes, held_out, budget, results, progress)
 
 
 def per_step_extra_bytes(scheme: str, context: int = 2048) -> dict[str, int]:
