@@ -425,13 +425,18 @@ class ExportProgress:
     files are counted on disk (workers are other processes), each polled PROGRESS_POLL_S."""
 
     def __init__(self, out: Path, names: list[str], graphs: tuple[str, ...], verify: bool) -> None:
-        self.paths = [out / name / GRAPH_FILES[variant] for name in names for variant in graphs]
-        self.since, self.checked = time.time(), 0
-        total = len(self.paths) + len(names) * verify
+        paths = [out / name / GRAPH_FILES[variant] for name in names for variant in graphs]
+        # What each file was before (a file system's clock can lag time.time(), so no time threshold).
+        self.before, self.checked = {path: self._stamp(path) for path in paths}, 0
+        total = len(paths) + len(names) * verify
         self.bar = tqdm(total=total, desc="export", unit="step", bar_format=BAR_FORMAT)
 
+    @staticmethod
+    def _stamp(path: Path) -> int | None:
+        return path.stat().st_mtime_ns if path.is_file() else None
+
     def refresh(self) -> None:
-        written = sum(1 for path in self.paths if path.is_file() and path.stat().st_mtime >= self.since)
+        written = sum(1 for path, before in self.before.items() if self._stamp(path) not in (None, before))
         self.bar.update(written + self.checked - self.bar.n)
 
     def check(self) -> None:
