@@ -1,7 +1,7 @@
 """Build the model repository: `python -m export`.
 
-For every scheme with shipped weights (and every further training seed of it, models/weights/seed<N>/<scheme>,
-as `<scheme>@seed<N>`): export the graphs this device serves with a KV cache
+For every scheme with shipped weights (and, with --seeds, every further training seed of it,
+models/weights/seed<N>/<scheme>, as `<scheme>@seed<N>`): export the graphs this device serves with a KV cache
 (float32, its in-place serving graph, the int8 cache's serving graph and the fused decode graph of
 export/fused.py; float16 ones too where CUDA ONNX Runtime is installed, or with --fp16), models side
 by side in --workers processes, write manifest.json and genai_config.json, check parity and print an
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from contract.cli import HelpFormatter
 from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FP16, SERVING_FUSED, SERVING_FUSED_INT8, SERVING_INT8
-from export.repository import GRAPH_FILES, ExportOptions, ExportResult, run
+from export.repository import GRAPH_FILES, ExportOptions, ExportResult, plan, run
 from models.positional import SCHEMES
 
 # Short names of the graph variants for the table's size column.
@@ -97,9 +97,10 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
         help="extra rope models with inference-time scaling, e.g. ntk:4 yarn:8 linear:2",
     )  # fmt: skip
     parser.add_argument(
-        "--no-extra-seeds", dest="extra_seeds", action="store_false",
-        help="skip the further training seeds (weights/seed<N>/<scheme>, exported as <scheme>@seed<N> and served "
-        "only when named); by default every one found for the schemes asked is exported beside them",
+        "--seeds", "--extra-seeds", dest="extra_seeds", action=argparse.BooleanOptionalAction, default=False,
+        help="also export every further training seed found (weights/seed<N>/<scheme>, as <scheme>@seed<N>, served "
+        "only when named); by default only each scheme's served seed: `python -m loadtest.compare` exports the "
+        "further seeds it scores itself",
     )  # fmt: skip
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip parity and evaluation")
     parser.add_argument(
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     options = parse_args(argv)
     started = time.time()
+    print(plan(options), flush=True)
     results = run(options)
     print(format_table(results, options.eval_contexts if options.verify else ()))
     print(f"\nmodel repository: {options.out}  ({time.time() - started:.0f} s in all)")

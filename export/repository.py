@@ -125,7 +125,9 @@ class ExportOptions:
     workers: int = 0
     # Also export every further training seed of the schemes found in `weights` (SEED_FOLDER), as
     # `<scheme>@seed<N>` (contract.names): scored beside the served models, served only when named.
-    extra_seeds: bool = True
+    # Off by default: neither the demo nor `compare --quick` uses them, and `compare` exports the ones
+    # it scores (loadtest.study.serving.ensure_repository), so a first run exports one model a scheme.
+    extra_seeds: bool = False
     # Only the models of these names among the above (None: all of them), e.g. the ones a repository lacks.
     names: tuple[str, ...] | None = None
 
@@ -429,6 +431,45 @@ def derive_scaled(
     )
 
 
+class ExportProgress:
+    """The export's bar, one step per graph file written and per model checked: tracing a model's
+    graphs takes a minute or more here, so a bar of whole models would sit at 0% for minutes. Graph
+    files are counted on disk (workers are other processes), each polled PROGRESS_POLL_S."""
+
+    def __init__(self, out: Path, names: list[str], graphs: tuple[str, ...], verify: bool) -> None:
+        paths = [out / name / GRAPH_FILES[variant] for name in names for variant in graphs]
+        # What each file was before (a file system's clock can lag time.time(), so no time threshold).
+        self.before, self.checked = {path: self._stamp(path) for path in paths}, 0
+        total = len(paths) + len(names) * verify
+        self.bar = tqdm(total=total, desc="export", unit="step", bar_format=BAR_FORMAT)
+
+    @staticmethod
+    def _stamp(path: Path) -> int | None:
+        return path.stat().st_mtime_ns if path.is_file() else None
+
+    def refresh(self) -> None:
+        written = sum(1 for path, before in self.before.items() if self._stamp(path) not in (None, before))
+        self.bar.update(written + self.checked - self.bar.n)
+
+    def check(self) -> None:
+        self.checked += 1
+        self.refresh()
+
+
+PROGRESS_POLL_S = 2.0
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} graphs written and models checked [{elapsed}]"
+
+
+def plan(options: ExportOptions) -> str:
+    """What the export is about to do, for its command line to say before the bar starts."""
+    variants, graphs = model_variants(options), options.graph_variants()
+    jobs = sum(1 for spec in variants if spec.scaling is None)
+    workers = options.workers or min(jobs, available_cores()) or 1
+    check = "; then each is checked against PyTorch and scored on held-out text" if options.verify else ""
+    return (f"exporting {len(variants)} models ({', '.join(spec.name for spec in variants)}) in {workers} "
+            f"processes: {len(graphs)} graphs each, traced in 5-20 s apiece{check}")  # fmt: skip
+
+
 def run(options: ExportOptions) -> list[ExportResult]:
     """Export every model; with `verify`, check the float32/float16 graphs' parity and the int8 graph,
     and evaluate float32. Results come back in model_variants order, whatever order workers finish in.
@@ -453,14 +494,15 @@ def run(options: ExportOptions) -> list[ExportResult]:
             base = ModelSpec(ROPE_SCHEME, ROPE_SCHEME, options.weights / ROPE_SCHEME)
             jobs.append(_Job(base, replace(options, out=Path(scratch)), graphs))
         workers = options.workers or min(len(jobs), available_cores())
-        with _executor(workers) as pool, tqdm(total=len(variants), desc="export", unit="model") as progress:
+        progress = ExportProgress(options.out, [spec.name for spec in variants], graphs, options.verify)
+        with _executor(workers) as pool, progress.bar:
             pending: dict[Future, _Job | str] = {pool.submit(_export_job, job): job for job in jobs}
             sequences = _evaluation_windows(options) if options.verify else None
 
             def written(name: str, result: ExportResult) -> None:
                 results[name] = result
+                progress.refresh()
                 if sequences is None:
-                    progress.update()
                     return
                 served = graphs_for(specs[name].scheme, graphs)
                 pending[pool.submit(_verify_job, options.out / name, specs[name], served, sequences)] = name
@@ -473,12 +515,16 @@ def run(options: ExportOptions) -> list[ExportResult]:
             if scaled and not any(job.options.out / job.spec.name == rope_base for job in jobs):
                 derive_all()  # from the rope model already in the repository
             while pending:
-                done = next(as_completed(pending))
+                try:
+                    done = next(as_completed(pending, timeout=PROGRESS_POLL_S))
+                except TimeoutError:
+                    progress.refresh()
+                    continue
                 task, outcome = pending.pop(done), done.result()
                 if isinstance(task, str):  # a verification
                     assert isinstance(outcome, Verification)
                     _attach(results[task], outcome)
-                    progress.update()
+                    progress.check()
                     continue
                 assert isinstance(outcome, ExportResult)
                 if task.options.out == options.out:

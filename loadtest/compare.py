@@ -21,8 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import cast
@@ -55,6 +58,10 @@ SEEDED_FIGURES = {"quality": "quality", "retrieval": "retrieval", "cache": "cach
                   "speculative": "speculative"}  # fmt: skip
 # Run only when named: lm-evaluation-harness from its own virtual environment (made on first use).
 OPT_IN = ("evaluation",)
+# What --quick leaves out unless named (issue 64: README command 1 within ten minutes with nine
+# schemes): the cache budgets, most of a minute a scheme here, and routing, one model behind HAProxy,
+# a deployment question rather than a positional one that needs a system package a first run may lack.
+QUICK_LEAVES_OUT = ("cache", "routing")
 
 
 def environment() -> Environment:
@@ -81,11 +88,12 @@ def environment() -> Environment:
 
 
 def start_results(
-    out: Path, run_id: str, sections: set[str], run: RunRecord, threads: int, schemes: list[str]
-) -> Results:
-    """A full run's new results; fewer sections update the run's existing ones (which sections ran,
-    and when, is recorded in them)."""
-    if sections >= set(SECTIONS):
+    out: Path, run_id: str, sections: set[str], run: RunRecord, threads: int, schemes: list[str],
+    whole: frozenset[str] = frozenset(SECTIONS),
+) -> Results:  # fmt: skip
+    """A full run's new results (every section of `whole`: --quick's are fewer); fewer sections update
+    the run's existing ones (which sections ran, and when, is recorded in them)."""
+    if sections >= whole:
         config: RunConfig = {
             "budget": run["budget"], "threads": threads, "schemes": schemes,
             "goodput_targets": {"ttft_s": timed.TTFT_TARGET_S, "itl_s": timed.ITL_TARGET_S},
@@ -106,6 +114,7 @@ def start_results(
 def unscored(served: Repository, results: Results, sections: set[str]) -> Repository:
     """`--seeds-only`: each scheme's further seeds that one of `sections` of the results does not hold
     yet (a seed already scored in all of them is left as it is)."""
+
     def held(model: str) -> bool:
         return all(model in getattr(results, SEEDED_FIGURES[section]) for section in sections)
 
@@ -113,12 +122,23 @@ def unscored(served: Repository, results: Results, sections: set[str]) -> Reposi
     return replace(served, models=models)
 
 
+@contextmanager
+def timer(seconds: dict[str, float], sections: set[str]) -> Iterator[None]:
+    """Records how long the sections measured together took (as "latency+load"), for the run's record."""
+    started = time.perf_counter()
+    yield
+    seconds["+".join(s for s in SECTIONS + OPT_IN if s in sections)] = round(time.perf_counter() - started, 1)
+
+
 def run(args: argparse.Namespace) -> Path:
     budget = Budget.tiny() if args.tiny else Budget.quick() if args.quick else Budget()
     if args.retrieval_trials:
         budget.retrieval_trials = args.retrieval_trials
     schemes = list(args.schemes)
-    sections = set(args.sections)
+    whole = frozenset(s for s in SECTIONS if not (args.quick and s in QUICK_LEAVES_OUT))
+    sections = set(args.sections or whole)
+    if "routing" in sections and shutil.which("haproxy") is None:
+        raise SystemExit("the routing section needs haproxy (apt-get install haproxy), or leave it out: --sections")
     run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
     out = args.out or REPOSITORY_ROOT / "reports" / run_id
     out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +153,7 @@ def run(args: argparse.Namespace) -> Path:
     served = ensure_repository(repository, schemes, budget.scaling_multiples, budget.extra_seeds, args.weights)
     record: RunRecord = {"sections": sorted(sections), "environment": environment(), "budget": asdict(budget),
                          "schemes": schemes}  # fmt: skip
-    results = start_results(out, run_id, sections, record, threads, schemes)
+    results = start_results(out, run_id, sections, record, threads, schemes, whole)
     results.add_seeds(served.seeds)
     if budget.seeds_only:
         served = unscored(served, results, sections)
@@ -145,7 +165,7 @@ def run(args: argparse.Namespace) -> Path:
     models = sum(len(served.models[scheme]) - budget.seeds_only for scheme in schemes)
     steps = (
         len(schemes) * ("latency" in sections)
-        + (2 * budget.load_rounds * len(budget.concurrency) + 1) * len(schemes) * ("load" in sections)
+        + (2 * budget.load_rounds * len(budget.concurrency) + budget.budget_load) * len(schemes) * ("load" in sections)
         + models * len(untimed)
         + len(served.rope_variants) * ("quality" in sections and not budget.seeds_only)
         + (2 * len(schemes) * (not budget.seeds_only) + models) * ("reuse" in sections)
@@ -153,23 +173,34 @@ def run(args: argparse.Namespace) -> Path:
         + (2 * budget.load_rounds + 1) * ("routing" in sections)
         + len(schemes) * ("evaluation" in sections)
     )
+    seconds: dict[str, float] = {}
     with tqdm(total=steps, desc="compare", unit="task") as progress:
         if sections & set(timed.SECTIONS):
-            timed.measure_timed_sections(repository, threads, schemes, sections, held_out, budget, results, progress)
+            with timer(seconds, sections & set(timed.SECTIONS)):
+                timed.measure_timed_sections(repository, threads, schemes, sections, held_out, budget, results,
+                                             progress)  # fmt: skip
         if untimed:
-            scored.measure_scored_sections(repository, threads, schemes, sections, served, held_out, budget, results,
-                                           progress)  # fmt: skip
+            with timer(seconds, set(untimed)):
+                scored.measure_scored_sections(repository, threads, schemes, sections, served, held_out, budget,
+                                               results, progress)  # fmt: skip
         if "reuse" in sections:
-            reuse.measure_reuse(repository, threads, served.models, held_out, budget, results, progress)
+            with timer(seconds, {"reuse"}):
+                reuse.measure_reuse(repository, threads, served.models, held_out, budget, results, progress)
         if "speculative" in sections:
             seeded = [m for s in schemes for m in (served.extra(s) if budget.seeds_only else served.models[s])]
-            speculative.measure_speculative(repository, threads, seeded, held_out.data, budget, results, progress)
+            with timer(seconds, {"speculative"}):
+                speculative.measure_speculative(repository, threads, seeded, held_out.data, budget, results,
+                                                progress)  # fmt: skip
         if "routing" in sections:
-            routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
+            with timer(seconds, {"routing"}):
+                routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
         if "evaluation" in sections:
-            results.evaluation = evaluate(repository, schemes, budget.score_windows, budget.evaluation_choices,
-                                          threads=threads)  # fmt: skip
+            with timer(seconds, {"evaluation"}):
+                results.evaluation = evaluate(repository, schemes, budget.score_windows, budget.evaluation_choices,
+                                              threads=threads)  # fmt: skip
             progress.update(len(schemes))
+    record["seconds"] = seconds
+    print("seconds per section: " + ", ".join(f"{name} {value:.0f}" for name, value in seconds.items()))
     results.write(out / "results.json")
     from loadtest.report.document import write_report  # matplotlib, only once there is something to draw
 
@@ -194,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         help="schemes to compare (default: every one with shipped weights)",
     )  # fmt: skip
     parser.add_argument(
-        "--quick", action="store_true", help="a first look at every section in minutes (fewer lengths and trials)"
+        "--quick",
+        action="store_true",
+        help="a first look in minutes: fewer lengths and trials, the served seeds only, and neither the cache "
+        "budgets nor routing unless --sections names them",
     )
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help="threads per ONNX Runtime session (0: half the cores)")
@@ -204,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{Budget.quick().retrieval_trials} with --quick)",
     )  # fmt: skip
     parser.add_argument(
-        "--sections", nargs="+", choices=SECTIONS + OPT_IN, default=list(SECTIONS), metavar="SECTION",
-        help=f"what to measure, from {' '.join(SECTIONS)} (all by default) and {' '.join(OPT_IN)} (only when "
+        "--sections", nargs="+", choices=SECTIONS + OPT_IN, default=None, metavar="SECTION",
+        help=f"what to measure, from {' '.join(SECTIONS)} (all by default; --quick leaves out "
+        f"{' '.join(QUICK_LEAVES_OUT)}) and {' '.join(OPT_IN)} (only when "
         "named: lm-evaluation-harness against the service, python -m loadtest.evaluation); fewer than all "
         "updates those parts of the run's "
         "existing results.json (which sections ran, when and at which commit is recorded there)",

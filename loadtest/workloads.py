@@ -28,6 +28,13 @@ PROMPTS_PER_SET = 4
 LONG_DOCUMENT_BYTES = 256
 
 
+def load_prompt_bytes(limit: int | None) -> int:
+    """The comparison's load prompts (loadtest/study/timed.py): 512 bytes, or 200 for a model with a
+    position limit (learned's 256 positions). Schemes on different lengths serve different
+    workloads, so the report ranks load figures only within one length."""
+    return 200 if limit else 512
+
+
 def held_out_slice(data: bytes, rng: random.Random, length: int) -> str:
     """About `length` bytes of `data` from a random offset, valid UTF-8 (at most `length` bytes)."""
     start = rng.randrange(0, len(data) - length - 1)

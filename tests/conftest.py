@@ -84,6 +84,8 @@ def seeded_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     weights = linked_weights(tmp_path, ("alibi",))
     seed_weights(weights, "alibi", 2)
     out = tmp_path / "repository"
-    options = ExportOptions(weights=weights, out=out, schemes=("alibi",), graphs=("serving-float32",), verify=False)
+    options = ExportOptions(
+        weights=weights, out=out, schemes=("alibi",), graphs=("serving-float32",), verify=False, extra_seeds=True
+    )
     assert [r.name for r in run(options)] == ["alibi", "alibi@seed2"]
     return out

@@ -24,7 +24,8 @@ from loadtest.report.reuse_tables import judge, mode_changes, scheme_verdict
 from loadtest.report.seeds import AcrossSeeds, across, agreement, label, seed_models, seeds_note
 from loadtest.report.speculative_tables import SPEEDUP_GAIN
 from loadtest.study.results import Cell, Probe, Results
-from loadtest.study.rounds import compared, goodput_ratio_rounds
+from loadtest.study.rounds import Spread, compared, goodput_ratio_rounds
+from loadtest.workloads import load_prompt_bytes
 
 EXTRAPOLATES = 1.15  # bits per byte at the longest servable multiple within 15% of 1x (the report's rule)
 # Links into the sections that hold each verdict's table and figure (their headings' anchors).
@@ -170,9 +171,9 @@ def load_verdict(results: Results, scheme: str) -> str:
             f"{top['goodput_per_s']:.2f} good req/s at {users} users with admission{ratio_text} "
             f"(p99 {top['p99_s']:.2f} s; one sample per level)"
         )
-    goodput = load_spreads(results, "load_admission", users, "goodput_per_s")
+    goodput = same_workload(results, scheme, load_spreads(results, "load_admission", users, "goodput_per_s"))
     ratio, ratio_rounds = goodput_ratio_rounds(rounds)
-    text = f"{goodput[scheme].text()} good req/s at {users} users with admission ({compared(goodput, True)[scheme]})"
+    text = f"{goodput[scheme].text()} good req/s at {users} users with admission ({ranked(results, scheme, goodput)})"
     if ratio is not None:
         text += f", {ratio:.2f} of its best at fewer users"
         if ratio_rounds is not None and ratio_rounds.rounds > 1:
@@ -185,6 +186,30 @@ def load_verdict(results: Results, scheme: str) -> str:
     if scheme in itl:
         text += f"; ITL {itl[scheme].text(2, 1000)} ms at {longest} bytes ({compared(itl, False)[scheme]})"
     return f"{text}; medians of {goodput[scheme].rounds} rounds [min-max]"
+
+
+def same_workload(results: Results, scheme: str, spreads: dict[str, Spread]) -> dict[str, Spread]:
+    """The schemes of `spreads` whose load prompts were as long as `scheme`'s: learned's are cut to its
+    256 positions (loadtest.workloads.load_prompt_bytes), so its goodput ranks with no one else's."""
+
+    def prompt(name: str) -> int:
+        return load_prompt_bytes(results.models.get(name, {}).get("max_positions"))
+
+    return {name: spread for name, spread in spreads.items() if prompt(name) == prompt(scheme)}
+
+
+def ranked(results: Results, scheme: str, spreads: dict[str, Spread]) -> str:
+    """`scheme` against the best of its workload's schemes, or why it is not ranked."""
+    if len(spreads) > 1:
+        return compared(spreads, True)[scheme]
+    positions = results.models.get(scheme, {}).get("max_positions")
+    others = sorted({load_prompt_bytes(info.get("max_positions")) for name, info in results.models.items()
+                     if name in results.schemes and name != scheme})  # fmt: skip
+    if not others:
+        return "the only scheme"
+    limit = f" (its {positions} positions)" if positions else ""
+    served = load_prompt_bytes(positions)
+    return f"not ranked: served {served}-byte prompts{limit}, the others {'/'.join(map(str, others))}"
 
 
 def reuse_verdict(results: Results, scheme: str) -> str:

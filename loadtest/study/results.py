@@ -148,6 +148,7 @@ class RunRecord(TypedDict):
     environment: Environment
     budget: dict[str, Any]  # asdict(Budget)
     schemes: NotRequired[list[str]]  # the schemes it measured (absent in older runs)
+    seconds: NotRequired[dict[str, float]]  # wall time of each section (measured together: "latency+load")
 
 
 class RunConfig(TypedDict, total=False):

@@ -34,6 +34,7 @@ from loadtest.study.kv_footprint import FIXED_BUDGET_BYTES
 from loadtest.study.results import LoadFigures, Results
 from loadtest.study.rounds import medians
 from loadtest.study.serving import COMPUTED, generate, servable, served_limits, serving
+from loadtest.workloads import load_prompt_bytes
 from models.checkpoints import WEIGHTS_DIR
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
@@ -93,10 +94,6 @@ def measure_latency(
         results.itl[scheme] = {k: statistics.median(v) if v else None for k, v in itl[scheme].items()}
     for name, rounds in (("ttft", ttft), ("itl", itl)):
         results.latency_rounds.setdefault(name, {}).update(rounds)
-
-
-def load_prompt_bytes(limit: int) -> int:
-    return 200 if limit else 512
 
 
 def load_figures(
@@ -273,7 +270,8 @@ def measure_timed_sections(
         progress.update(len(schemes))
     if "load" in sections:
         measure_load_series(repository, threads, schemes, held_out, budget, results, progress)
-        measure_budget_load(repository, threads, schemes, held_out, budget, results, progress)
+        if budget.budget_load:
+            measure_budget_load(repository, threads, schemes, held_out, budget, results, progress)
 
 
 def per_step_extra_bytes(scheme: str, context: int = 2048) -> dict[str, int]:

@@ -10,7 +10,8 @@ import httpx
 
 from contract.manifest import Manifest
 from contract.names import SeedModel, seed_model_name
-from export.repository import ExportOptions, extra_seeds, model_variants
+from export.__main__ import parse_args
+from export.repository import GRAPH_FILES, ExportOptions, ExportProgress, extra_seeds, model_variants, plan
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
 from tests.standins import linked_weights
@@ -36,14 +37,14 @@ def test_seed_folders_are_found_for_the_schemes_asked_only(tmp_path: Path) -> No
     found = extra_seeds(weights, ("rope", "alibi"))
     assert [spec.name for spec in found] == ["rope@seed2", "alibi@seed2", "rope@seed3"]
     assert found[0].weights == weights / "seed2" / "rope" and found[0].scheme == "rope"
-    options = ExportOptions(weights=weights, schemes=("alibi", "rope"))
+    options = ExportOptions(weights=weights, schemes=("alibi", "rope"), extra_seeds=True)
     assert [spec.name for spec in model_variants(options)] == [
         "alibi", "rope", "alibi@seed2", "rope@seed2", "rope@seed3"
     ]  # fmt: skip
-    assert [spec.name for spec in model_variants(ExportOptions(weights=weights, extra_seeds=False))] == [
+    assert [spec.name for spec in model_variants(ExportOptions(weights=weights))] == [
         "rope", "alibi"
-    ]  # SCHEMES order: the schemes with weights, not their seeds  # fmt: skip
-    only = ExportOptions(weights=weights, schemes=("alibi", "rope"), names=("rope@seed3",))
+    ]  # by default the served seeds only, in SCHEMES order: the schemes with weights  # fmt: skip
+    only = ExportOptions(weights=weights, schemes=("alibi", "rope"), names=("rope@seed3",), extra_seeds=True)
     assert [spec.name for spec in model_variants(only)] == ["rope@seed3"]
 
 
@@ -84,3 +85,27 @@ def test_a_seed_is_served_only_when_named_and_named_everywhere(seeded_repository
                             code="OK") == 1  # fmt: skip
     finally:
         named.stop()
+
+
+def test_the_export_command_exports_further_seeds_only_when_asked() -> None:
+    """A first run exports one model a scheme (the demo and `compare --quick` use no other);
+    `--seeds` adds every further seed, and `compare` exports the seeds it scores itself."""
+    assert parse_args([]).extra_seeds is False
+    assert parse_args(["--seeds"]).extra_seeds is True
+    assert parse_args(["--no-extra-seeds"]).extra_seeds is False
+
+
+def test_the_export_says_what_it_does_and_its_bar_counts_graphs(tmp_path: Path) -> None:
+    """The bar moves as each graph file lands, not once per model (which took minutes here)."""
+    weights = linked_weights(tmp_path, ("alibi", "rope"))
+    options = ExportOptions(weights=weights, out=tmp_path / "out", graphs=("serving-float32",), workers=2)
+    assert plan(options).startswith("exporting 2 models (rope, alibi) in 2 processes: 2 graphs each")
+    progress = ExportProgress(options.out, ["rope", "alibi"], options.graph_variants(), verify=True)
+    with progress.bar:
+        assert progress.bar.total == 2 * 2 + 2
+        (options.out / "rope").mkdir(parents=True)
+        (options.out / "rope" / GRAPH_FILES["float32"]).touch()
+        progress.refresh()
+        assert progress.bar.n == 1
+        progress.check()
+        assert progress.bar.n == 2

@@ -101,3 +101,13 @@ def test_the_shared_prefix_table_shows_the_rounds_range_and_reads_older_runs() -
     assert "| 3.00 [2.00-4.00] | 6.00 [5.00-9.00] |" in shared_prefix_table(results)
     del shared["rounds"]  # a run measured before rounds: the one figure
     assert "| 3.00 | 6.00 |" in shared_prefix_table(results)
+
+
+def test_goodput_ranks_only_schemes_served_the_same_prompts() -> None:
+    """A scheme with a position limit gets shorter load prompts (learned: 200 bytes, not 512): its
+    goodput is not ranked against the others', however high, and theirs not against it."""
+    results = rounds_results()
+    results.models = {"fast": {"max_positions": 256}, "slow": {"max_positions": None}}  # type: ignore[typeddict-item]
+    fast, slow = load_verdict(results, "fast"), load_verdict(results, "slow")
+    assert "(not ranked: served 200-byte prompts (its 256 positions), the others 512)" in fast
+    assert "with admission (not ranked: served 512-byte prompts, the others 200)" in slow

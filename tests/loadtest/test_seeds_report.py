@@ -20,7 +20,7 @@ from loadtest.report.findings import (
     retrieval_verdict,
     reuse_verdict,
 )
-from loadtest.report.readme import readme_table
+from loadtest.report.readme import CELL_LIMIT, HEADER, SEED_SECTIONS, anchor, readme_table
 from loadtest.report.seeds import AcrossSeeds, agreement, label
 from loadtest.study.results import Results
 
@@ -94,15 +94,42 @@ def test_verdicts_say_whether_they_hold_on_every_seed(seeded: Results) -> None:
 
 def test_the_readme_table_shows_the_range_over_seeds(seeded: Results) -> None:
     table = readme_table(seeded)
-    assert "| relative (2 seeds) | 1.440 (1.426 to 1.454) |" in table
-    assert "| sinusoidal (one seed) | 1.453 | 4.113 |" in table
-    assert "re-rotated: +2.3% [+1.2, +3.5]; over seeds +1.2% (+0.2% to +2.3%), **seeds disagree**" in table
-    assert "2.27x (2.25x to 2.29x)" in table  # relative's speedup
+    assert "| relative (2 seeds) | 1.440 (1.426 to 1.454) | extrapolates: 1.177 (1.165 to 1.189) |" in table
+    assert "| sinusoidal (one seed) | 1.453 | does not extrapolate: 4.113 |" in table
+    assert "| [seeds disagree][reuse-seeds]: +1.2% (+0.2% to +2.3%) |" in table  # rope: within 1% on seed 2 only
+    assert "| cannot: +19.0% (+19.0% to +19.0%) |" in table  # alibi: cannot on both seeds
+    assert "gains: 2.27x (2.25x to 2.29x)" in table  # relative's speedup
+    link = f"[reuse-seeds]: reports/reference/report.md#{anchor(SEED_SECTIONS['reuse'])}"
+    assert link in table and "[quality-seeds]:" not in table  # a definition for each link the cells use
 
 
-def test_the_readme_table_is_the_reference_reports() -> None:
-    table = readme_table(Results.read(REFERENCE / "results.json"))
-    assert table in (REPOSITORY_ROOT / "README.md").read_text()
+def cells(table: str) -> list[str]:
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| scheme")]
+    return [cell.strip() for row in rows for cell in row.strip("|").split("|")]
+
+
+@pytest.mark.parametrize("which", ["reference", "seeded"])
+def test_no_readme_cell_is_longer_than_a_glance(which: str, seeded: Results) -> None:
+    results = Results.read(REFERENCE / "results.json") if which == "reference" else seeded
+    found = cells(readme_table(results))
+    assert len(found) == 6 * len(results.schemes)
+    assert max(len(cell) for cell in found) <= CELL_LIMIT, max(found, key=len)
+
+
+def test_seeds_disagree_links_a_heading_of_the_report() -> None:
+    """Each section a "seeds disagree" cell links to is a heading of the reference report."""
+    headings = [line.lstrip("#").strip() for line in (REFERENCE / "report.md").read_text().splitlines()
+                if line.startswith("#")]  # fmt: skip
+    assert anchor("What reuse buys each scheme (the answer's bpb within 1% of the full recompute)") == (
+        "what-reuse-buys-each-scheme-the-answers-bpb-within-1-of-the-full-recompute"
+    )
+    assert all(section in headings for section in SEED_SECTIONS.values())
+
+
+def test_the_readme_says_what_each_column_measures() -> None:
+    notes = readme_table(Results.read(REFERENCE / "results.json")).split("What each column measures:")[1]
+    assert len([line for line in notes.splitlines() if line.startswith("- **")]) == HEADER.count("|---")
+    assert "as is: relative, alibi, none; re-rotated: rope, rnope-swa, rope-swa" in notes
 
 
 def test_a_report_with_seeds_is_written_with_every_seeds_rows(seeded: Results, tmp_path: Path) -> None:
