@@ -40,7 +40,7 @@ def long_context_steps(
     names = list(runners)
     samples: dict[str, dict[int, list[float]]] = {name: {c: [] for c in runners[name]} for name in names}
     for round_index in range(rounds):
-        for name in names[round_index % len(names):] + names[: round_index % len(names)]:
+        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
             for context, runner in runners[name].items():
                 samples[name][context].append(step_seconds(runner, steps))
     return {name: {c: statistics.median(v) for c, v in by_context.items()} for name, by_context in samples.items()}
@@ -51,9 +51,7 @@ def hybrid_ratios(table: dict[str, dict[int, float]], context: int) -> dict[str,
     base = table.get(BASELINE, {}).get(context)
     if base is None:
         return {}
-    return {
-        name: row[context] / base for name, row in table.items() if name.endswith("-swa") and context in row
-    }
+    return {name: row[context] / base for name, row in table.items() if name.endswith("-swa") and context in row}
 
 
 def print_long_context(folders: list[Path], args: argparse.Namespace, steps: int) -> None:

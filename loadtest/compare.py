@@ -106,6 +106,7 @@ def start_results(
 def unscored(served: Repository, results: Results, sections: set[str]) -> Repository:
     """`--seeds-only`: each scheme's further seeds that one of `sections` of the results does not hold
     yet (a seed already scored in all of them is left as it is)."""
+
     def held(model: str) -> bool:
         return all(model in getattr(results, SEEDED_FIGURES[section]) for section in sections)
 

@@ -31,6 +31,7 @@ from service.engine.prompts.segments import SegmentAssembly, SegmentReuser
 from service.engine.request import Request
 from service.engine.sampler import Sampler, all_greedy, logprobs_by_row
 from service.engine.sched.admission import AdmissionControl, Backlog, open_trace
+from service.engine.sched.fair import WaitingQueue
 from service.engine.sched.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.sched.step_observer import StepObserver
 from service.engine.spec.speculator import Speculator
@@ -72,7 +73,9 @@ class ModelEngine:
             attention=config.attention,
         )
         self.store = self.runner.store
-        self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)  # prefix_blocks: below
+        waiting = WaitingQueue(config.scheduling, config.tenant_weights)
+        self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue, waiting=waiting)
+        # (its prefix_blocks: below)
         trace = open_trace(Path(config.admission_trace), manifest.folder.name) if config.admission_trace else None
         self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size, trace)
         self._admission_trace = trace
@@ -145,11 +148,13 @@ class ModelEngine:
                 )
             if self.admission.enabled:  # the inbox's prompt tokens are summed only when they are used
                 inbox_tokens = sum(len(r.prefill_ids) - r.cached_prompt_tokens for r in self._inbox)
+                prompt_tokens = len(request.prefill_ids) - self.prefix.peek(request)
+                weight = self.scheduler.waiting.weight(request.tenant)
                 try:
                     request.admission_estimate = self.admission.check(
                         request.request_id,
-                        len(request.prefill_ids) - self.prefix.peek(request),
-                        self._backlog,
+                        prompt_tokens,
+                        self._backlog.seen_by(request.tenant, prompt_tokens, weight),  # its tenant's share
                         inbox_tokens,
                         len(self._inbox),
                         self.manifest.name,
@@ -262,8 +267,8 @@ class ModelEngine:
             self._keep_prompts(joined)
         output = self.scheduler.schedule()
         self._snapshot_backlog()
-        if output.preempted:
-            self.metrics.preemptions.inc(len(output.preempted))
+        if output.preempted or output.displaced:
+            self.metrics.preemptions.inc(len(output.preempted) + len(output.displaced))
         if output.admitted:
             self._start_prefill(output.admitted)
         if output.decode:
@@ -287,6 +292,7 @@ class ModelEngine:
             joined
             or output.admitted
             or output.preempted
+            or output.displaced
             or self.scheduler.waiting
             or not output.decode
             or len(output.decode) != len(running)

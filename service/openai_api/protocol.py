@@ -29,6 +29,8 @@ import msgspec
 
 from service.engine.messages import (
     MAX_LOGPROBS,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
     ErrorKind,
     GenerateInput,
     ModelInfo,
@@ -191,6 +193,9 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         salt = cache_salt(tenant, _typed(body, "cache_salt", str, ""))
     except RequestError as error:
         raise ApiError.of(error) from None
+    priority = _typed(body, "priority", int, 0)
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise invalid("priority", f"must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}")
     raw = GenerateInput(
         model=model,
         prompt="",
@@ -209,6 +214,8 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         speculative_tokens=_typed(body, "speculative_tokens", int, None),
         logit_bias=logit_bias(body.get("logit_bias")),
         cache_salt=salt,
+        tenant=tenant,
+        priority=priority,
         # echo with max_tokens 0 scores the prompt even when no log-probabilities are shown: its
         # length is checked like any scored text, and nothing is generated.
         prompt_logprobs=None if not echo else logprobs if logprobs is not None else 0 if max_tokens == 0 else None,

@@ -17,10 +17,12 @@ from service.engine.messages import (
     MAX_CACHE_SALT_CHARACTERS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_PRIORITY,
     MAX_SEGMENTS,
     MAX_SPECULATIVE_TOKENS,
     MAX_STOP_CHARACTERS,
     MAX_STOP_STRINGS,
+    MIN_PRIORITY,
 )
 
 TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id of the model's vocabulary (/v1/models)")]
@@ -64,6 +66,13 @@ class GenerationFields(msgspec.Struct, kw_only=True):
     cache_policy: Annotated[str, Meta(description="a form /v1/models lists; empty: the model's default")] | None = None
     cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARACTERS)] | None = None
     ignore_eos: bool | None = None
+    priority: (
+        Annotated[
+            int,
+            Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="among the tenant's own requests: lower first (vLLM's)"),
+        ]
+        | None
+    ) = None
     speculative_tokens: Annotated[int, Meta(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
     user: str | None = None
 

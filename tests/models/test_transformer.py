@@ -84,8 +84,10 @@ def test_unknown_scheme_is_refused() -> None:
 
 
 def test_the_registry_is_the_one_list_of_schemes() -> None:
-    assert SCHEMES == tuple(SCHEME_REGISTRY) == (
-        "sinusoidal", "learned", "relative", "rope", "alibi", "none", "rnope-swa", "rope-swa"
+    assert (
+        SCHEMES
+        == tuple(SCHEME_REGISTRY)
+        == ("sinusoidal", "learned", "relative", "rope", "alibi", "none", "rnope-swa", "rope-swa")
     )
 
 

@@ -1,16 +1,17 @@
 """Iteration-level (continuous) batching: who runs this step, within the KV store and batch limits.
 
-Each step every decoding sequence advances one token, and waiting requests are admitted in
-arrival order while the batch has room and the KV store can allocate their rows; their prompts
-go to the prefill worker and are written into those rows when computed. When the store cannot
-grow a sequence, the preemption policy picks a victim whose row is freed (recomputed later),
-as vLLM does.
+Each step every decoding sequence advances one token, and waiting requests are admitted in the
+waiting queue's order (service.engine.sched.fair: deficit round robin across tenants, or arrival
+order) while the batch has room and the KV store can allocate their rows; their prompts go to the
+prefill worker and are written into those rows when computed. When the store cannot grow a
+sequence, the preemption policy picks a victim whose row is freed (recomputed later), as vLLM
+does; under fair scheduling a full batch also gives a row up to a tenant holding fewer rows for
+its weight than another (`FairShare`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,7 +19,8 @@ from typing import Protocol
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.messages import RequestStatus
 from service.engine.request import Request
-from service.engine.sched.admission import Backlog
+from service.engine.sched.admission import Backlog, TenantBacklog
+from service.engine.sched.fair import FairShare, WaitingQueue
 
 
 class QueueFullError(RuntimeError):
@@ -64,6 +66,7 @@ class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # prompts to compute
     preempted: list[Request] = field(default_factory=list)
+    displaced: list[Request] = field(default_factory=list)  # rows given up to a lighter tenant (fair share)
 
 
 class Scheduler:
@@ -74,15 +77,19 @@ class Scheduler:
         max_queue: int = 128,
         preemption: PreemptionPolicy | None = None,
         prefix_blocks: Callable[[Request], frozenset[int]] = lambda request: frozenset(),
+        waiting: WaitingQueue | None = None,
     ) -> None:
+        """`waiting`: the admission order (fair across tenants by default); under fair scheduling the
+        running batch is shared by FairShare, unless `preemption` names another rule."""
         self.kv = kv
         # The prefix cache's keys of a request's prompt blocks: the rows of later admissions must
         # not evict the blocks an earlier one of the same step is about to take.
         self.prefix_blocks = prefix_blocks
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
-        self.preemption: PreemptionPolicy = preemption or NewestFirst()
-        self.waiting: deque[Request] = deque()
+        self.waiting = waiting or WaitingQueue()
+        self.fair_share = FairShare(self.waiting) if self.waiting.policy == "fair" else None
+        self.preemption: PreemptionPolicy = preemption or self.fair_share or NewestFirst()
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
@@ -112,15 +119,23 @@ class Scheduler:
                     break
             else:
                 out.decode.append(request)
-        # 2. New requests (and preempted ones) in arrival order: a row for the prompt and its first token.
+        # 2. New requests (and preempted ones) in the waiting queue's order: a row for the prompt and its
+        # first token; with the batch full, under fair scheduling, a row taken from a heavier tenant.
         # A row never evicts the cached prefix blocks of a prompt admitted before it in this step,
         # nor its own while others run (it waits for one of them to end rather than recompute
         # them); with nothing running it may evict its own, or it would wait forever.
         # None in a step that preempted (as vLLM v1): the memory just freed would go straight to a
         # waiting prompt, often the victim itself, recomputed at once instead of a decode resumed.
         taken: frozenset[int] = frozenset()
-        while self.waiting and len(self.running) < self.max_batch_size and not out.preempted:
+        passes = 0  # flows whose turn ended because the batch is full and they hold their share
+        while self.waiting and not out.preempted:
             request = self.waiting[0]
+            if len(self.running) >= self.max_batch_size and not self._displace(request, out):
+                if self.fair_share is None or passes >= self.waiting.flows:
+                    break
+                self.waiting.pass_turn()
+                passes += 1
+                continue
             policy = request.cache_policy
             own = self.prefix_blocks(request)
             keep = taken | own if self.running else taken
@@ -135,6 +150,18 @@ class Scheduler:
             out.admitted.append(request)
         out.decode = [r for r in out.decode if r.request_id not in preempted]
         return out
+
+    def _displace(self, request: Request, out: SchedulerOutput) -> bool:
+        """Fair scheduling with the batch full: the heaviest tenant's newest request gives its row
+        to `request` when its tenant holds fewer rows for its weight (False: it waits)."""
+        victim = self.fair_share.displaces(self.running, request) if self.fair_share is not None else None
+        if victim is None:
+            return False
+        self._preempt(victim)
+        out.displaced.append(victim)
+        out.decode = [r for r in out.decode if r is not victim]
+        out.admitted = [r for r in out.admitted if r is not victim]
+        return True
 
     def steady_steps(self, decoding: list[Request]) -> int:
         """How many more steps these sequences can decode, a token each, inside the rows they hold:
@@ -181,4 +208,19 @@ class Scheduler:
         pending = [r for r in (*waiting, *running) if not r.output_ids]
         left = sorted(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in running)
         uncached = sum(len(r.prefill_ids) - r.cached_prompt_tokens for r in pending)  # the prefix cache's hits
-        return Backlog(uncached, len(waiting), tuple(left))
+        return Backlog(uncached, len(waiting), tuple(left), self._tenant_backlogs(pending, waiting))
+
+    def _tenant_backlogs(self, pending: list[Request], waiting: list[Request]) -> tuple[TenantBacklog, ...]:
+        """Under fair scheduling, each tenant's part of the backlog (what admission's estimate shares out)."""
+        if self.fair_share is None:
+            return ()
+        tokens: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        for request in pending:
+            tokens[request.tenant] = tokens.get(request.tenant, 0) + len(request.prefill_ids)
+            tokens[request.tenant] -= request.cached_prompt_tokens
+        for request in waiting:
+            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        names = sorted(tokens.keys() | counts.keys())
+        weight = self.waiting.weight
+        return tuple(TenantBacklog(name, tokens.get(name, 0), counts.get(name, 0), weight(name)) for name in names)
