@@ -406,8 +406,10 @@ class EngineClient:
         info = self.models.get(raw.model)
         prompt = len(raw.prompt_ids) or (len(info.prompt_ids(raw.prompt)) if info else len(raw.prompt.encode()))
         new = self.config.default_max_new_tokens if raw.max_new_tokens is None else raw.max_new_tokens
-        ticket = self.quota.acquire(raw.tenant, prompt + new)
+        labels = {"model": raw.model, "scheme": info.scheme} if info else {}
+        ticket = self.quota.acquire(raw.tenant, prompt + new, labels)
         quota = self.quota
+        handle.quota_labels = ticket.labels
 
         def release(ended: RequestHandle) -> None:
             queued = None if ended.scheduled_time is None else max(0.0, ended.scheduled_time - ended.arrival_time)
@@ -417,12 +419,13 @@ class EngineClient:
 
     def _refused(self, handle: RequestHandle, error: RequestError) -> None:
         """Not accepted: its quota comes back, and the refusal is counted for its tenant."""
-        if self.quota is None or handle.on_finish is None or handle.input is None:
+        if self.quota is None or handle.on_finish is None:
             return
         reason = error.message.partition(":")[0] if error.kind is ErrorKind.RESOURCE_EXHAUSTED else "invalid"
         if error.kind is ErrorKind.UNAVAILABLE:
             reason = "unavailable"
-        self.quota.refused(handle.input.tenant, reason if reason in ("ttft_slo", "queue", "invalid") else "unavailable")
+        reason = reason if reason in ("ttft_slo", "queue", "invalid") else "unavailable"
+        self.quota.refused(handle.quota_labels, reason)
         handle.on_finish(handle)  # nothing used
 
     def cancel(self, handle: RequestHandle) -> None:

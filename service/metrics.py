@@ -56,6 +56,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ESTIMATE_ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 LABELS = ("model", "scheme")
 POLICY_LABELS = (*LABELS, "policy")  # policy: the form of the request's cache policy (CachePolicy.form)
+TENANT_LABELS = (*LABELS, "tenant")  # tenant: a name from --auth-tokens-file ("": no tokens), never a client's
 
 
 # What the front end (gRPC and HTTP) records itself (RPC accounting, engine restarts); the engine core process
@@ -275,22 +276,22 @@ class ServiceMetrics:
         """Per tenant (service.quota): requests, tokens, queue time and refusals; `tenant` is a name from
         --auth-tokens-file ("" without tokens), never a client's string."""
         self.tenant_requests = Counter(
-            "posenc_tenant_requests", "Generations accepted, by tenant.", ["tenant"], **UNREGISTERED
+            "posenc_tenant_requests", "Generations accepted, by tenant.", TENANT_LABELS, **UNREGISTERED
         )
         self.tenant_tokens = Counter(
             "posenc_tenant_tokens", "Tokens of ended generations by tenant: kind=prompt or completion.",
-            ["tenant", "kind"], **UNREGISTERED,
+            [*TENANT_LABELS, "kind"], **UNREGISTERED,
         )  # fmt: skip
         self.tenant_queue_time = Histogram(
             "posenc_tenant_queue_seconds",
             "From arrival to admission into the running batch, by tenant (fair scheduling shares it out).",
-            ["tenant"], buckets=LATENCY_BUCKETS, **UNREGISTERED,
+            TENANT_LABELS, buckets=LATENCY_BUCKETS, **UNREGISTERED,
         )  # fmt: skip
         self.tenant_refusals = Counter(
             "posenc_tenant_refusals",
             "Generations refused, by tenant and reason: max_concurrent or tokens_per_minute (the tenant's limits), "
             "ttft_slo or queue (the server's load shedding), invalid (a bad request) or unavailable.",
-            ["tenant", "reason"], **UNREGISTERED,
+            [*TENANT_LABELS, "reason"], **UNREGISTERED,
         )  # fmt: skip
 
     def exposition(self) -> bytes:

@@ -63,10 +63,12 @@ class _TenantState:
 
 @dataclass
 class Ticket:
-    """An accepted request's hold on its tenant's quota, given back by `TenantQuota.release`."""
+    """An accepted request's hold on its tenant's quota, given back by `TenantQuota.release`;
+    `labels`: its metric labels (model, scheme, tenant)."""
 
     tenant: str
     charge: _Charge | None
+    labels: dict[str, str]
     released: bool = False
 
 
@@ -99,34 +101,36 @@ class TenantQuota:
         tenant the token check let in), else "" (never a client's string)."""
         return tenant if tenant in self._tenants else ""
 
-    def acquire(self, tenant: str, tokens: int) -> Ticket:
-        """Hold a place for a request of `tokens` (prompt plus max_new_tokens), or refuse it."""
+    def acquire(self, tenant: str, tokens: int, model: dict[str, str] | None = None) -> Ticket:
+        """Hold a place for a request of `tokens` (prompt plus max_new_tokens), or refuse it;
+        `model`: the request's model labels (model, scheme; empty for a model not served)."""
+        labels = {"model": "", "scheme": "", **(model or {}), "tenant": self.label(tenant)}
         with self._lock:
             state = self._tenants.get(tenant)
             if state is None:
-                return Ticket(tenant, None)
+                return Ticket(tenant, None, labels)
             now = self._clock()
             terms = state.terms
             if terms.max_concurrent is not None and state.in_flight >= terms.max_concurrent:
-                self._refuse(tenant, "max_concurrent", f"{state.in_flight} requests in flight, "
+                self._refuse(labels, "max_concurrent", f"{state.in_flight} requests in flight, "
                              f"its max_concurrent is {terms.max_concurrent}", CONCURRENCY_RETRY_SECONDS)  # fmt: skip
             limit = terms.tokens_per_minute
             if limit is not None and state.used(now) + tokens > limit:
                 retry = state.tokens_free_after(now, tokens, limit) if tokens <= limit else None
                 asked = f"this request asks for {tokens} (prompt and max_new_tokens)"
-                self._refuse(tenant, "tokens_per_minute", f"{state.used(now)} tokens in the last minute and "
+                self._refuse(labels, "tokens_per_minute", f"{state.used(now)} tokens in the last minute and "
                              f"{asked}, the tenant's tokens_per_minute is {limit}", retry)  # fmt: skip
             state.in_flight += 1
             charge = _Charge(now, tokens) if limit is not None else None
             if charge is not None:
                 state.charges.append(charge)
         if self._metrics is not None:
-            self._metrics.tenant_requests.labels(tenant=tenant).inc()
-        return Ticket(tenant, charge)
+            self._metrics.tenant_requests.labels(**labels).inc()
+        return Ticket(tenant, charge, labels)
 
-    def _refuse(self, tenant: str, limit: str, detail: str, retry_after: float | None) -> None:
-        if self._metrics is not None:
-            self._metrics.tenant_refusals.labels(tenant=tenant, reason=limit).inc()
+    def _refuse(self, labels: dict[str, str], limit: str, detail: str, retry_after: float | None) -> None:
+        self.refused(labels, limit)
+        tenant = labels["tenant"]
         hint = f"; retry after {retry_after:.1f} s" if retry_after is not None else "; it never fits the limit"
         raise RequestError(
             ErrorKind.RESOURCE_EXHAUSTED,
@@ -134,10 +138,11 @@ class TenantQuota:
             retry_after=None if retry_after is None else max(MIN_RETRY_AFTER_SECONDS, math.ceil(retry_after * 10) / 10),
         )
 
-    def refused(self, tenant: str, reason: str) -> None:
-        """A refusal by the engine (admission control, a full queue, a bad request) counted for the tenant."""
+    def refused(self, labels: dict[str, str], reason: str) -> None:
+        """A refusal (a limit; or the engine's: admission control, a full queue, a bad request)
+        counted for the tenant of `labels` (a Ticket's)."""
         if self._metrics is not None:
-            self._metrics.tenant_refusals.labels(tenant=self.label(tenant), reason=reason).inc()
+            self._metrics.tenant_refusals.labels(**labels, reason=reason).inc()
 
     def release(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int, queue_seconds: float | None) -> None:
         """The request ended: its place comes back, its window charge becomes what it used, and its
@@ -153,8 +158,8 @@ class TenantQuota:
             if ticket.charge is not None:
                 ticket.charge.tokens = prompt_tokens + completion_tokens
         if self._metrics is not None:
-            label = ticket.tenant
-            self._metrics.tenant_tokens.labels(tenant=label, kind="prompt").inc(prompt_tokens)
-            self._metrics.tenant_tokens.labels(tenant=label, kind="completion").inc(completion_tokens)
+            labels = ticket.labels
+            self._metrics.tenant_tokens.labels(**labels, kind="prompt").inc(prompt_tokens)
+            self._metrics.tenant_tokens.labels(**labels, kind="completion").inc(completion_tokens)
             if queue_seconds is not None:
-                self._metrics.tenant_queue_time.labels(tenant=label).observe(queue_seconds)
+                self._metrics.tenant_queue_time.labels(**labels).observe(queue_seconds)

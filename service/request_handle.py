@@ -54,6 +54,7 @@ class RequestHandle:
     scheduled_time: float | None = None
     finish_time: float | None = None
     on_finish: Callable[[RequestHandle], None] | None = None  # once, when it ends (its tenant's quota)
+    quota_labels: dict[str, str] = field(default_factory=dict)  # its per-tenant metrics' labels
 
     def receive(
         self,

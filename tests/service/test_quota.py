@@ -55,9 +55,11 @@ def test_concurrency_past_the_limit_is_refused_naming_it_and_others_are_unaffect
     assert [limits.acquire("b", 10) for _ in range(5)]  # b's own default limit: 5
     limits.release(first, 10, 0, 0.01)
     limits.acquire("a", 10)  # a place came back
-    assert registry.get_sample_value("posenc_tenant_refusals_total", {"tenant": "a", "reason": "max_concurrent"}) == 1
-    assert registry.get_sample_value("posenc_tenant_requests_total", {"tenant": "b"}) == 5
-    assert registry.get_sample_value("posenc_tenant_tokens_total", {"tenant": "a", "kind": "prompt"}) == 10
+    unserved = {"model": "", "scheme": ""}
+    value = registry.get_sample_value
+    assert value("posenc_tenant_refusals_total", {**unserved, "tenant": "a", "reason": "max_concurrent"}) == 1
+    assert value("posenc_tenant_requests_total", {**unserved, "tenant": "b"}) == 5
+    assert value("posenc_tenant_tokens_total", {**unserved, "tenant": "a", "kind": "prompt"}) == 10
 
 
 def test_tokens_a_minute_are_charged_then_corrected_and_the_hint_says_when_they_fit() -> None:
