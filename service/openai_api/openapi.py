@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from service.engine.messages import ModelInfo
 from service.openai_api import types
 
 # A refusal's status and when it comes (every one carries types.ErrorResponse).
@@ -63,14 +64,20 @@ OPERATIONS = (
 )  # fmt: skip
 
 
-def openapi() -> dict[str, Any]:
-    """The whole document: every operation, every type it names under components.schemas."""
+def openapi(models: dict[str, ModelInfo] | None = None, secured: bool = True) -> dict[str, Any]:
+    """The whole document: every operation, every type it names under components.schemas; with the
+    served `models`, their names and the limits every one of them holds in the request schemas;
+    `secured`: the server takes bearer tokens (without, no operation asks for one)."""
     named = [types.ErrorResponse, *(o.answer for o in OPERATIONS), *(o.request for o in OPERATIONS if o.request)]
     _, schemas = msgspec.json.schema_components(named, ref_template="#/components/schemas/{name}")
+    if models:
+        for operation in OPERATIONS:
+            if operation.request is not None:
+                _serve(schemas[operation.request.__name__], models)
     paths: dict[str, dict[str, Any]] = {}
     for operation in OPERATIONS:
         paths.setdefault(operation.path, {})[operation.method] = _operation(operation)
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {
             "title": "posenc-serve OpenAI-compatible HTTP API",
@@ -85,6 +92,40 @@ def openapi() -> dict[str, Any]:
         },
         "security": [{"bearer": []}],
     }
+    if not secured:
+        del document["security"], document["components"]["securitySchemes"]
+        for item in paths.values():
+            for operation in item.values():
+                operation.pop("security", None)
+                operation["responses"].pop("401", None)
+    return document
+
+
+def _serve(schema: dict[str, Any], models: dict[str, ModelInfo]) -> None:
+    """A request schema with what the served models allow: `model` one of their names, token ids
+    below the smallest vocabulary, new tokens at most the smallest limit."""
+    properties = schema.get("properties", {})
+    for string in _nodes(properties.get("model", {})):
+        if string.get("type") == "string":
+            string["enum"] = sorted(models)
+    vocabulary = min(info.vocab_size for info in models.values())
+    for node in _nodes(properties):
+        if node.get("description") == types.TOKEN_ID:
+            node["maximum"] = vocabulary - 1
+    limit = min(info.max_new_tokens_limit for info in models.values())
+    for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        for node in _nodes(properties.get(field, {})):
+            if node.get("type") == "integer":
+                node["maximum"] = limit
+
+
+def _nodes(schema: Any) -> list[dict[str, Any]]:
+    """Every schema object inside `schema` (itself included)."""
+    if isinstance(schema, list):
+        return [node for item in schema for node in _nodes(item)]
+    if not isinstance(schema, dict):
+        return []
+    return [schema, *(node for value in schema.values() for node in _nodes(value))]
 
 
 def _ref(kind: type) -> dict[str, str]:
@@ -111,5 +152,5 @@ def _operation(operation: Operation) -> dict[str, Any]:
     return body
 
 
-def document() -> bytes:
-    return msgspec.json.encode(openapi())
+def document(models: dict[str, ModelInfo] | None = None, secured: bool = True) -> bytes:
+    return msgspec.json.encode(openapi(models, secured))

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -39,6 +40,8 @@ from service.engine.messages import (
     RequestStatus,
 )
 from service.security import cache_salt
+
+T = TypeVar("T")
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
@@ -144,6 +147,61 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return names.get(kind, str(kind)) if isinstance(kind, type) else " or ".join(names[k] for k in kind)
 
 
+def conform(body: Any, kind: type, parse: Callable[[dict[str, Any]], T]) -> T:
+    """`parse(body)`, then the body checked against the request's type (service.openai_api.types,
+    which the OpenAPI description is made from), so that what the description refuses is refused,
+    with 400 naming the field (the parser's own messages, which name the limit, come first). JSON
+    Schema's integers include 6.0: integral numbers are taken as integers. Unknown fields are
+    ignored, as the description allows them."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body: must be a JSON object")
+    body = _integral(body)
+    parsed = parse(body)
+    try:
+        msgspec.convert(body, kind, strict=True)
+    except msgspec.ValidationError as error:
+        message = str(error)
+        where = message.rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in message else None
+        field = re.match(r"\w+", where or "")
+        param = field[0] if field else None
+        raise ApiError(400, f"{where or 'request body'}: {_worded(message, kind, param)}", param) from None
+    return parsed
+
+
+def _worded(message: str, kind: type, field: str | None) -> str:
+    """msgspec's message in this API's words: a length as "at most N", a number's range as [min, max]."""
+    expected = message.partition(" - at ")[0]
+    length = re.fullmatch(r"Expected `(\w+)` of length <= (\d+)", expected)
+    if length:
+        return f"at most {length[2]} {'characters' if length[1] == 'str' else 'items'}"
+    if re.fullmatch(r"Expected `\w+` [<>]=? \S+", expected) and field:
+        schema = msgspec.json.schema(kind)
+        properties = schema["$defs"][kind.__name__]["properties"]
+        for node in _schema_nodes(properties.get(field, {})):
+            if "minimum" in node and "maximum" in node:
+                return f"must be in [{node['minimum']:g}, {node['maximum']:g}] ({expected})"
+    return expected
+
+
+def _schema_nodes(schema: Any) -> list[dict[str, Any]]:
+    if isinstance(schema, list):
+        return [node for item in schema for node in _schema_nodes(item)]
+    if not isinstance(schema, dict):
+        return []
+    return [schema, *(node for value in schema.values() for node in _schema_nodes(value))]
+
+
+def _integral(value: Any) -> Any:
+    """Floats with an integral value (6.0) as integers, anywhere in a decoded JSON value."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    return value
+
+
 def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant: str = "") -> Generation:
     """The engine's input from an OpenAI request body, or an ApiError naming the field and the limit;
     `tenant`: the caller's (its token's), which salts its prompts in the prefix cache."""
@@ -193,9 +251,6 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         salt = cache_salt(tenant, _typed(body, "cache_salt", str, ""))
     except RequestError as error:
         raise ApiError.of(error) from None
-    priority = _typed(body, "priority", int, 0)
-    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-        raise invalid("priority", f"must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}")
     raw = GenerateInput(
         model=model,
         prompt="",
@@ -215,7 +270,7 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         logit_bias=logit_bias(body.get("logit_bias")),
         cache_salt=salt,
         tenant=tenant,
-        priority=priority,
+        priority=_priority(body),
         # echo with max_tokens 0 scores the prompt even when no log-probabilities are shown: its
         # length is checked like any scored text, and nothing is generated.
         prompt_logprobs=None if not echo else logprobs if logprobs is not None else 0 if max_tokens == 0 else None,
@@ -225,6 +280,14 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         for p in prompts
     )
     return Generation(inputs, stream, bool(options.get("include_usage")), chat, logprobs, echo)
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """vLLM's `priority`: among the tenant's own waiting requests, lower first."""
+    priority = _typed(body, "priority", int, 0)
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise invalid("priority", f"must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+    return priority
 
 
 def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -337,11 +400,13 @@ def chat_prompt(messages: Any) -> str:
             raise invalid(f"messages[{index}]", f"must be an object with a role in {', '.join(CHAT_ROLES)}")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise invalid(f"messages[{index}].content", "only text parts are supported")
+            if not content or not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise invalid(f"messages[{index}].content", "a non-empty list of text parts (only text is supported)")
             content = "".join(str(part.get("text", "")) for part in content)
         if not isinstance(content, str):
             raise invalid(f"messages[{index}].content", f"must be a string, got {shown(content)}")
+        if not content:  # as the description says: an empty message would make an empty prompt alone
+            raise invalid(f"messages[{index}].content", "must not be empty")
         texts.append(content)
     return "\n".join(texts)
 

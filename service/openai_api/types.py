@@ -25,7 +25,8 @@ from service.engine.messages import (
     MIN_PRIORITY,
 )
 
-TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id of the model's vocabulary (/v1/models)")]
+TOKEN_ID = "a token id of the model's vocabulary (/v1/models)"  # the served description bounds it by the vocabulary
+TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description=TOKEN_ID)]
 StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARACTERS)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
@@ -96,8 +97,10 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """`content`: not empty (its text, or its parts' text joined)."""
+
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    content: Annotated[str, Meta(min_length=1)] | Annotated[list[ContentPart], Meta(min_length=1)]
 
 
 class ChatCompletionRequest(GenerationFields, kw_only=True):
