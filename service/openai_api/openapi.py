@@ -105,27 +105,27 @@ def _serve(schema: dict[str, Any], models: dict[str, ModelInfo]) -> None:
     """A request schema with what the served models allow: `model` one of their names, token ids
     below the smallest vocabulary, new tokens at most the smallest limit."""
     properties = schema.get("properties", {})
-    for string in _nodes(properties.get("model", {})):
+    for string in schema_nodes(properties.get("model", {})):
         if string.get("type") == "string":
             string["enum"] = sorted(models)
     vocabulary = min(info.vocab_size for info in models.values())
-    for node in _nodes(properties):
+    for node in schema_nodes(properties):
         if node.get("description") == types.TOKEN_ID:
             node["maximum"] = vocabulary - 1
     limit = min(info.max_new_tokens_limit for info in models.values())
     for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
-        for node in _nodes(properties.get(field, {})):
+        for node in schema_nodes(properties.get(field, {})):
             if node.get("type") == "integer":
                 node["maximum"] = limit
 
 
-def _nodes(schema: Any) -> list[dict[str, Any]]:
+def schema_nodes(schema: Any) -> list[dict[str, Any]]:
     """Every schema object inside `schema` (itself included)."""
     if isinstance(schema, list):
-        return [node for item in schema for node in _nodes(item)]
+        return [node for item in schema for node in schema_nodes(item)]
     if not isinstance(schema, dict):
         return []
-    return [schema, *(node for value in schema.values() for node in _nodes(value))]
+    return [schema, *(node for value in schema.values() for node in schema_nodes(value))]
 
 
 def _ref(kind: type) -> dict[str, str]:

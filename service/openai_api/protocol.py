@@ -39,6 +39,7 @@ from service.engine.messages import (
     RequestError,
     RequestStatus,
 )
+from service.openai_api.openapi import schema_nodes
 from service.security import cache_salt
 
 T = TypeVar("T")
@@ -177,18 +178,10 @@ def _worded(message: str, kind: type, field: str | None) -> str:
     if re.fullmatch(r"Expected `\w+` [<>]=? \S+", expected) and field:
         schema = msgspec.json.schema(kind)
         properties = schema["$defs"][kind.__name__]["properties"]
-        for node in _schema_nodes(properties.get(field, {})):
+        for node in schema_nodes(properties.get(field, {})):
             if "minimum" in node and "maximum" in node:
                 return f"must be in [{node['minimum']:g}, {node['maximum']:g}] ({expected})"
     return expected
-
-
-def _schema_nodes(schema: Any) -> list[dict[str, Any]]:
-    if isinstance(schema, list):
-        return [node for item in schema for node in _schema_nodes(item)]
-    if not isinstance(schema, dict):
-        return []
-    return [schema, *(node for value in schema.values() for node in _schema_nodes(value))]
 
 
 def _integral(value: Any) -> Any:
