@@ -83,6 +83,7 @@ def model_infos(engine: Engine) -> list[ModelInfo]:
                 head_dim=manifest.head_dim,
                 dtype=model.runner.dtype,
                 max_new_tokens_limit=model.config.max_new_tokens_limit,
+                default_max_new_tokens=model.config.default_max_new_tokens,
                 max_sequence_tokens=model.max_sequence_tokens,
                 kv_cache_capacity_bytes=model.store.capacity_bytes,
                 cache_policies=policy_syntax(manifest),

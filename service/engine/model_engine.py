@@ -105,7 +105,7 @@ class ModelEngine:
         self._steady_until = 0.0
         self.prefill_worker = PrefillWorker(
             self.runner, config.prefill_tokens, self._deliver_prefilled, self.observer.prefill, manifest.name,
-            config.prefill_nice,
+            config.prefill_nice, fair=config.scheduling == "fair",
         )  # fmt: skip
         # Prefix-cache hits with a short tail left go to a thread of their own (TailWorker).
         tails = config.tail_prefill_tokens > 0 and config.prefix_cache and self.runner.open_tail_session()
@@ -267,8 +267,8 @@ class ModelEngine:
             self._keep_prompts(joined)
         output = self.scheduler.schedule()
         self._snapshot_backlog()
-        if output.preempted or output.displaced:
-            self.metrics.preemptions.inc(len(output.preempted) + len(output.displaced))
+        if output.preempted:
+            self.metrics.preemptions.inc(len(output.preempted))
         if output.admitted:
             self._start_prefill(output.admitted)
         if output.decode:
@@ -292,7 +292,6 @@ class ModelEngine:
             joined
             or output.admitted
             or output.preempted
-            or output.displaced
             or self.scheduler.waiting
             or not output.decode
             or len(output.decode) != len(running)

@@ -4,6 +4,7 @@ answers hold; tests/service/test_openapi.py runs schemathesis against a real ser
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,7 @@ def openapi(models: dict[str, ModelInfo] | None = None, secured: bool = True) ->
     `secured`: the server takes bearer tokens (without, no operation asks for one)."""
     named = [types.ErrorResponse, *(o.answer for o in OPERATIONS), *(o.request for o in OPERATIONS if o.request)]
     _, schemas = msgspec.json.schema_components(named, ref_template="#/components/schemas/{name}")
+    _relate_completion_fields(schemas["CompletionRequest"])
     if models:
         for operation in OPERATIONS:
             if operation.request is not None:
@@ -101,6 +103,27 @@ def openapi(models: dict[str, ModelInfo] | None = None, secured: bool = True) ->
     return document
 
 
+def _relate_completion_fields(schema: dict[str, Any]) -> None:
+    """What /v1/completions checks across fields, which the types cannot say: a prompt's shapes (a
+    string; token ids; or at most MAX_PROMPTS strings and token-id lists), segments instead of a prompt
+    (never both, and one of them), max_tokens 0 only with echo."""
+    token = {"type": "integer", "minimum": 0, "maximum": 2**32 - 1, "description": types.TOKEN_ID}
+    ids = {"type": "array", "items": token, "minItems": 1}
+    prompts = {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 1}, ids]}, "minItems": 1,
+               "maxItems": types.MAX_PROMPTS}  # fmt: skip
+    schema["properties"]["prompt"] = {"anyOf": [{"type": "string"}, ids, prompts, {"type": "null"}]}
+    segmented = {"required": ["segments"], "properties": {"segments": {"type": "array", "minItems": 1}}}
+    no_echo = {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}}
+    schema["allOf"] = [
+        {
+            "if": segmented,
+            "then": {"properties": {"prompt": {"anyOf": [{"type": "null"}, {"const": ""}]}}},
+            "else": {"properties": {"prompt": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array"}]}}},
+        },
+        {"if": no_echo, "then": {"properties": {"max_tokens": {"anyOf": [{"type": "null"}, {"minimum": 1}]}}}},
+    ]
+
+
 def _serve(schema: dict[str, Any], models: dict[str, ModelInfo]) -> None:
     """A request schema with what the served models allow: `model` one of their names, token ids
     below the smallest vocabulary, new tokens at most the smallest limit."""
@@ -112,11 +135,42 @@ def _serve(schema: dict[str, Any], models: dict[str, ModelInfo]) -> None:
     for node in schema_nodes(properties):
         if node.get("description") == types.TOKEN_ID:
             node["maximum"] = vocabulary - 1
+    for node in schema_nodes(properties.get("logit_bias", {})):
+        if node.get("description") == types.BIAS_KEY:
+            node["pattern"] = f"^0*{integers(0, vocabulary - 1)}$"
+    policies = _policies(models)
+    for node in schema_nodes(properties.get("cache_policy", {})):
+        if node.get("type") == "string":
+            node["pattern"] = policies
     limit = min(info.max_new_tokens_limit for info in models.values())
     for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
         for node in schema_nodes(properties.get(field, {})):
             if node.get("type") == "integer":
                 node["maximum"] = limit
+
+
+def _policies(models: dict[str, ModelInfo]) -> str:
+    """A pattern of the cache policies every served model takes (empty: the default), each number
+    within what the shortest sequence limit leaves for sinks and window together."""
+    forms = set.intersection(*(set(info.cache_policies) for info in models.values()))
+    most = min(info.max_positions or info.max_sequence_tokens for info in models.values()) // 2
+    number = f"0*{integers(1, most)}"
+    written = sorted(re.escape(form).replace("W", number).replace("S", number) for form in forms)
+    return f"^({'|'.join(written)})?$"
+
+
+def integers(low: int, high: int) -> str:
+    """A regular expression of the decimal integers in [low, high], low 0 or 1, without leading zeros."""
+    top = str(high)
+    shorter = [f"[{low}-9]" if len(top) > 1 else f"[{low}-{top}]"]
+    shorter += [f"[1-9][0-9]{{{digits - 1}}}" for digits in range(2, len(top))]
+    same = [top] if len(top) > 1 else []
+    for index in range(len(top) if len(top) > 1 else 0):
+        first = 1 if index == 0 else 0
+        if int(top[index]) > first:
+            rest = f"[0-9]{{{len(top) - index - 1}}}" if index < len(top) - 1 else ""
+            same.append(f"{top[:index]}[{first}-{int(top[index]) - 1}]{rest}")
+    return f"({'|'.join(shorter + same)})"
 
 
 def schema_nodes(schema: Any) -> list[dict[str, Any]]:

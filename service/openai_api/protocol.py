@@ -40,6 +40,7 @@ from service.engine.messages import (
     RequestStatus,
 )
 from service.openai_api.openapi import schema_nodes
+from service.openai_api.types import MAX_PROMPTS
 from service.security import cache_salt
 
 T = TypeVar("T")
@@ -52,7 +53,6 @@ FINISH_REASONS = {
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 # Fields OpenAI defines that these models cannot honour: accepted only at their neutral value.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1}
-MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
 SEGMENT_FIELDS = ("text", "reusable")
 UINT32_MAX = 2**32 - 1  # gRPC's segment_repair_tokens is a uint32
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -215,16 +215,12 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
     else:
         prompts = ["".join(s.text for s in segments)] if segments else completion_prompts(body.get("prompt"), info)
     logprobs, echo = requested_logprobs(body, chat)
-    limit = info.max_new_tokens_limit
-    max_tokens = _typed(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                        int, None)  # fmt: skip
-    lowest = 0 if echo else 1
-    if max_tokens is not None and not lowest <= max_tokens <= limit:
-        alone = "" if echo else " (0 only with echo: the prompt's log-probabilities alone)"
-        raise invalid("max_tokens", f"must be in [{lowest}, {limit}]{alone}, got {max_tokens}")
+    max_tokens = _max_tokens(body, chat, echo, info.max_new_tokens_limit)
     min_tokens = _typed(body, "min_tokens", int, 0)
-    if max_tokens is not None and not 0 <= min_tokens <= max_tokens:
-        raise invalid("min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    if not 0 <= min_tokens <= info.max_new_tokens_limit:
+        raise invalid("min_tokens", f"must be in [0, {info.max_new_tokens_limit}], got {min_tokens}")
+    # Past the request's length, min_tokens says only that EOS never ends it: the request runs to its length.
+    min_tokens = min(min_tokens, info.default_max_new_tokens if max_tokens is None else max_tokens)
     n = _typed(body, "n", int, 1)
     if n != 1:
         raise invalid("n", f"only 1 is supported, got {n}")
@@ -273,6 +269,20 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         for p in prompts
     )
     return Generation(inputs, stream, bool(options.get("include_usage")), chat, logprobs, echo)
+
+
+def _max_tokens(body: dict[str, Any], chat: bool, echo: bool, limit: int) -> int | None:
+    """max_tokens, or chat's max_completion_tokens (which wins), each checked where given: 0 only with echo."""
+    lowest = 0 if echo else 1
+    fields = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    found = None
+    for field in fields:
+        value = _typed(body, field, int, None)
+        if value is not None and not lowest <= value <= limit:
+            alone = "" if echo else " (0 only with echo: the prompt's log-probabilities alone)"
+            raise invalid(field, f"must be in [{lowest}, {limit}]{alone}, got {value}")
+        found = value if value is not None else found
+    return found
 
 
 def _priority(body: dict[str, Any]) -> int:
@@ -395,7 +405,9 @@ def chat_prompt(messages: Any) -> str:
         if isinstance(content, list):  # content parts: text only
             if not content or not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise invalid(f"messages[{index}].content", "a non-empty list of text parts (only text is supported)")
-            content = "".join(str(part.get("text", "")) for part in content)
+            if not all(isinstance(p.get("text"), str) and p["text"] for p in content):
+                raise invalid(f"messages[{index}].content", "each text part needs a non-empty `text` string")
+            content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
             raise invalid(f"messages[{index}].content", f"must be a string, got {shown(content)}")
         if not content:  # as the description says: an empty message would make an empty prompt alone

@@ -25,12 +25,14 @@ from service.engine.messages import (
     MIN_PRIORITY,
 )
 
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
 TOKEN_ID = "a token id of the model's vocabulary (/v1/models)"  # the served description bounds it by the vocabulary
 TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description=TOKEN_ID)]
 StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARACTERS)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
-BiasKey = Annotated[str, Meta(pattern="^[0-9]{1,10}$", description="a token id, in decimal")]
+BIAS_KEY = "a token id, in decimal"  # the served description bounds it by the vocabulary
+BiasKey = Annotated[str, Meta(pattern="^[0-9]{1,10}$", description=BIAS_KEY)]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 FinishReason = Literal["stop", "length"]
 Prompt = str | TokenId | list[TokenId]  # an item of a prompt list: all strings, all ids, or all id lists
@@ -54,8 +56,8 @@ class GenerationFields(msgspec.Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0, description="at most max_tokens")] | None = None
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1, description="-1 or 0: no filter")] | None = None
-    seed: int | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1, description="-1 or 0: no filter")] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: Stop | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -93,7 +95,7 @@ class CompletionRequest(GenerationFields, kw_only=True):
 
 class ContentPart(msgspec.Struct, kw_only=True):
     type: Literal["text"]
-    text: str = ""
+    text: Annotated[str, Meta(min_length=1)]
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -107,6 +109,7 @@ class ChatCompletionRequest(GenerationFields, kw_only=True):
     """The messages' contents joined with newlines are the prompt (docs/http-api.md, chat template)."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1, description="at most --max-new-tokens-limit (1024)")] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None

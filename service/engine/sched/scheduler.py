@@ -5,8 +5,8 @@ waiting queue's order (service.engine.sched.fair: deficit round robin across ten
 order) while the batch has room and the KV store can allocate their rows; their prompts go to the
 prefill worker and are written into those rows when computed. When the store cannot grow a
 sequence, the preemption policy picks a victim whose row is freed (recomputed later), as vLLM
-does; under fair scheduling a full batch also gives a row up to a tenant holding fewer rows for
-its weight than another (`FairShare`).
+does; under fair scheduling the victim is the newest of the tenant holding the most rows for its
+weight (`FairShare`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # prompts to compute
     preempted: list[Request] = field(default_factory=list)
-    displaced: list[Request] = field(default_factory=list)  # rows given up to a lighter tenant (fair share)
 
 
 class Scheduler:
@@ -87,7 +86,7 @@ class Scheduler:
         self.prefix_blocks = prefix_blocks
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
-        self.waiting = waiting or WaitingQueue()
+        self.waiting = waiting if waiting is not None else WaitingQueue()  # (an empty queue is falsy)
         self.fair_share = FairShare(self.waiting) if self.waiting.policy == "fair" else None
         self.preemption: PreemptionPolicy = preemption or self.fair_share or NewestFirst()
         self.running: list[Request] = []
@@ -120,22 +119,15 @@ class Scheduler:
             else:
                 out.decode.append(request)
         # 2. New requests (and preempted ones) in the waiting queue's order: a row for the prompt and its
-        # first token; with the batch full, under fair scheduling, a row taken from a heavier tenant.
+        # first token (under fair scheduling the next free row goes to the tenant whose turn it is).
         # A row never evicts the cached prefix blocks of a prompt admitted before it in this step,
         # nor its own while others run (it waits for one of them to end rather than recompute
         # them); with nothing running it may evict its own, or it would wait forever.
         # None in a step that preempted (as vLLM v1): the memory just freed would go straight to a
         # waiting prompt, often the victim itself, recomputed at once instead of a decode resumed.
         taken: frozenset[int] = frozenset()
-        passes = 0  # flows whose turn ended because the batch is full and they hold their share
-        while self.waiting and not out.preempted:
+        while self.waiting and len(self.running) < self.max_batch_size and not out.preempted:
             request = self.waiting[0]
-            if len(self.running) >= self.max_batch_size and not self._displace(request, out):
-                if self.fair_share is None or passes >= self.waiting.flows:
-                    break
-                self.waiting.pass_turn()
-                passes += 1
-                continue
             policy = request.cache_policy
             own = self.prefix_blocks(request)
             keep = taken | own if self.running else taken
@@ -150,18 +142,6 @@ class Scheduler:
             out.admitted.append(request)
         out.decode = [r for r in out.decode if r.request_id not in preempted]
         return out
-
-    def _displace(self, request: Request, out: SchedulerOutput) -> bool:
-        """Fair scheduling with the batch full: the heaviest tenant's newest request gives its row
-        to `request` when its tenant holds fewer rows for its weight (False: it waits)."""
-        victim = self.fair_share.displaces(self.running, request) if self.fair_share is not None else None
-        if victim is None:
-            return False
-        self._preempt(victim)
-        out.displaced.append(victim)
-        out.decode = [r for r in out.decode if r is not victim]
-        out.admitted = [r for r in out.admitted if r is not victim]
-        return True
 
     def steady_steps(self, decoding: list[Request]) -> int:
         """How many more steps these sequences can decode, a token each, inside the rows they hold:

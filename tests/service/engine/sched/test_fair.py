@@ -12,7 +12,7 @@ from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.request import Request, SamplingParams
 from service.engine.sched.admission import Backlog, TenantBacklog
 from service.engine.sched.fair import WaitingQueue, request_cost
-from service.engine.sched.scheduler import Scheduler
+from service.engine.sched.scheduler import NewestFirst, Scheduler
 
 _ids = itertools.count()
 _clock = itertools.count(1)
@@ -86,27 +86,23 @@ def test_peeking_does_not_change_who_is_next_and_removal_leaves_the_rest() -> No
         WaitingQueue("lottery")
 
 
-def test_a_full_batch_gives_a_row_of_the_heaviest_tenant_to_a_lighter_one() -> None:
+def test_free_rows_go_round_the_tenants_and_memory_is_taken_from_the_heaviest() -> None:
     scheduler = Scheduler(Roomy(), max_batch_size=4)  # type: ignore[arg-type]
-    noisy = [make("noisy") for _ in range(6)]
+    noisy = [make("noisy") for _ in range(8)]
     for request in noisy:
         scheduler.add(request)
     assert scheduler.schedule().admitted == noisy[:4]
     quiet = make("quiet")
     scheduler.add(quiet)
-    out = scheduler.schedule()
-    assert out.admitted == [quiet] and out.displaced == [noisy[3]]  # the noisy tenant's newest
-    assert noisy[3].attempt == 1 and noisy[3] in scheduler.waiting and request_cost(noisy[3]) == 0
-    assert scheduler.schedule().admitted == []  # 3 to 1: the noisy tenant does not take it back
-
-
-def test_first_come_first_served_never_displaces() -> None:
-    scheduler = Scheduler(Roomy(), max_batch_size=2, waiting=WaitingQueue("fcfs"))  # type: ignore[arg-type]
-    for request in (make("noisy"), make("noisy"), make("quiet")):
-        scheduler.add(request)
-    scheduler.schedule()
-    out = scheduler.schedule()
-    assert out.admitted == [] and out.displaced == [] and len(scheduler.waiting) == 1
+    assert scheduler.schedule().admitted == []  # the batch is full: nobody gives a row up
+    for request in noisy[:4]:
+        scheduler.remove(request)
+    # The noisy tenant spends the rest of its turn's credit (256 - 4 x 36 tokens: three more), then
+    # the quiet tenant's turn comes, ahead of the noisy tenant's eighth.
+    assert scheduler.schedule().admitted == [*noisy[4:7], quiet]
+    assert scheduler.preemption.victim(scheduler.running) is noisy[6]  # the heaviest tenant's newest
+    lone = Scheduler(Roomy(), waiting=WaitingQueue("fcfs"))  # type: ignore[arg-type]
+    assert isinstance(lone.preemption, NewestFirst)
 
 
 def test_the_estimate_counts_other_tenants_only_up_to_the_newcomer_s_share() -> None:
