@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> Path:
         if "routing" in sections:
             routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
         if "tenants" in sections:
-            tenants.measure_tenants(repository, threads, held_out, budget, results, progress, out)
+            tenants.measure_tenants(repository, threads, held_out, budget, results, progress)
         if "evaluation" in sections:
             results.evaluation = evaluate(repository, schemes, budget.score_windows, budget.evaluation_choices,
                                           threads=threads)  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -130,13 +131,14 @@ def start_servers(repository: Path, threads: int, tokens: Path) -> dict[str, Ser
 
 
 def measure_tenants(
-    repository: Path, threads: int, held_out: HeldOut, budget: Budget, results: Results, progress: tqdm, out: Path
+    repository: Path, threads: int, held_out: HeldOut, budget: Budget, results: Results, progress: tqdm
 ) -> None:
     """Fills results.tenants: "solo", "fcfs" and "fair" (each tenant's medians, the acceptance's
     ratios and the rounds), and the setup."""
     prompts = held_out.again().windows(budget.tenants_prompt_bytes, 64)
     users = {"noisy": budget.tenants_noisy_users, "quiet": budget.tenants_quiet_users}
-    servers = start_servers(repository, threads, out / "tenant-tokens")
+    folder = tempfile.TemporaryDirectory(prefix="posenc-tenants-")  # the token file stays out of the report
+    servers = start_servers(repository, threads, Path(folder.name) / "tokens")
     rounds: dict[str, list[dict[str, dict[str, Any]]]] = {"solo": [], **{policy: [] for policy in POLICIES}}
     try:
         for round_index in range(budget.load_rounds):
@@ -149,6 +151,7 @@ def measure_tenants(
     finally:
         for server in servers.values():
             server.stop()
+        folder.cleanup()
     solo = medians(rounds["solo"])
     results.tenants = {
         "solo": {**solo, "rounds": rounds["solo"]},

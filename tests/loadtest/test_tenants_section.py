@@ -21,10 +21,10 @@ class Progress:
         self.steps += steps
 
 
-def test_the_tiny_section_fills_results_and_the_report(repository: Path, tmp_path: Path) -> None:
+def test_the_tiny_section_fills_results_and_the_report(repository: Path) -> None:
     results = Results("tiny", {}, {}, ["rope"])  # type: ignore[typeddict-item]
     progress, budget = Progress(), Budget.tiny()
-    tenants.measure_tenants(repository, 1, HeldOut(), budget, results, progress, tmp_path)  # type: ignore[arg-type]
+    tenants.measure_tenants(repository, 1, HeldOut(), budget, results, progress)  # type: ignore[arg-type]
     assert progress.steps == 3 * budget.load_rounds
     for policy in ("fcfs", "fair"):
         cell = results.tenants[policy]
