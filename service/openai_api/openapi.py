@@ -72,6 +72,17 @@ def openapi(models: dict[str, ModelInfo] | None = None, secured: bool = True) ->
     named = [types.ErrorResponse, *(o.answer for o in OPERATIONS), *(o.request for o in OPERATIONS if o.request)]
     _, schemas = msgspec.json.schema_components(named, ref_template="#/components/schemas/{name}")
     _relate_completion_fields(schemas["CompletionRequest"])
+    # Chat's top_logprobs needs logprobs: true.
+    asked = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}}
+    schemas["ChatCompletionRequest"]["allOf"] = [
+        {"if": asked, "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+    ]
+    # Both: stream_options (any option set) only with stream: true.
+    options = {"required": ["stream_options"], "properties": {"stream_options": {"type": "object", "minProperties": 1}}}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        schemas[name]["allOf"].append(
+            {"if": options, "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+        )
     if models:
         for operation in OPERATIONS:
             if operation.request is not None:
@@ -113,11 +124,12 @@ def _relate_completion_fields(schema: dict[str, Any]) -> None:
                "maxItems": types.MAX_PROMPTS}  # fmt: skip
     schema["properties"]["prompt"] = {"anyOf": [{"type": "string"}, ids, prompts, {"type": "null"}]}
     segmented = {"required": ["segments"], "properties": {"segments": {"type": "array", "minItems": 1}}}
+    some_text = {"contains": {"required": ["text"], "properties": {"text": {"minLength": 1}}}}  # a non-empty prompt
     no_echo = {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}}
     schema["allOf"] = [
         {
             "if": segmented,
-            "then": {"properties": {"prompt": {"anyOf": [{"type": "null"}, {"const": ""}]}}},
+            "then": {"properties": {"prompt": {"anyOf": [{"type": "null"}, {"const": ""}]}, "segments": some_text}},
             "else": {"properties": {"prompt": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array"}]}}},
         },
         {"if": no_echo, "then": {"properties": {"max_tokens": {"anyOf": [{"type": "null"}, {"minimum": 1}]}}}},
@@ -137,7 +149,7 @@ def _serve(schema: dict[str, Any], models: dict[str, ModelInfo]) -> None:
             node["maximum"] = vocabulary - 1
     for node in schema_nodes(properties.get("logit_bias", {})):
         if node.get("description") == types.BIAS_KEY:
-            node["pattern"] = f"^0*{integers(0, vocabulary - 1)}$"
+            node["pattern"] = f"^{integers(0, vocabulary - 1)}$"
     policies = _policies(models)
     for node in schema_nodes(properties.get("cache_policy", {})):
         if node.get("type") == "string":

@@ -57,7 +57,7 @@ SEGMENT_FIELDS = ("text", "reusable")
 UINT32_MAX = 2**32 - 1  # gRPC's segment_repair_tokens is a uint32
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_BIASED_TOKENS = 1024  # logit_bias entries (more than any vocabulary served here: the engine checks ids)
-TOKEN_KEY = re.compile(r"[0-9]{1,10}")
+TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # no leading zeros: "065" and "65" would name one token twice
 _encode = msgspec.json.Encoder().encode
 
 
@@ -305,7 +305,9 @@ def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, bias in value.items():
         if not TOKEN_KEY.fullmatch(key):
-            raise invalid("logit_bias", f"keys must be token ids (decimal integers), got {shown(key)}")
+            raise invalid(
+                "logit_bias", f"keys must be token ids (decimal integers, no leading zeros), got {shown(key)}"
+            )
         if isinstance(bias, bool) or not isinstance(bias, int | float):
             raise invalid("logit_bias", f"the bias of token {key} must be a number, got {shown(bias)}")
         pairs.append((int(key), float(bias)))

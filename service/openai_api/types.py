@@ -8,6 +8,7 @@ positions) come on top, and a request past those gets 400 naming them.
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Literal
 
 import msgspec
@@ -32,7 +33,7 @@ StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARACTERS)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 BIAS_KEY = "a token id, in decimal"  # the served description bounds it by the vocabulary
-BiasKey = Annotated[str, Meta(pattern="^[0-9]{1,10}$", description=BIAS_KEY)]
+BiasKey = Annotated[str, Meta(pattern="^(0|[1-9][0-9]{0,9})$", description=BIAS_KEY)]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 FinishReason = Literal["stop", "length"]
 Prompt = str | TokenId | list[TokenId]  # an item of a prompt list: all strings, all ids, or all id lists
@@ -55,7 +56,7 @@ class GenerationFields(msgspec.Struct, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=0, description="at most --max-new-tokens-limit (1024)")] | None = None
     min_tokens: Annotated[int, Meta(ge=0, description="at most max_tokens")] | None = None
     temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_p: Annotated[float, Meta(ge=sys.float_info.min, le=1, description="in (0, 1]")] | None = None
     top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1, description="-1 or 0: no filter")] | None = None
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: Stop | None = None
@@ -84,7 +85,7 @@ class CompletionRequest(GenerationFields, kw_only=True):
     """`prompt`: a string, token ids, a list of strings or a list of token-id lists (at most 64
     prompts); null or "" only with `segments`, the prompt given in pieces instead."""
 
-    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[Prompt], Meta(min_length=1)] | None
+    prompt: str | Annotated[list[Prompt], Meta(min_length=1)] | None  # "" only with segments (the description says)
     echo: bool | None = None
     logprobs: Logprobs | None = None
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None

@@ -191,3 +191,11 @@ def test_min_tokens_past_max_tokens_runs_to_max_tokens(server: ServerProcess) ->
     response = httpx.post(server.http_url + "/v1/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
+
+
+def test_echo_of_a_one_token_prompt_has_no_log_probability_to_give(server: ServerProcess) -> None:
+    """Once a 500: scoring one token ran a graph call of length 0 (found by schemathesis)."""
+    body = {"model": "alibi", "prompt": [255], "echo": True, "logprobs": 0, "max_tokens": 1}
+    response = httpx.post(server.http_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
