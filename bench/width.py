@@ -14,6 +14,7 @@ trained ones. Figures, not verdicts: every ratio is taken within the run.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -25,16 +26,16 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from bench.layers import decode_tokens_per_second_genai, decode_tokens_per_second_grpc_counted
-from bench.long_context import BASELINE, LONG_CONTEXTS, hybrid_ratios
+from bench.long_context import BASELINE, LONG_CONTEXTS
 from bench.prefill import gemm_gflops, grpc_ttft, linear_shapes, prefill_flops, prompt_text
 from bench.runners import batch_runner, step_seconds
-from bench.streams import median_of
-from bench.throughput import aggregate_tokens_per_second
 from contract.manifest import Manifest
 from export.fused import IR_VERSION
 from models.sizes import RANDOM_SCHEMES
+from service.api import generation_pb2 as pb
 from service.engine.messages import EngineConfig
 from service.engine.worker.model_session import serving_plan
+from service.engine.worker.runner import ModelRunner
 from service.process import ServerProcess
 
 BANDWIDTH_BUFFER = 1 << 28  # 256 MiB: eight times this machine's 32 MiB last-level cache
@@ -46,20 +47,22 @@ STREAMS = (16, 64)
 SCHEMES = RANDOM_SCHEMES
 
 
-def read_bandwidth(threads: int, size: int = BANDWIDTH_BUFFER, runs: int = 5) -> float:
-    """Bytes/s of a read of a `size`-byte buffer split over `threads` threads (numpy's reductions
-    release the GIL), best of `runs`: the rate decode's weight and K/V reads cannot beat."""
-    buffer = np.ones(size // 8, dtype=np.float64)
-    parts = np.array_split(buffer, threads)
-    with ThreadPoolExecutor(threads) as pool:
+class Bandwidth:
+    """Reads of a BANDWIDTH_BUFFER-byte buffer split over `threads` threads (numpy's reductions release
+    the GIL): the rate decode's weight and K/V reads cannot beat. On a shared machine the rate moves
+    from minute to minute, so each figure is held against a read taken right beside it."""
 
-        def once() -> float:
-            started = time.perf_counter()
-            list(pool.map(np.sum, parts))
-            return time.perf_counter() - started
+    def __init__(self, threads: int, size: int = BANDWIDTH_BUFFER) -> None:
+        self.size, self.parts = size, np.array_split(np.ones(size // 8, dtype=np.float64), threads)
+        self.pool = ThreadPoolExecutor(threads)
+        self.readings: list[float] = []
+        self()  # touch every page first
 
-        once()  # touch every page first
-        return size / min(once() for _ in range(runs))
+    def __call__(self, runs: int = 3) -> float:
+        """Bytes/s, the best of `runs` reads; every reading is kept for the header's median."""
+        best = min(_seconds(lambda: list(self.pool.map(np.sum, self.parts))) for _ in range(runs))
+        self.readings.append(self.size / best)
+        return self.size / best
 
 
 def weight_bytes(manifest: Manifest) -> int:
@@ -139,88 +142,137 @@ def print_header(folders: list[Path], bandwidth: float, threads: int) -> None:
         print(f"  {manifest.name:<12} {layout.token_bytes / 1024:6.1f} KB/token{local:<24} {fits:4d} requests")
 
 
-def serve_figures(folder: Path, args: argparse.Namespace, server_threads: int, new_tokens: int) -> dict[str, float]:
+def serve_figures(
+    folder: Path, args: argparse.Namespace, server_threads: int, bandwidth: Bandwidth
+) -> dict[str, float]:
     """Through gRPC, one server for this model alone (at 85 M parameters each served model holds
-    its graphs' weights): one stream's decode tokens/s, a 2 KB prompt's time to first token, and
-    for the baseline the aggregate tokens/s at STREAMS and onnxruntime-genai alternated with gRPC."""
-    name = Manifest.load(folder).name
-    server = ServerProcess(folder.parent, "--models", name, "--max-new-tokens-limit", "4096",
-                           "--device", args.device, threads=server_threads)  # fmt: skip
-    figures: dict[str, float] = {}
+    its graphs' weights): one stream's decode with a bandwidth read beside each run (the ratio to the
+    roofline: the median of the runs'), a 2 KB prompt's time to first token, and for the baseline
+    onnxruntime-genai alternated with gRPC, numpy's sgemm over the prompt's shapes, and the decode
+    rate of STREAMS streams, each followed by its GEMM ceiling."""
+    name, manifest = folder.name, Manifest.load(folder)
+    # The capacity column's budget: the default 256 MiB holds no 4,096-token row at this width.
+    server = ServerProcess(folder.parent, "--models", name, "--max-new-tokens-limit", "4096", "--kv-cache-bytes",
+                           str(BUDGET), "--device", args.device, threads=server_threads)  # fmt: skip
     salt = iter(range(10**9))
+    new_tokens, short = new_tokens_of(args), short_context(new_tokens_of(args))
+    grpc, ratios, genai, ttft = [], [], [], []
+    figures: dict[str, float] = {}
     try:
         server.wait_serving(timeout=600)
         decode_tokens_per_second_grpc_counted(server, name, 8)  # warm-up
         grpc_ttft(server, name, prompt_text(300, next(salt)))
-        grpc, genai = [], []
-        for _ in range(1 if args.quick else 3):  # gRPC and genai alternated: the machine drifts
-            grpc.append(median_of(lambda: decode_tokens_per_second_grpc_counted(server, name, new_tokens)))
+        for _ in range(rounds_of(args)):  # gRPC and genai alternated, each beside a bandwidth read
+            read = bandwidth()
+            grpc.append(decode_tokens_per_second_grpc_counted(server, name, new_tokens))
+            ratios.append(grpc[-1] / roofline((read + bandwidth()) / 2, manifest, short))
             if name == BASELINE:
-                rate = decode_tokens_per_second_genai(folder, new_tokens, args.threads)
-                genai.append(float("nan") if rate is None else rate)
-        figures["grpc"] = statistics.median(grpc)
-        if genai:
-            figures["genai"] = statistics.median(genai)
-        runs = 1 if args.quick else 3
-        figures["ttft"] = statistics.median(
-            grpc_ttft(server, name, prompt_text(PROMPT_BYTES, next(salt))) for _ in range(runs)
-        )
+                genai.append(decode_tokens_per_second_genai(folder, new_tokens, args.threads) or math.nan)
+        ttft = [grpc_ttft(server, name, prompt_text(PROMPT_BYTES, next(salt))) for _ in range(3)]
+        figures |= {"grpc": statistics.median(grpc), "ratio": statistics.median(ratios)}
+        figures["ttft"] = statistics.median(ttft)
         if name == BASELINE:
+            figures["genai"] = statistics.median(genai)
+            figures["genai_ratio"] = statistics.median(a / b for a, b in zip(grpc, genai, strict=True))
+            figures["sgemm"] = gemm_gflops(linear_shapes(manifest, PROMPT_BYTES + 1), runs=2)
             for streams in STREAMS:
-                figures[f"streams{streams}"] = aggregate_tokens_per_second(
-                    server, name, streams, new_tokens // 4, requests_per_stream=1
-                )
+                figures[f"streams{streams}"] = concurrent_decode_rate(server, name, streams, 2 * new_tokens)
+                figures[f"ceiling{streams}"] = gemm_ceiling(manifest, streams, args.threads)
     finally:
         server.stop()
     return figures
 
 
-def context_steps(folder: Path, args: argparse.Namespace, steps: int) -> dict[int, float]:
-    """Median decode step seconds (batch 1, random K/V) at each of LONG_CONTEXTS, one runner at a
-    time (each holds the model's sessions: at this width they do not all fit side by side)."""
-    times = {}
-    for context in LONG_CONTEXTS:
-        runner = batch_runner(folder, 1, context, args.threads, args.device)
-        times[context] = step_seconds(runner, steps)
-        del runner
-    return times
+def concurrent_decode_rate(server: ServerProcess, model: str, streams: int, new_tokens: int) -> float:
+    """Tokens/s of `streams` greedy streams started together, while most of them decode: the chunks
+    that arrive between the median stream's first chunk and the median stream's last, over that
+    window (most prompts are prefilled before it and most streams still run at its end; at this width
+    a step outlasts the server's 4 ms pacing, so a chunk is a step's token)."""
+
+    def client(stream: int) -> list[float]:
+        prompt = f"def function_{stream}(x):\n"
+        request = pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=new_tokens, ignore_eos=True)
+        return [time.perf_counter() for _ in server.stub.GenerateStream(request, timeout=600)]
+
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        arrivals = list(pool.map(client, range(streams)))
+    start = statistics.median(times[0] for times in arrivals)
+    end = statistics.median(times[-1] for times in arrivals)
+    chunks = sum(1 for times in arrivals for t in times if start < t <= end)
+    return chunks / (end - start) if end > start else math.nan
+
+
+def new_tokens_of(args: argparse.Namespace) -> int:
+    return 64 if args.quick else 128
+
+
+def rounds_of(args: argparse.Namespace) -> int:
+    return 3 if args.quick else 5
+
+
+def context_steps(
+    folder: Path, args: argparse.Namespace, bandwidth: Bandwidth, baseline: ModelRunner
+) -> dict[int, dict[str, float]]:
+    """Per context of LONG_CONTEXTS (batch 1, random K/V): the median decode step seconds, the median
+    of each step timing's ratio to the roofline of a bandwidth read beside it, and (at LONG) the
+    median ratio to the baseline's step at LONG timed right after it (`baseline`, held for the whole
+    run). One model's runners at a time: at this width every model's do not fit side by side."""
+    steps, manifest = 5 if args.quick else 20, Manifest.load(folder)
+    runners = {context: batch_runner(folder, 1, context, args.threads, args.device) for context in LONG_CONTEXTS}
+    samples: dict[int, list[tuple[float, float]]] = {context: [] for context in LONG_CONTEXTS}
+    against: list[float] = []
+    for _ in range(rounds_of(args)):
+        for context, runner in runners.items():
+            read = bandwidth()
+            seconds = step_seconds(runner, steps)
+            samples[context].append((seconds, 1 / seconds / roofline((read + bandwidth()) / 2, manifest, context)))
+        against.append(samples[LONG][-1][0] / step_seconds(baseline, steps))
+    figures = {
+        context: {"seconds": statistics.median(t for t, _ in rows), "ratio": statistics.median(r for _, r in rows)}
+        for context, rows in samples.items()
+    }
+    figures[LONG]["vs_baseline"] = statistics.median(against)
+    return figures
 
 
 def print_width(args: argparse.Namespace, repository: Path, server_threads: int) -> None:
     """The whole `--size` run: header, per-scheme table, aggregate and prefill, then the ratio lines."""
     folders = small_folders(repository, (BASELINE, *(s for s in args.schemes if s != BASELINE)))
-    bandwidth = read_bandwidth(args.threads)
-    print_header(folders, bandwidth, args.threads)
-    new_tokens = 64 if args.quick else 128
-    steps = 5 if args.quick else 20
-    serving = {f.name: serve_figures(f, args, server_threads, new_tokens) for f in folders}
-    itl = {f.name: context_steps(f, args, steps) for f in folders}
+    bandwidth = Bandwidth(args.threads)
+    print_header(folders, bandwidth(5), args.threads)
+    serving = {f.name: serve_figures(f, args, server_threads, bandwidth) for f in folders}
+    baseline = batch_runner(folders[0], 1, LONG, args.threads, args.device)
+    itl = {f.name: context_steps(f, args, bandwidth, baseline) for f in folders}
+    del baseline
     manifests = {f.name: Manifest.load(f) for f in folders}
-    short = short_context(new_tokens)
-    print_table(manifests, serving, itl, bandwidth, (new_tokens, args.threads, steps))
-    base = manifests[BASELINE]
-    print_aggregate(serving[BASELINE], base, args.threads, bandwidth)
-    sgemm = gemm_gflops(linear_shapes(base, PROMPT_BYTES + 1))
-    print(f"\n{PROMPT_BYTES}-byte prompt through gRPC ({os.cpu_count()} prefill threads): time to first token, and the "
-          f"prompt's FLOPs / TTFT against numpy's sgemm over the same linear layers at {PROMPT_BYTES + 1} rows "
-          f"({sgemm:.1f} GFLOP/s in this run):")  # fmt: skip
+    print_table(manifests, serving, itl, args, statistics.median(bandwidth.readings))
+    base, figures = manifests[BASELINE], serving[BASELINE]
+    print_aggregate(figures, args.threads)
+    print(f"\n{PROMPT_BYTES}-byte prompt through gRPC ({os.cpu_count()} prefill threads; median of 3): time to first "
+          f"token, and the prompt's FLOPs / TTFT against numpy's sgemm over the same linear layers at "
+          f"{PROMPT_BYTES + 1} rows ({figures['sgemm']:.1f} GFLOP/s in this run, its own threads):")  # fmt: skip
     for name, manifest in manifests.items():
         rate = prefill_flops(manifest, PROMPT_BYTES + 1) / serving[name]["ttft"] / 1e9
         print(f"  {name:<12}{serving[name]['ttft'] * 1000:10.0f} ms {rate:8.1f} GFLOP/s")
-    print()
-    for name, manifest in manifests.items():
-        print(f"{name} decode/roofline {serving[name]['grpc'] / roofline(bandwidth, manifest, short):.2f}")
-    for name, manifest in manifests.items():
-        print(f"{name} decode@{LONG}/roofline {1 / itl[name][LONG] / roofline(bandwidth, manifest, LONG):.2f}")
-    print(f"gRPC/genai {serving[BASELINE]['grpc'] / serving[BASELINE].get('genai', float('nan')):.2f}")
-    rate = prefill_flops(base, PROMPT_BYTES + 1) / serving[BASELINE]["ttft"] / 1e9
-    print(f"prefill/sgemm {rate / sgemm:.2f}")
-    for name, ratio in hybrid_ratios(itl, LONG).items():
-        print(f"{name} / {BASELINE} ITL@{LONG} {ratio:.2f}")
-    print(f"\n(at 16 streams of {LONG} tokens a step reads the weights once and 16 rows of K/V: by the roofline a "
-          "hybrid's step is then " + ", ".join(
-              f"{name} {batch_step_bytes(manifest, 16) / batch_step_bytes(base, 16):.2f}"
-              for name, manifest in manifests.items() if name.endswith("-swa")) + f" of {BASELINE}'s)")  # fmt: skip
+    print(f"\nmemory bandwidth: median {statistics.median(bandwidth.readings) / 1e9:.1f} GB/s of "
+          f"{len(bandwidth.readings)} reads over the run ({min(bandwidth.readings) / 1e9:.1f}-"
+          f"{max(bandwidth.readings) / 1e9:.1f}); each ratio below is the median of its runs' ratios, every "
+          "run against the reads beside it (a hybrid over rope: rope's step timed right after its own)\n")  # fmt: skip
+    for name in manifests:
+        print(f"{name} decode/roofline {serving[name]['ratio']:.2f}")
+    for name in manifests:
+        print(f"{name} decode@{LONG}/roofline {itl[name][LONG]['ratio']:.2f}")
+    print(f"gRPC/genai {figures['genai_ratio']:.2f}")
+    rate = prefill_flops(base, PROMPT_BYTES + 1) / figures["ttft"] / 1e9
+    print(f"prefill/sgemm {rate / figures['sgemm']:.2f}")
+    for name in manifests:
+        if name.endswith("-swa"):
+            print(f"{name} / {BASELINE} ITL@{LONG} {itl[name][LONG]['vs_baseline']:.2f}")
+    hybrids = [(name, m) for name, m in manifests.items() if name.endswith("-swa")]
+    if hybrids:
+        shares = ", ".join(f"{name} {batch_step_bytes(m, 16) / batch_step_bytes(base, 16):.2f}" for name, m in hybrids)
+        print(f"\n(at 16 streams of {LONG} tokens a step reads the weights once and 16 rows of K/V: by the roofline "
+              f"a hybrid's step is then {shares} of {BASELINE}'s)")  # fmt: skip
 
 
 def batch_step_bytes(manifest: Manifest, rows: int) -> int:
@@ -236,33 +288,35 @@ def short_context(new_tokens: int) -> int:
 def print_table(
     manifests: dict[str, Manifest],
     serving: dict[str, dict[str, float]],
-    itl: dict[str, dict[int, float]],
+    itl: dict[str, dict[int, dict[str, float]]],
+    args: argparse.Namespace,
     bandwidth: float,
-    run: tuple[int, int, int],
 ) -> None:
-    """One row per scheme: gRPC decode and its roofline, inter-token latency per context and its roofline."""
-    new_tokens, threads, steps = run
+    """One row per scheme: gRPC decode, inter-token latency per context, and the rooflines at the run's
+    median bandwidth (the ratios take each run's own reads)."""
+    new_tokens = new_tokens_of(args)
     print(
-        f"\nOne stream through gRPC ({new_tokens} tokens, {threads} decode thread(s)) and inter-token latency "
-        f"(runner, batch 1, median of {steps} steps), each against its roofline (bandwidth / bytes a step reads):"
+        f"\nOne stream through gRPC ({new_tokens} tokens, {args.threads} decode thread(s), median of "
+        f"{rounds_of(args)}) and inter-token latency (runner, batch 1, median of {rounds_of(args)} rounds of "
+        f"{5 if args.quick else 20} steps), rooflines at {bandwidth / 1e9:.1f} GB/s (weights + K/V a step reads):"
     )
     header = "".join(f"{f'ITL@{c} ms':>14}" for c in LONG_CONTEXTS) + "".join(
         f"{f'roof@{c}':>12}" for c in LONG_CONTEXTS
     )
     print("  " + f"{'model':<12}{'tokens/s':>10}{'roofline':>10}" + header)
     for name, manifest in manifests.items():
-        cells = "".join(f"{itl[name][c] * 1000:14.1f}" for c in LONG_CONTEXTS)
+        cells = "".join(f"{itl[name][c]['seconds'] * 1000:14.1f}" for c in LONG_CONTEXTS)
         roofs = "".join(f"{1000 / roofline(bandwidth, manifest, c):12.1f}" for c in LONG_CONTEXTS)
         limit = roofline(bandwidth, manifest, short_context(new_tokens))
         print(f"  {name:<12}{serving[name]['grpc']:10.1f}{limit:10.1f}{cells}{roofs}")
 
 
-def print_aggregate(figures: dict[str, float], manifest: Manifest, threads: int, bandwidth: float) -> None:
+def print_aggregate(figures: dict[str, float], threads: int) -> None:
     """Aggregate tokens/s at each of STREAMS against ONNX Runtime's matrix products at that batch
-    (gemm_ceiling), and what the roofline makes of a hybrid beside rope at 16 streams of LONG tokens."""
-    print(f"\nAggregate decode through gRPC ({BASELINE}, one request a stream) against the decode step's matrix "
-          f"products alone at that batch (ONNX Runtime MatMul, {threads} thread(s)):")  # fmt: skip
+    (gemm_ceiling, measured right after it)."""
+    print(f"\nAggregate decode through gRPC ({BASELINE}; greedy streams, tokens a second while all of them "
+          f"decode) against the step's matrix products alone at that batch (ONNX Runtime MatMul, {threads} "
+          "thread(s)):")  # fmt: skip
     for streams in STREAMS:
-        ceiling = gemm_ceiling(manifest, streams, threads)
-        rate = figures[f"streams{streams}"]
+        rate, ceiling = figures[f"streams{streams}"], figures[f"ceiling{streams}"]
         print(f"  {streams:>3} streams {rate:8.1f} tokens/s   GEMM ceiling {ceiling:8.1f}   {rate / ceiling:.2f}")
