@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from bench.fused import print_fused_steps
-from bench.long_context import print_long_context
+from bench.long_context import BASELINE, print_long_context
 from bench.mixed import print_mixed_lengths
 from bench.policies import print_int8_ratio, print_policy_steps
 from bench.prefill import print_prefill
@@ -22,9 +22,12 @@ from bench.share import print_cache_share
 from bench.speculative import print_speculative
 from bench.steps import print_step_table
 from bench.throughput import print_throughput
+from bench.width import SCHEMES as WIDTH_SCHEMES
+from bench.width import print_width
 from contract.cli import HelpFormatter
 from contract.manifest import Manifest
-from contract.paths import REPOSITORY_ROOT
+from contract.paths import REPOSITORY_ROOT, sized_repository
+from models.sizes import RANDOM_SIZES
 from service.engine.messages import EngineConfig
 from service.engine.worker import denormals
 from service.engine.worker.model_session import default_threads, serving_plan
@@ -58,11 +61,27 @@ def main(argv: list[str] | None = None) -> int:
         "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
         help=f"which parts to run, from {' '.join(SECTIONS)}",
     )  # fmt: skip
+    parser.add_argument(
+        "--size", choices=RANDOM_SIZES, default=None,
+        help="instead of the sections: every scheme at this size (random weights, python -m export --size) against "
+        "the memory-bandwidth roofline, genai, GEMM and sgemm (bench/width.py); repository default "
+        f"{sized_repository('SIZE').name}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--schemes", nargs="+", default=list(WIDTH_SCHEMES), metavar="SCHEME",
+        help=f"with --size: the schemes measured, {BASELINE} among them (default: {' '.join(WIDTH_SCHEMES)})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.size is not None and BASELINE not in args.schemes:
+        parser.error(f"--schemes must include {BASELINE}: every ratio of --size is taken against it")
     denormals.enable()  # as the engine core does: the in-process figures run the served settings
     repository: Path = args.model_repository
     server_threads = args.threads  # 0: the server's own default (decode half the cores, prefill all)
     args.threads = args.threads or default_threads()  # decode threads, for the in-process figures
+    if args.size is not None:
+        default = parser.get_default("model_repository")
+        print_width(args, sized_repository(args.size) if repository == default else repository, server_threads)
+        return 0
     # Further training seeds (rope@seed2) have their scheme's graphs: nothing of their own to time.
     folders = sorted(
         p for p in repository.iterdir() if (p / "manifest.json").is_file() and not Manifest.load(p).is_extra_seed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import statistics
 import time
 import urllib.parse
@@ -39,6 +40,18 @@ def decode_tokens_per_second_grpc(
     """One stream's decode rate; `logprobs`: each token's log-probability and that many alternatives too."""
     request = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=new_tokens, logprobs=logprobs)
     return decode_rate(token_arrivals(stream_texts(server.stub.GenerateStream(request, timeout=600))))
+
+
+def decode_tokens_per_second_grpc_counted(server: ServerProcess, model: str, new_tokens: int) -> float:
+    """One stream's decode rate, every token counted (usage) rather than read off the text: random
+    weights emit any byte, and an invalid UTF-8 byte arrives as a 3-byte replacement character or
+    not at all. `ignore_eos`, so every run decodes `new_tokens`; the first chunk is the prefill's token."""
+    request = pb.GenerateRequest(model=model, prompt="def main():\n", max_new_tokens=new_tokens, ignore_eos=True)
+    arrivals, tokens = [], 0
+    for chunk in server.stub.GenerateStream(request, timeout=600):
+        arrivals.append(time.perf_counter())
+        tokens = chunk.usage.completion_tokens or tokens
+    return (tokens - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else math.nan
 
 
 def unique_prompt_tokens_per_second(server: ServerProcess, model: str, new_tokens: int, salt: int) -> float:

@@ -43,28 +43,46 @@ def prompt_text(size: int, salt: int) -> str:
     return (head + _LINE * (size // len(_LINE) + 1))[:size]
 
 
-def prefill_flops(manifest: Manifest, tokens: int) -> float:
-    """FLOPs of one causal prompt of `tokens` tokens: the linear layers (QKV, output projection, MLP
-    up and down, the LM head) at 2 per multiply-add, and causal attention (Q K^T and weights x V over
-    the lower triangle, T^2/2 pairs each)."""
-    d, layers, vocab = int(manifest.data["d_model"]), manifest.n_layers, manifest.vocab_size  # type: ignore[call-overload]
+def linear_shapes(manifest: Manifest, rows: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of every linear layer of a call over `rows` tokens, in graph order: each block's QKV,
+    output projection, MLP up and down, then the LM head."""
+    d, vocab = int(manifest.data["d_model"]), manifest.vocab_size  # type: ignore[call-overload]
     width = int(manifest.data.get("d_ff", 4 * d))  # type: ignore[call-overload]
-    linear = 2 * tokens * (layers * (4 * d * d + 2 * d * width) + d * vocab)
-    attention = layers * 2 * 2 * d * tokens * tokens / 2
+    block = [(rows, d, 3 * d), (rows, d, d), (rows, d, width), (rows, width, d)]
+    return block * manifest.n_layers + [(rows, d, vocab)]
+
+
+def prefill_flops(manifest: Manifest, tokens: int) -> float:
+    """FLOPs of one causal prompt of `tokens` tokens: the linear layers (linear_shapes) at 2 per
+    multiply-add, and causal attention (Q K^T and weights x V over the lower triangle, T^2/2 pairs each)."""
+    d = int(manifest.data["d_model"])  # type: ignore[call-overload]
+    linear = sum(2 * m * k * n for m, k, n in linear_shapes(manifest, tokens))
+    attention = manifest.n_layers * 2 * 2 * d * tokens * tokens / 2
     return float(linear + attention)
 
 
 def sgemm_gflops(size: int = 1024, runs: int = 5) -> float:
     """numpy's float32 matrix product rate (GFLOP/s, best of `runs`), with its BLAS's own threads."""
+    return gemm_gflops([(size, size, size)], runs)
+
+
+def gemm_gflops(shapes: list[tuple[int, int, int]], runs: int = 5) -> float:
+    """numpy's float32 rate (GFLOP/s, best of `runs`) over a sequence of products (m, k) @ (k, n), one
+    per shape, each right-hand matrix its own array: a model's linear layers at m rows, whose weights
+    stream from memory as the graph's do when they outgrow the cache."""
     rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((size, size)).astype(np.float32) for _ in range(2))
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(runs):
+    lefts = {(m, k): rng.standard_normal((m, k)).astype(np.float32) for m, k, _ in shapes}
+    rights = [rng.standard_normal((k, n)).astype(np.float32) for _, k, n in shapes]
+
+    def once() -> float:
         started = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best / 1e9
+        for (m, k, _), right in zip(shapes, rights, strict=True):
+            lefts[(m, k)] @ right
+        return time.perf_counter() - started
+
+    once()  # warm-up
+    best = min(once() for _ in range(runs))
+    return sum(2 * m * k * n for m, k, n in shapes) / best / 1e9
 
 
 def runner_ttft(runner: ModelRunner, text: str, chunk_tokens: int) -> float:

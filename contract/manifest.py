@@ -229,6 +229,18 @@ class Manifest:
         return not (self.is_scaling_variant or self.is_extra_seed)
 
     @property
+    def random_weights(self) -> bool:
+        """Weights drawn at random from a fixed seed (`python -m export --size small`), not trained: its
+        latency, memory and capacity are real, its text is noise."""
+        return self.data.get("random_weights") is not None
+
+    @property
+    def size(self) -> str | None:
+        """The named size it was exported at (models/sizes.py; None: the trained weights' own)."""
+        size = self.data.get("size")
+        return None if size is None else str(size)
+
+    @property
     def training_seed(self) -> int | None:
         """The seed its weights were trained with (None: an export from before it was recorded)."""
         training = self.data.get("training")

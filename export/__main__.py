@@ -18,8 +18,10 @@ from pathlib import Path
 
 from contract.cli import HelpFormatter
 from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FP16, SERVING_FUSED, SERVING_FUSED_INT8, SERVING_INT8
+from contract.paths import sized_repository
 from export.repository import GRAPH_FILES, ExportOptions, ExportResult, plan, run
 from models.positional import SCHEMES
+from models.sizes import RANDOM_SCHEMES, RANDOM_SEED, RANDOM_SIZES
 
 # Short names of the graph variants for the table's size column.
 SHORT_NAMES = {
@@ -55,7 +57,7 @@ def format_table(results: list[ExportResult], contexts: tuple[int, ...]) -> str:
             [
                 r.name,
                 f"{r.parameters:,}",
-                fmt(r.val_bpb),
+                "-" if r.val_bpb is None else fmt(r.val_bpb),  # none recorded: random weights
                 *[fmt(r.test_bpb.get(c)) if c in r.test_bpb else "-" for c in contexts],
                 f"{parity['float32'].max_abs:.1e}" if "float32" in parity else "-",
                 f"{parity['float16'].max_abs:.1e}" if "float16" in parity else "-",
@@ -78,7 +80,10 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
     defaults = ExportOptions()
     parser = argparse.ArgumentParser(prog="python -m export", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--weights", type=Path, default=defaults.weights, help="folder of trained weights per scheme")
-    parser.add_argument("--out", type=Path, default=defaults.out, help="model repository to write")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help=f"model repository to write (default: {defaults.out.name}; with --size S: {sized_repository('S').name})",
+    )  # fmt: skip
     parser.add_argument(
         "--schemes", nargs="+", choices=SCHEMES, default=None, metavar="SCHEME",
         help=f"schemes to export, from {', '.join(SCHEMES)} (default: every one with weights in --weights)",
@@ -102,6 +107,15 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
         "only when named); by default only each scheme's served seed: `python -m loadtest.compare` exports the "
         "further seeds it scores itself",
     )  # fmt: skip
+    parser.add_argument(
+        "--size", choices=RANDOM_SIZES, default=None,
+        help="random weights from a fixed seed at this size (models/sizes.py; small: 12 x 768, GPT-2 small's shape) "
+        f"instead of the trained ones; default schemes {' '.join(RANDOM_SCHEMES)}, graphs the service needs; "
+        "export into a folder outside git (--out)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--n-layers", type=int, default=None, help="with --size: this many layers (a shallower stand-in, same width)"
+    )
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip parity and evaluation")
     parser.add_argument(
         "--eval-windows", type=int, default=defaults.eval_windows, help="test-split windows per evaluated context"
@@ -120,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
     args = parser.parse_args(argv)
     return ExportOptions(
         weights=args.weights,
-        out=args.out,
+        out=args.out or (defaults.out if args.size is None else sized_repository(args.size)),
         schemes=None if args.schemes is None else tuple(args.schemes),
         fp16=args.fp16,
         graphs=None if args.graphs is None else tuple(args.graphs),
@@ -130,7 +144,9 @@ def parse_args(argv: list[str] | None = None) -> ExportOptions:
         eval_contexts=tuple(args.eval_contexts),
         corpus=args.corpus,
         workers=args.workers,
-        extra_seeds=args.extra_seeds,
+        extra_seeds=args.extra_seeds and args.size is None,
+        size=args.size,
+        n_layers=args.n_layers,
     )
 
 
@@ -140,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     print(plan(options), flush=True)
     results = run(options)
-    print(format_table(results, options.eval_contexts if options.verify else ()))
+    print(format_table(results, options.eval_contexts if options.verify and options.size is None else ()))
+    if options.size is not None:
+        print(f"\nsize {options.size}: RANDOM weights (seed {RANDOM_SEED}): for latency, memory and capacity, not text")
     print(f"\nmodel repository: {options.out}  ({time.time() - started:.0f} s in all)")
     failures = [failure for r in results for failure in r.parity_failures()]
     if failures:

@@ -66,6 +66,7 @@ from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.config import ModelConfig, RopeScaling
 from models.corpus import load_corpus
 from models.evaluation import evaluation_sequences
+from models.sizes import RANDOM_SCHEMES, RANDOM_SEED, RANDOM_SIZES, random_model
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
@@ -85,6 +86,9 @@ FP16_GRAPHS = ("float16", SERVING_FP16)
 # The graphs whose parity against PyTorch export checks (serving graphs are held to these in tests).
 PARITY_GRAPHS = ("float32", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# The graphs a random size gets: the decode and prompt graphs the service runs (the explicit serving
+# graph stays: bounded cache policies decode through it) beside float32, onnxruntime-genai's.
+RANDOM_GRAPHS = (SERVING, SERVING_FUSED, PREFILL_FUSED)
 # The scheme whose models take inference-time rope scaling (see model_variants).
 ROPE_SCHEME = "rope"
 
@@ -130,10 +134,16 @@ class ExportOptions:
     extra_seeds: bool = False
     # Only the models of these names among the above (None: all of them), e.g. the ones a repository lacks.
     names: tuple[str, ...] | None = None
+    # A size of models.sizes.RANDOM_SIZES: random weights from a fixed seed at that size instead of
+    # the trained ones (None: the trained weights in `weights`); `n_layers` makes a shallower stand-in.
+    size: str | None = None
+    n_layers: int | None = None
 
     def chosen_schemes(self) -> tuple[str, ...]:
-        """The schemes to export: those asked for, or every one with weights."""
-        return trained_schemes(self.weights) if self.schemes is None else self.schemes
+        """The schemes to export: those asked for, or every one with weights (a random size: RANDOM_SCHEMES)."""
+        if self.schemes is not None:
+            return self.schemes
+        return RANDOM_SCHEMES if self.size is not None else trained_schemes(self.weights)
 
     def graph_variants(self) -> tuple[str, ...]:
         """The variants every model gets, in GRAPH_FILES order."""
@@ -142,6 +152,8 @@ class ExportOptions:
             if unknown:
                 raise ValueError(f"unknown graph variants {unknown}; choose from {', '.join(GRAPH_FILES)}")
             wanted = {"float32", *self.graphs}
+        elif self.size is not None:  # what the service needs, no more: 340 MB a graph at `small`
+            wanted = {"float32", *RANDOM_GRAPHS}
         else:
             fp16 = cuda_onnxruntime() if self.fp16 is None else self.fp16
             wanted = set(GRAPH_FILES) - (set() if fp16 else set(FP16_GRAPHS))
@@ -230,6 +242,8 @@ def export_model(
             export_onnx(copy.deepcopy(model), variants[variant], dtype, new_only=variant != variant_dtype(variant))
     seconds = time.time() - started
     versions = {"torch": torch.__version__, "onnx": onnx.__version__, "python": sys.version.split()[0]}
+    if options.size is not None:  # ListModels and every report say so (contract.manifest.Manifest.random_weights)
+        extra |= {"size": options.size, "random_weights": {"seed": RANDOM_SEED}}
     extra |= {
         "parameters": model.num_parameters(),
         "training": {k: training.get(k) for k in ("val_bpb", "command", "tokens_seen")}
@@ -259,6 +273,15 @@ class ModelSpec:
     scheme: str
     weights: Path
     scaling: RopeScaling | None = None
+    size: str | None = None  # a random size (ExportOptions.size): no weights are read
+    n_layers: int | None = None
+
+    def model(self) -> tuple[Transformer, dict[str, object]]:
+        """The model to export and its training record (a random size: none, and the manifest says so)."""
+        if self.size is None:
+            return load_weights(self.weights)
+        overrides = {} if self.n_layers is None else {"n_layers": self.n_layers}
+        return random_model(self.scheme, self.size, **overrides), {}
 
 
 def training_seed(training: dict[str, object]) -> int | None:
@@ -298,6 +321,12 @@ def extra_seeds(weights: Path, schemes: tuple[str, ...]) -> list[ModelSpec]:
 
 def model_variants(options: ExportOptions) -> list[ModelSpec]:
     """One model per scheme, its rope scaling variants, then its further training seeds (if asked)."""
+    if options.size is not None:
+        if options.size not in RANDOM_SIZES:
+            raise SystemExit(f"--size must be one of {', '.join(RANDOM_SIZES)} (random weights), got {options.size!r}")
+        schemes = options.chosen_schemes()
+        return [ModelSpec(scheme, scheme, options.weights / scheme, None, options.size, options.n_layers)
+                for scheme in schemes if options.names is None or scheme in options.names]  # fmt: skip
     variants = [ModelSpec(scheme, scheme, options.weights / scheme) for scheme in options.chosen_schemes()]
     for spec in options.rope_scaling:
         scaling = RopeScaling.parse(spec)
@@ -309,7 +338,7 @@ def model_variants(options: ExportOptions) -> list[ModelSpec]:
 
 def reference_model(spec: ModelSpec) -> Transformer:
     """The PyTorch model an export is checked against: the weights with the spec's scaling."""
-    model = Transformer.load(spec.weights)
+    model = spec.model()[0]
     if spec.scaling is not None:
         model.config.rope_scaling = RopeScaling(spec.scaling.kind, spec.scaling.factor, model.config.train_context)
     return model
@@ -342,8 +371,10 @@ def verify_model(
     fused_int8 = None
     if SERVING_FUSED_INT8 in graphs:
         fused_int8 = check_fused_int8_graph(reference, folder, prompts, threads=threads)
-    runtime = OnnxCausalLM(folder, threads=threads)
-    test_bpb = {context: onnx_bits_per_byte(runtime, windows) for context, windows in sequences.items()}
+    test_bpb = {}
+    if sequences:
+        runtime = OnnxCausalLM(folder, threads=threads)
+        test_bpb = {context: onnx_bits_per_byte(runtime, windows) for context, windows in sequences.items()}
     return Verification(parity, int8, test_bpb, fused, prefill, fused_int8)
 
 
@@ -357,7 +388,7 @@ class _Job:
 
 
 def _export_job(job: _Job) -> ExportResult:
-    model, training = load_weights(job.spec.weights)
+    model, training = job.spec.model()
     return export_model(job.spec.name, model, job.options, training, job.graphs)
 
 
@@ -406,6 +437,9 @@ def _executor(workers: int) -> Executor:
 
 
 def _evaluation_windows(options: ExportOptions) -> dict[int, list[list[int]]]:
+    """Test-split windows per evaluated context; none for random weights (their bits per byte say nothing)."""
+    if options.size is not None:
+        return {}
     corpus = load_corpus(options.corpus)
     stream = corpus.splits["test"]
     return {
@@ -481,7 +515,8 @@ def run(options: ExportOptions) -> list[ExportResult]:
     graphs = options.graph_variants()
     variants = model_variants(options)
     for spec in variants:
-        weights_folder(spec.weights, spec.scheme)  # before any worker starts
+        if spec.size is None:
+            weights_folder(spec.weights, spec.scheme)  # before any worker starts
     specs = {spec.name: spec for spec in variants}
     results: dict[str, ExportResult] = {}
     with tempfile.TemporaryDirectory(prefix="rope-base-") as scratch:

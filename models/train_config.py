@@ -7,14 +7,11 @@ from dataclasses import asdict, dataclass, replace
 
 from models.checkpoints import CHECKPOINT, WEIGHTS_DIR
 from models.data import SPAN_MIN
+from models.sizes import SIZES
 
-# Model sizes by name; all keep the 256-byte training context. `tiny` is the shipped family.
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"d_model": 128, "n_layers": 4, "n_heads": 4},  # 0.83 M parameters
-    "small": {"d_model": 256, "n_layers": 6, "n_heads": 8},  # 4.8 M
-    "base": {"d_model": 384, "n_layers": 8, "n_heads": 6},  # 14.3 M
-    "large": {"d_model": 512, "n_layers": 12, "n_heads": 8},  # 38 M
-}
+# Model sizes by name (models.sizes, shared with the served sizes); all keep the 256-byte training
+# context. `tiny` is the shipped family.
+PRESETS: dict[str, dict[str, int]] = SIZES
 
 # Copy-probe distances logged at every evaluation: the emergence curves.
 PROBE_DISTANCES = (32, 128)

@@ -243,6 +243,7 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         eos_token_id=info.eos_token_id,
         add_bos=info.add_bos,
         kv_cache_bytes_per_sequence=info.kv_cache_bytes_per_sequence,
+        random_weights=info.random_weights,
     )
 
 

@@ -23,7 +23,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "scheme", "max_positions", "train_context", "kv_cache_bytes_per_token", "n_layers", "n_heads", "head_dim", "dtype", "max_new_tokens_limit", "max_sequence_tokens", "kv_cache_capacity_bytes", "cache_policies", "default_cache_policy", "eviction_positions", "segment_reuse", "vocab_size", "bos_token_id", "eos_token_id", "add_bos", "kv_cache_bytes_per_sequence")
+    __slots__ = ("name", "scheme", "max_positions", "train_context", "kv_cache_bytes_per_token", "n_layers", "n_heads", "head_dim", "dtype", "max_new_tokens_limit", "max_sequence_tokens", "kv_cache_capacity_bytes", "cache_policies", "default_cache_policy", "eviction_positions", "segment_reuse", "vocab_size", "bos_token_id", "eos_token_id", "add_bos", "kv_cache_bytes_per_sequence", "random_weights")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ADD_BOS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RANDOM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     scheme: str
     max_positions: int
@@ -66,7 +67,8 @@ class ModelInfo(_message.Message):
     eos_token_id: int
     add_bos: bool
     kv_cache_bytes_per_sequence: int
-    def __init__(self, name: _Optional[str] = ..., scheme: _Optional[str] = ..., max_positions: _Optional[int] = ..., train_context: _Optional[int] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., cache_policies: _Optional[_Iterable[str]] = ..., default_cache_policy: _Optional[str] = ..., eviction_positions: _Optional[str] = ..., segment_reuse: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., add_bos: _Optional[bool] = ..., kv_cache_bytes_per_sequence: _Optional[int] = ...) -> None: ...
+    random_weights: bool
+    def __init__(self, name: _Optional[str] = ..., scheme: _Optional[str] = ..., max_positions: _Optional[int] = ..., train_context: _Optional[int] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., cache_policies: _Optional[_Iterable[str]] = ..., default_cache_policy: _Optional[str] = ..., eviction_positions: _Optional[str] = ..., segment_reuse: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., add_bos: _Optional[bool] = ..., kv_cache_bytes_per_sequence: _Optional[int] = ..., random_weights: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

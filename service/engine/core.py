@@ -95,6 +95,7 @@ def model_infos(engine: Engine) -> list[ModelInfo]:
                 eos_token_id=model.inputs.eos_token_id,
                 add_bos=model.inputs.add_bos,
                 kv_cache_bytes_per_sequence=model.store.layout.local_row_bytes,
+                random_weights=manifest.random_weights,
             )
         )
     return infos

@@ -254,6 +254,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # local columns of a split hybrid (0 for whole rows), so hybrids are not counted as whole rows.
     kv_cache_bytes_per_sequence: int = 0
     default_max_new_tokens: int = 64  # a request that sets none (--default-max-new-tokens)
+    random_weights: bool = False  # random from a fixed seed, not trained (contract.manifest.Manifest.random_weights)
 
     def prompt_ids(self, text: str) -> list[int]:
         """A text prompt's token ids, as the engine tokenizes it (service.engine.processing.input_processor)."""

@@ -161,7 +161,8 @@ DONE = b"data: [DONE]\n\n"
 def models_list(models: dict[str, ModelInfo], created: int) -> bytes:
     data = [
         {"id": name, "object": "model", "created": created, "owned_by": "posenc-serve",
-         "max_model_len": info.max_positions or info.max_sequence_tokens, "segment_reuse": info.segment_reuse}
+         "max_model_len": info.max_positions or info.max_sequence_tokens, "segment_reuse": info.segment_reuse,
+         "random_weights": info.random_weights}
         for name, info in sorted(models.items())
     ]  # fmt: skip
     return _encode({"object": "list", "data": data})

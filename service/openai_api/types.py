@@ -207,6 +207,7 @@ class Model(msgspec.Struct, kw_only=True):
     owned_by: str
     max_model_len: int
     segment_reuse: Literal["as_is", "rotate", "recompute"]
+    random_weights: bool = False  # random from a fixed seed, not trained (python -m export --size small)
 
 
 class ModelList(msgspec.Struct, kw_only=True):

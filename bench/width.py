@@ -1,0 +1,322 @@
+"""`python -m bench --size small`: every scheme at a realistic width, held against the physical limit.
+
+A decode step at GPT-2 small's width reads every weight and the cached K/V it attends to once, so
+one stream cannot decode faster than memory bandwidth over those bytes (the roofline). This run
+measures the bandwidth itself (a read of a buffer larger than the last-level cache, in this
+process, on as many threads as decoding uses) and holds each figure against a limit measured in
+the same run: decode through gRPC against the roofline and against onnxruntime-genai, decode at
+long context against each scheme's own roofline there, aggregate decode against ONNX Runtime's
+own matrix products at that batch, a 2 KB prompt against the same products at its rows. The
+weights are random (`python -m export --size small`): latency, memory and capacity do not need
+trained ones. Figures, not verdicts: every ratio is taken within the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from bench.layers import decode_tokens_per_second_genai, decode_tokens_per_second_grpc_counted
+from bench.long_context import BASELINE, LONG_CONTEXTS
+from bench.prefill import gemm_gflops, grpc_ttft, linear_shapes, prefill_flops, prompt_text
+from bench.runners import batch_runner, step_seconds
+from contract.manifest import Manifest
+from export.fused import IR_VERSION
+from models.sizes import RANDOM_SCHEMES
+from service.api import generation_pb2 as pb
+from service.engine.messages import EngineConfig
+from service.engine.worker.model_session import serving_plan
+from service.engine.worker.runner import ModelRunner
+from service.process import ServerProcess
+
+BANDWIDTH_BUFFER = 1 << 28  # 256 MiB: eight times this machine's 32 MiB last-level cache
+BUDGET = 1 << 30  # the cache memory the capacity column fills: 1 GiB
+LONG = LONG_CONTEXTS[-1]  # the context of the decode@4096 and ITL@4096 lines
+PROMPT_BYTES = 2048
+STREAMS = (16, 64)
+# The schemes measured, the baseline first (mla joins RANDOM_SCHEMES once export has its graphs).
+SCHEMES = RANDOM_SCHEMES
+
+
+class Bandwidth:
+    """Reads of a BANDWIDTH_BUFFER-byte buffer split over `threads` threads (numpy's reductions release
+    the GIL): the rate decode's weight and K/V reads cannot beat. On a shared machine the rate moves
+    from minute to minute, so each figure is held against a read taken right beside it."""
+
+    def __init__(self, threads: int, size: int = BANDWIDTH_BUFFER) -> None:
+        self.size, self.parts = size, np.array_split(np.ones(size // 8, dtype=np.float64), threads)
+        self.pool = ThreadPoolExecutor(threads)
+        self.readings: list[float] = []
+        self()  # touch every page first
+
+    def __call__(self, runs: int = 3) -> float:
+        """Bytes/s, the best of `runs` reads; every reading is kept for the header's median."""
+        best = min(_seconds(lambda: list(self.pool.map(np.sum, self.parts))) for _ in range(runs))
+        self.readings.append(self.size / best)
+        return self.size / best
+
+
+def weight_bytes(manifest: Manifest) -> int:
+    """Bytes of weights a decode step reads: every float32 parameter (the embedding's one row is the
+    exception, and at 259 x 768 it is 0.2% of the model)."""
+    return 4 * int(manifest.data["parameters"])  # type: ignore[call-overload]
+
+
+def kv_read_bytes(manifest: Manifest, context: int) -> int:
+    """K/V bytes a step reads at `context` tokens, as the server lays the row out: every layer's K and
+    V a token, or a split hybrid's global layers' a token plus its local layers' window."""
+    layout = serving_plan(manifest, "cpu", "auto", EngineConfig().block_size).layout
+    return layout.token_bytes * context + layout.local_row_bytes
+
+
+def roofline(bandwidth: float, manifest: Manifest, context: int) -> float:
+    """Tokens/s one stream can reach at `context`: bandwidth over the bytes a step reads."""
+    return bandwidth / (weight_bytes(manifest) + kv_read_bytes(manifest, context))
+
+
+def gemm_ceiling(manifest: Manifest, rows: int, threads: int, runs: int = 5) -> float:
+    """Tokens/s of a decode step's matrix products alone at `rows` streams, by ONNX Runtime's own
+    MatMul kernels on `threads` threads with the model's weight shapes (random, so they stream from
+    memory as the model's do): what aggregate decode at that batch cannot beat."""
+    shapes = linear_shapes(manifest, rows)
+    rng = np.random.default_rng(0)
+    nodes, inputs, outputs, weights = [], [], [], []
+    for i, (m, k, n) in enumerate(shapes):
+        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [m, k]))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [m, n]))
+        weights.append(numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [f"x{i}", f"w{i}"], [f"y{i}"]))
+    graph = helper.make_graph(nodes, "gemm_ceiling", inputs, outputs, weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {f"x{i}": rng.standard_normal((m, k)).astype(np.float32) for i, (m, k, _) in enumerate(shapes)}
+    session.run(None, feeds)  # warm-up
+    best = min(_seconds(lambda: session.run(None, feeds)) for _ in range(runs))
+    return rows / best
+
+
+def _seconds(call: object) -> float:
+    started = time.perf_counter()
+    call()  # type: ignore[operator]
+    return time.perf_counter() - started
+
+
+def small_folders(repository: Path, schemes: tuple[str, ...]) -> list[Path]:
+    """The exported folder of every scheme asked, in the order asked; a missing one stops the run, named."""
+    folders = []
+    for scheme in schemes:
+        folder = repository / scheme
+        if not (folder / "manifest.json").is_file():
+            raise SystemExit(f"{folder}: no model; export it with python -m export --size small --out {repository}")
+        folders.append(folder)
+    return folders
+
+
+def print_header(folders: list[Path], bandwidth: float, threads: int) -> None:
+    """The size, parameters, weight bytes and bandwidth, then K/V bytes a token and 4,096-token requests a GiB."""
+    manifest = Manifest.load(folders[0])
+    parameters = int(manifest.data["parameters"])  # type: ignore[call-overload]
+    random = "RANDOM weights (seed-fixed, not trained)" if manifest.random_weights else "trained weights"
+    print(
+        f"size {manifest.size}: {manifest.n_layers} layers x {manifest.data['d_model']} wide, {manifest.n_heads} "
+        f"heads, {random}; {parameters / 1e6:.1f}M parameters; weights {weight_bytes(manifest) / 1e6:.0f} MB; "
+        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (a {BANDWIDTH_BUFFER >> 20} MiB read, {threads} thread(s))"
+    )
+    print(f"\nK/V a token and {LONG}-token requests in a {BUDGET >> 30} GiB cache budget:")
+    for folder in folders:
+        manifest = Manifest.load(folder)
+        layout = serving_plan(manifest, "cpu", "auto", EngineConfig().block_size).layout
+        local = f" + {layout.local_row_bytes / 1e6:.1f} MB a sequence" if layout.split else ""
+        fits = BUDGET // kv_read_bytes(manifest, LONG)
+        print(f"  {manifest.name:<12} {layout.token_bytes / 1024:6.1f} KB/token{local:<24} {fits:4d} requests")
+
+
+def serve_figures(
+    folder: Path, args: argparse.Namespace, server_threads: int, bandwidth: Bandwidth
+) -> dict[str, float]:
+    """Through gRPC, one server for this model alone (at 85 M parameters each served model holds
+    its graphs' weights): one stream's decode with a bandwidth read beside each run (the ratio to the
+    roofline: the median of the runs'), a 2 KB prompt's time to first token, and for the baseline
+    onnxruntime-genai alternated with gRPC, numpy's sgemm over the prompt's shapes, and the decode
+    rate of STREAMS streams, each followed by its GEMM ceiling."""
+    name, manifest = folder.name, Manifest.load(folder)
+    # The capacity column's budget: the default 256 MiB holds no 4,096-token row at this width.
+    server = ServerProcess(folder.parent, "--models", name, "--max-new-tokens-limit", "4096", "--kv-cache-bytes",
+                           str(BUDGET), "--device", args.device, threads=server_threads)  # fmt: skip
+    salt = iter(range(10**9))
+    new_tokens, short = new_tokens_of(args), short_context(new_tokens_of(args))
+    grpc, ratios, genai, ttft = [], [], [], []
+    figures: dict[str, float] = {}
+    try:
+        server.wait_serving(timeout=600)
+        decode_tokens_per_second_grpc_counted(server, name, 8)  # warm-up
+        grpc_ttft(server, name, prompt_text(300, next(salt)))
+        for _ in range(rounds_of(args)):  # gRPC and genai alternated, each beside a bandwidth read
+            read = bandwidth()
+            grpc.append(decode_tokens_per_second_grpc_counted(server, name, new_tokens))
+            ratios.append(grpc[-1] / roofline((read + bandwidth()) / 2, manifest, short))
+            if name == BASELINE:
+                genai.append(decode_tokens_per_second_genai(folder, new_tokens, args.threads) or math.nan)
+        ttft = [grpc_ttft(server, name, prompt_text(PROMPT_BYTES, next(salt))) for _ in range(3)]
+        figures |= {"grpc": statistics.median(grpc), "ratio": statistics.median(ratios)}
+        figures["ttft"] = statistics.median(ttft)
+        if name == BASELINE:
+            figures["genai"] = statistics.median(genai)
+            figures["genai_ratio"] = statistics.median(a / b for a, b in zip(grpc, genai, strict=True))
+            figures["sgemm"] = gemm_gflops(linear_shapes(manifest, PROMPT_BYTES + 1), runs=2)
+            for streams in STREAMS:
+                figures[f"streams{streams}"] = concurrent_decode_rate(server, name, streams, 2 * new_tokens)
+                figures[f"ceiling{streams}"] = gemm_ceiling(manifest, streams, args.threads)
+    finally:
+        server.stop()
+    return figures
+
+
+def concurrent_decode_rate(server: ServerProcess, model: str, streams: int, new_tokens: int) -> float:
+    """Tokens/s of `streams` greedy streams started together, while most of them decode: the chunks
+    that arrive between the median stream's first chunk and the median stream's last, over that
+    window (most prompts are prefilled before it and most streams still run at its end; at this width
+    a step outlasts the server's 4 ms pacing, so a chunk is a step's token)."""
+
+    def client(stream: int) -> list[float]:
+        prompt = f"def function_{stream}(x):\n"
+        request = pb.GenerateRequest(model=model, prompt=prompt, max_new_tokens=new_tokens, ignore_eos=True)
+        return [time.perf_counter() for _ in server.stub.GenerateStream(request, timeout=600)]
+
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        arrivals = list(pool.map(client, range(streams)))
+    start = statistics.median(times[0] for times in arrivals)
+    end = statistics.median(times[-1] for times in arrivals)
+    chunks = sum(1 for times in arrivals for t in times if start < t <= end)
+    return chunks / (end - start) if end > start else math.nan
+
+
+def new_tokens_of(args: argparse.Namespace) -> int:
+    return 64 if args.quick else 128
+
+
+def rounds_of(args: argparse.Namespace) -> int:
+    return 3 if args.quick else 5
+
+
+def context_steps(
+    folder: Path, args: argparse.Namespace, bandwidth: Bandwidth, baseline: ModelRunner
+) -> dict[int, dict[str, float]]:
+    """Per context of LONG_CONTEXTS (batch 1, random K/V): the median decode step seconds, the median
+    of each step timing's ratio to the roofline of a bandwidth read beside it, and (at LONG) the
+    median ratio to the baseline's step at LONG timed right after it (`baseline`, held for the whole
+    run). One model's runners at a time: at this width every model's do not fit side by side."""
+    steps, manifest = 5 if args.quick else 20, Manifest.load(folder)
+    runners = {context: batch_runner(folder, 1, context, args.threads, args.device) for context in LONG_CONTEXTS}
+    samples: dict[int, list[tuple[float, float]]] = {context: [] for context in LONG_CONTEXTS}
+    against: list[float] = []
+    for _ in range(rounds_of(args)):
+        for context, runner in runners.items():
+            read = bandwidth()
+            seconds = step_seconds(runner, steps)
+            samples[context].append((seconds, 1 / seconds / roofline((read + bandwidth()) / 2, manifest, context)))
+        against.append(samples[LONG][-1][0] / step_seconds(baseline, steps))
+    figures = {
+        context: {"seconds": statistics.median(t for t, _ in rows), "ratio": statistics.median(r for _, r in rows)}
+        for context, rows in samples.items()
+    }
+    figures[LONG]["vs_baseline"] = statistics.median(against)
+    return figures
+
+
+def print_width(args: argparse.Namespace, repository: Path, server_threads: int) -> None:
+    """The whole `--size` run: header, per-scheme table, aggregate and prefill, then the ratio lines."""
+    folders = small_folders(repository, (BASELINE, *(s for s in args.schemes if s != BASELINE)))
+    bandwidth = Bandwidth(args.threads)
+    print_header(folders, bandwidth(5), args.threads)
+    serving = {f.name: serve_figures(f, args, server_threads, bandwidth) for f in folders}
+    baseline = batch_runner(folders[0], 1, LONG, args.threads, args.device)
+    itl = {f.name: context_steps(f, args, bandwidth, baseline) for f in folders}
+    del baseline
+    manifests = {f.name: Manifest.load(f) for f in folders}
+    print_table(manifests, serving, itl, args, statistics.median(bandwidth.readings))
+    base, figures = manifests[BASELINE], serving[BASELINE]
+    print_aggregate(figures, args.threads)
+    print(f"\n{PROMPT_BYTES}-byte prompt through gRPC ({os.cpu_count()} prefill threads; median of 3): time to first "
+          f"token, and the prompt's FLOPs / TTFT against numpy's sgemm over the same linear layers at "
+          f"{PROMPT_BYTES + 1} rows ({figures['sgemm']:.1f} GFLOP/s in this run, its own threads):")  # fmt: skip
+    for name, manifest in manifests.items():
+        rate = prefill_flops(manifest, PROMPT_BYTES + 1) / serving[name]["ttft"] / 1e9
+        print(f"  {name:<12}{serving[name]['ttft'] * 1000:10.0f} ms {rate:8.1f} GFLOP/s")
+    print(f"\nmemory bandwidth: median {statistics.median(bandwidth.readings) / 1e9:.1f} GB/s of "
+          f"{len(bandwidth.readings)} reads over the run ({min(bandwidth.readings) / 1e9:.1f}-"
+          f"{max(bandwidth.readings) / 1e9:.1f}); each ratio below is the median of its runs' ratios, every "
+          "run against the reads beside it (a hybrid over rope: rope's step timed right after its own)\n")  # fmt: skip
+    for name in manifests:
+        print(f"{name} decode/roofline {serving[name]['ratio']:.2f}")
+    for name in manifests:
+        print(f"{name} decode@{LONG}/roofline {itl[name][LONG]['ratio']:.2f}")
+    print(f"gRPC/genai {figures['genai_ratio']:.2f}")
+    rate = prefill_flops(base, PROMPT_BYTES + 1) / figures["ttft"] / 1e9
+    print(f"prefill/sgemm {rate / figures['sgemm']:.2f}")
+    for name in manifests:
+        if name.endswith("-swa"):
+            print(f"{name} / {BASELINE} ITL@{LONG} {itl[name][LONG]['vs_baseline']:.2f}")
+    hybrids = [(name, m) for name, m in manifests.items() if name.endswith("-swa")]
+    if hybrids:
+        shares = ", ".join(f"{name} {batch_step_bytes(m, 16) / batch_step_bytes(base, 16):.2f}" for name, m in hybrids)
+        print(f"\n(at 16 streams of {LONG} tokens a step reads the weights once and 16 rows of K/V: by the roofline "
+              f"a hybrid's step is then {shares} of {BASELINE}'s)")  # fmt: skip
+
+
+def batch_step_bytes(manifest: Manifest, rows: int) -> int:
+    """Bytes a decode step of `rows` rows of LONG tokens reads: the weights once, every row's K/V."""
+    return weight_bytes(manifest) + rows * kv_read_bytes(manifest, LONG)
+
+
+def short_context(new_tokens: int) -> int:
+    """The mean context of the one-stream runs: the prompt ("def main():\\n" and BOS) and half the tokens."""
+    return 13 + new_tokens // 2
+
+
+def print_table(
+    manifests: dict[str, Manifest],
+    serving: dict[str, dict[str, float]],
+    itl: dict[str, dict[int, dict[str, float]]],
+    args: argparse.Namespace,
+    bandwidth: float,
+) -> None:
+    """One row per scheme: gRPC decode, inter-token latency per context, and the rooflines at the run's
+    median bandwidth (the ratios take each run's own reads)."""
+    new_tokens = new_tokens_of(args)
+    print(
+        f"\nOne stream through gRPC ({new_tokens} tokens, {args.threads} decode thread(s), median of "
+        f"{rounds_of(args)}) and inter-token latency (runner, batch 1, median of {rounds_of(args)} rounds of "
+        f"{5 if args.quick else 20} steps), rooflines at {bandwidth / 1e9:.1f} GB/s (weights + K/V a step reads):"
+    )
+    header = "".join(f"{f'ITL@{c} ms':>14}" for c in LONG_CONTEXTS) + "".join(
+        f"{f'roof@{c}':>12}" for c in LONG_CONTEXTS
+    )
+    print("  " + f"{'model':<12}{'tokens/s':>10}{'roofline':>10}" + header)
+    for name, manifest in manifests.items():
+        cells = "".join(f"{itl[name][c]['seconds'] * 1000:14.1f}" for c in LONG_CONTEXTS)
+        roofs = "".join(f"{1000 / roofline(bandwidth, manifest, c):12.1f}" for c in LONG_CONTEXTS)
+        limit = roofline(bandwidth, manifest, short_context(new_tokens))
+        print(f"  {name:<12}{serving[name]['grpc']:10.1f}{limit:10.1f}{cells}{roofs}")
+
+
+def print_aggregate(figures: dict[str, float], threads: int) -> None:
+    """Aggregate tokens/s at each of STREAMS against ONNX Runtime's matrix products at that batch
+    (gemm_ceiling, measured right after it)."""
+    print(f"\nAggregate decode through gRPC ({BASELINE}; greedy streams, tokens a second while all of them "
+          f"decode) against the step's matrix products alone at that batch (ONNX Runtime MatMul, {threads} "
+          "thread(s)):")  # fmt: skip
+    for streams in STREAMS:
+        rate, ceiling = figures[f"streams{streams}"], figures[f"ceiling{streams}"]
+        print(f"  {streams:>3} streams {rate:8.1f} tokens/s   GEMM ceiling {ceiling:8.1f}   {rate / ceiling:.2f}")
