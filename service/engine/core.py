@@ -56,7 +56,7 @@ from service.engine.messages import (
     Stopped,
     read_messages,
 )
-from service.engine.model_limits import eviction_positions, policy_syntax
+from service.engine.model_policies import eviction_positions, policy_syntax
 from service.engine.processing.output_processor import OutputBatch
 from service.engine.request import Request
 from service.engine.worker import denormals

@@ -14,10 +14,10 @@ from pathlib import Path
 from contract.manifest import Manifest, ManifestError
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, GenerateInput, RequestError, Scored
 from service.engine.model_engine import ModelEngine
-from service.engine.model_limits import check_kv_budget
 from service.engine.processing.output_processor import OutputBatch
 from service.engine.processing.streams import OutputSink
 from service.engine.request import Request
+from service.engine.worker.store_size import check_kv_budget
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,14 @@
 """One model's engine loop: schedule -> execute -> process outputs, one step after another on its own
 thread, streaming each request's new text back through its output sink.
 
-The roles, as vLLM v1 splits them: the input processor (defaults, validation, tokens) runs on
-the caller's thread before a request reaches the loop; the scheduler decides who runs and
+The roles, as vLLM v1 splits them: the input processor (defaults, tokens, the checks that need the
+model; every field was checked where the front end handed the request over) runs on the caller's
+thread before a request reaches the loop; the scheduler decides who runs and
 reserves their rows in the KV store; the runner computes prompts (on the prefill worker's
 thread) and decode steps; the output processor turns logits into tokens, text and stops.
 Requests arrive through a small inbox. Cancellation and deadlines are honoured at the next
-step boundary, where the sequence's row is freed.
+step boundary, where the sequence's row is freed. A step is a full one (`_full_step`) or, while
+the last full step's batch holds (SteadyBatch), a steady one that skips reaping and scheduling.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from contract.manifest import Manifest
 from service.engine.messages import DrainReport, EngineConfig, ErrorKind, RequestError, RequestStatus
-from service.engine.model_limits import input_processor, policy_forms, sequence_limit
 from service.engine.model_metrics import ModelMetrics
+from service.engine.model_policies import policy_forms
+from service.engine.processing.input_processor import InputProcessor
 from service.engine.processing.output_processor import Finished, OutputBatch, OutputProcessor
 from service.engine.prompts.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
 from service.engine.prompts.prefix_cache import PrefixMetrics, PrefixReuse
@@ -37,12 +41,28 @@ from service.engine.sched.step_observer import StepObserver
 from service.engine.spec_decode.speculator import Speculator
 from service.engine.worker.decode_plan import DecodePlan
 from service.engine.worker.runner import ModelRunner, StoreConfig
+from service.engine.worker.store_size import sequence_limit
 from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
 # Gauges (cache bytes, running, queued) are refreshed this often while busy, and whenever idle.
 GAUGE_INTERVAL_SECONDS = 0.02
+
+
+@dataclass
+class SteadyBatch:
+    """The batch the last full step decoded, while nothing that could change it has happened (new
+    requests, computed prompts, cancels, a stop: the engine's `_changed`; a request finishing; a
+    deadline; a row filling). Steps in it skip reaping and scheduling, and feed one decode plan."""
+
+    requests: list[Request]
+    plan: DecodePlan  # its decode calls, resolved once
+    steps: int  # fast steps left before a sequence needs a wider row
+    until: float  # its earliest deadline
+
+    def holds(self, changed: bool, now: float) -> bool:
+        return self.steps > 0 and not changed and now < self.until
 
 
 class ModelEngine:
@@ -80,7 +100,7 @@ class ModelEngine:
         self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size, trace)
         self._admission_trace = trace
         self._backlog = Backlog()  # what is ahead of a new request, as of the last step
-        self.inputs = input_processor(manifest, config, self.store.max_tokens)
+        self.inputs = InputProcessor.of(manifest, config, self.store.max_tokens)
         self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.policy_forms = policy_forms(manifest)
         self.metrics = ModelMetrics(metrics, manifest.name, manifest.scheme, self.policy_forms)
@@ -95,14 +115,10 @@ class ModelEngine:
         self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
         self._gauges_due = 0.0  # the next gauge update (full steps and steady steps alike)
         self._housekeeping_due = 0.0  # the next trim of spare rows and stale bindings (full steps)
-        # The steady state: the batch the last full step decoded, while nothing that could change
-        # it has happened (`_changed`: new requests, computed prompts, cancels, a stop; a request
-        # finishing; a deadline). Steps in it skip reaping and scheduling.
+        # Something the loop must look at arrived (new requests, computed prompts, cancels, a stop):
+        # the next step is a full one, whatever batch is steady.
         self._changed = True
-        self._steady: list[Request] = []
-        self._steady_plan: DecodePlan | None = None  # its decode calls, resolved once
-        self._steady_steps = 0  # fast steps left before a sequence needs a wider row
-        self._steady_until = 0.0
+        self._steady: SteadyBatch | None = None  # the fast path's batch, while it holds (step)
         self.prefill_worker = PrefillWorker(
             self.runner, config.prefill_tokens, self._deliver_prefilled, self.observer.prefill, manifest.name,
             config.prefill_nice, fair=config.scheduling == "fair",
@@ -249,13 +265,19 @@ class ModelEngine:
             self._publish(self.outputs.deliver, batch)
 
     def step(self, changed: bool = True) -> bool:
-        """One iteration: reap aborted, write computed prompts, schedule, decode, process outputs.
-        False when it found nothing to run (the loop may sleep). `changed`: something arrived since
-        the last step (without it, a steady batch decodes again at once: see `_steady`)."""
-        if self._steady_steps > 0 and not changed and time.monotonic() < self._steady_until:
-            self._decode_steady()
+        """One iteration, down one of two paths: while the last full step's batch holds steady
+        (SteadyBatch) and nothing arrived (`changed`), it decodes again at once (`_decode_steady`);
+        otherwise a full step (`_full_step`). False when it found nothing to run (the loop may sleep)."""
+        steady = self._steady
+        if steady is not None and steady.holds(changed, time.monotonic()):
+            self._decode_steady(steady)
             return True
-        self._steady_steps = 0
+        self._steady = None
+        return self._full_step()
+
+    def _full_step(self) -> bool:
+        """Reap aborted, write computed prompts, schedule, decode, process outputs; then note whether
+        the batch it decoded is steady."""
         self._reap_aborted()
         with self._wake:
             prefilled, self._prefilled = self._prefilled, []
@@ -286,7 +308,7 @@ class ModelEngine:
     def _hold_steady(self, output: SchedulerOutput, joined: int) -> None:
         """After a full step: the batch it decoded is steady when every running sequence decoded
         and none finished, nothing waits or joined, and the store is as it was (until the next
-        deadline)."""
+        deadline): its decode plan is resolved once, for every step it holds."""
         running = self.scheduler.running
         if (
             joined
@@ -299,10 +321,10 @@ class ModelEngine:
         ):
             return
         deadlines = [r.deadline for r in running if r.deadline is not None]
-        self._steady = running[:]
-        self._steady_plan = self.runner.plan_decode([r.request_id for r in running])  # the store holds still
-        self._steady_steps = self.scheduler.steady_steps(self._steady)
-        self._steady_until = min(deadlines, default=math.inf)
+        requests = running[:]
+        plan = self.runner.plan_decode([r.request_id for r in running])  # the store holds still
+        steps = self.scheduler.steady_steps(requests)
+        self._steady = SteadyBatch(requests, plan, steps, min(deadlines, default=math.inf)) if steps > 0 else None
 
     def _reap_aborted(self) -> None:
         now = time.monotonic()
@@ -389,20 +411,20 @@ class ModelEngine:
             with self._wake:
                 self._backlog = self.scheduler.backlog()
 
-    def _decode_steady(self) -> None:
+    def _decode_steady(self, steady: SteadyBatch) -> None:
         """Steps of the steady batch back to back, each handing its outputs over, until something
         changes (`_changed`, a finish, a deadline) or a row fills: the loop's fast path, with per
         step only what a step must do (feed, graph, sample, append), and the gauges when due."""
-        requests, plan = self._steady, self._steady_plan
+        requests, plan = steady.requests, steady.plan
         greedy, snapshot = all_greedy(requests), self.admission.enabled
         while True:
-            self._steady_steps -= 1
+            steady.steps -= 1
             if snapshot:
                 self._snapshot_backlog()
             self._decode(requests, plan, greedy)
             self._hand_over()
             now = time.monotonic()
-            if self._steady_steps <= 0 or self._changed or now >= self._steady_until:
+            if self._steady is not steady or not steady.holds(self._changed, now):
                 return
             if now >= self._gauges_due:  # the store's layout is unchanged: only sizes to report
                 self.scheduler.note_growth(requests)
@@ -418,7 +440,7 @@ class ModelEngine:
             if fed is not None:
                 self._decode_speculative(requests, fed)
             if self.speculator.take_growth():  # more room for guesses: the next step reserves it
-                self._steady_steps = 0
+                self._steady = None
             if fed is not None:
                 return
         started = time.monotonic()
@@ -476,7 +498,7 @@ class ModelEngine:
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Its row is freed at once; its final event follows its last text (`deliver`)."""
-        self._steady_steps = 0
+        self._steady = None
         request.status = status  # the loop skips it from now on
         self.scheduler.remove(request)  # frees its row in the store at once
         self.sampler.forget(request.request_id)

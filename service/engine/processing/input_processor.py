@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from contract.cache_policy import FIELD as POLICY_FIELD
 from contract.cache_policy import FULL_POLICY, CachePolicy, CachePolicyError, parse_cache_policy
 from contract.manifest import Manifest
-from service.engine.messages import ErrorKind, GenerateInput, PromptSegment, RequestError
+from service.engine.messages import EngineConfig, ErrorKind, GenerateInput, PromptSegment, RequestError
 from service.engine.processing.fields import check_logprobs, check_token_ids
 from service.engine.request import Request, SamplingParams
 
@@ -26,6 +26,20 @@ class InputLimits:
     default_speculative_tokens: int = 0  # guesses per step of a request that names none (--speculative-tokens)
 
 
+def default_cache_policy(manifest: Manifest, config: EngineConfig) -> str:
+    """The model's default policy string: its own MODEL=POLICY entry, else a bare POLICY, else full."""
+    chosen = "full"
+    for entry in config.default_cache_policies:
+        name, sep, policy = entry.rpartition("=")
+        if not sep:
+            chosen = policy
+    for entry in config.default_cache_policies:
+        name, sep, policy = entry.rpartition("=")
+        if sep and name == manifest.folder.name:
+            chosen = policy
+    return chosen
+
+
 class InputProcessor:
     """Turns one model's raw inputs into token ids and sampling parameters, or a RequestError."""
 
@@ -36,6 +50,19 @@ class InputProcessor:
         self.bos_token_id = int(tokenizer["bos_token_id"])  # type: ignore[call-overload]
         self.eos_token_id = int(tokenizer["eos_token_id"])  # type: ignore[call-overload]
         self.add_bos = bool(tokenizer.get("add_bos", True))
+
+    @classmethod
+    def of(cls, manifest: Manifest, config: EngineConfig, max_tokens: int) -> InputProcessor:
+        """The model's processor on this server, its default cache policy resolved (and refused) at start-up."""
+        limits = InputLimits(
+            config.max_new_tokens_limit, config.default_max_new_tokens, max_tokens, config.speculative_tokens
+        )
+        inputs = cls(manifest, limits)
+        try:
+            inputs.default_policy = inputs.cache_policy(default_cache_policy(manifest, config))
+        except RequestError as error:
+            raise CachePolicyError(f"--default-cache-policy for model {manifest.name!r}: {error}") from None
+        return inputs
 
     def tokenize(self, text: str) -> list[int]:
         data = list(text.encode("utf-8"))

@@ -196,7 +196,7 @@ def split_layout(
 @dataclass(frozen=True)
 class ServingPlan:
     """How a runner serves a model, settled from its manifest and the flags alone: the runner builds
-    from it, and the startup budget check (model_limits.check_kv_budget) reads the store's real layout
+    from it, and the startup budget check (store_size.check_kv_budget) reads the store's real layout
     from it before any session opens."""
 
     providers: list[str]
