@@ -501,7 +501,7 @@ def plan(options: ExportOptions) -> str:
     workers = options.workers or min(jobs, available_cores()) or 1
     check = "; then each is checked against PyTorch and scored on held-out text" if options.verify else ""
     return (f"exporting {len(variants)} models ({', '.join(spec.name for spec in variants)}) in {workers} "
-            f"processes: {len(graphs)} graphs each, traced in 5-20 s apiece{check}")  # fmt: skip
+            f"processes: {len(graphs)} graphs each, traced in 5-20 s apiece on an idle core{check}")  # fmt: skip
 
 
 def run(options: ExportOptions) -> list[ExportResult]:

@@ -204,12 +204,12 @@ def ranked(results: Results, scheme: str, spreads: dict[str, Spread]) -> str:
     if len(spreads) > 1:
         return compared(spreads, True)[scheme]
     positions = results.models.get(scheme, {}).get("max_positions")
-    others = sorted({load_prompt_bytes(info.get("max_positions")) for name, info in results.models.items()
-                     if name in results.schemes and name != scheme})  # fmt: skip
-    if not others:
-        return "the only scheme"
-    limit = f" (its {positions} positions)" if positions else ""
     served = load_prompt_bytes(positions)
+    others = sorted({load_prompt_bytes(info.get("max_positions")) for name, info in results.models.items()
+                     if name in results.schemes and name != scheme} - {served})  # fmt: skip
+    if not others:
+        return "the only scheme measured on these prompts"
+    limit = f" (its {positions} positions)" if positions else ""
     return f"not ranked: served {served}-byte prompts{limit}, the others {'/'.join(map(str, others))}"
 
 

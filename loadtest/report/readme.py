@@ -55,10 +55,19 @@ def anchor(heading: str) -> str:
     return re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", heading.strip().lower()))
 
 
-def seeded_cell(results: Results, said: dict[str, Judgement], column: str, figure: AcrossSeeds | None) -> str:
+# How each column writes its figure (AcrossSeeds.text: one seed's value, or the seeds' mean and range).
+FIGURE_TEXT: dict[str, Callable[[AcrossSeeds], str]] = {
+    "quality": lambda figure: figure.text(3),
+    "copy": lambda figure: figure.text(2),
+    "reuse": lambda figure: figure.text(1, 100, "%", sign=True),
+    "speculative": lambda figure: figure.text(2, unit="x"),
+}
+
+
+def seeded_cell(said: dict[str, Judgement], column: str, figure: AcrossSeeds | None) -> str:
     """'<verdict>: <figure>' where the seeds agree (one seed: its verdict), else 'seeds disagree'
     (a link to the report's seed-by-seed section) with the figure over the seeds."""
-    text = "not measured" if figure is None else figure.text(**FIGURE_FORMS[column])
+    text = "not measured" if figure is None else FIGURE_TEXT[column](figure)
     kinds = {kind for kind, _ in said.values()}
     if len(kinds) > 1:
         return f"{DISAGREE.format(column)}: {text}"
@@ -66,14 +75,6 @@ def seeded_cell(results: Results, said: dict[str, Judgement], column: str, figur
         return text
     kind = next(iter(kinds))
     return f"{SHORT_WORDS.get(kind, kind)}: {text}"
-
-
-FIGURE_FORMS: dict[str, dict[str, object]] = {
-    "quality": {"digits": 3},
-    "copy": {"digits": 2},
-    "reuse": {"digits": 1, "scale": 100, "unit": "%", "sign": True},
-    "speculative": {"digits": 2, "unit": "x"},
-}
 
 
 def far_cell(results: Results, scheme: str) -> str:
@@ -84,7 +85,7 @@ def far_cell(results: Results, scheme: str) -> str:
         return f"not servable ({positions} positions)" if positions else "not servable"
     said = judged(results, scheme, results.quality, lambda model: quality_judgement(results, model))
     figure = across(results, scheme, results.quality, lambda m: results.quality[m].get("8"))
-    return seeded_cell(results, said, "quality", figure)
+    return seeded_cell(said, "quality", figure)
 
 
 def copy_cell(results: Results, scheme: str) -> str:
@@ -92,7 +93,7 @@ def copy_cell(results: Results, scheme: str) -> str:
     if found is None:
         return "not servable"
     said = judged(results, scheme, results.retrieval, lambda model: copy_judgement(results, model))
-    return seeded_cell(results, said, "copy", found)
+    return seeded_cell(said, "copy", found)
 
 
 def reuse_cell(results: Results, scheme: str, form: str) -> str:
@@ -112,7 +113,7 @@ def reuse_cell(results: Results, scheme: str, form: str) -> str:
         assert change is not None
         return f"{kind}: {change['value']:+.1%} [{change['low'] * 100:+.1f}, {change['high'] * 100:+.1f}]"
     spread = across(results, scheme, results.reuse, lambda m: placed_change(results, m, form))
-    return seeded_cell(results, models, "reuse", spread)
+    return seeded_cell(models, "reuse", spread)
 
 
 def speculative_cell(results: Results, scheme: str) -> str:
@@ -122,7 +123,7 @@ def speculative_cell(results: Results, scheme: str) -> str:
     if found is None:
         return "not measured"
     said = judged(results, scheme, results.speculative, lambda model: speculative_judgement(results, model))
-    return seeded_cell(results, said, "speculative", found)
+    return seeded_cell(said, "speculative", found)
 
 
 def table_rows(results: Results, form: str = "short") -> list[list[str]]:
