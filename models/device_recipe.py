@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 from contract.cli import HelpFormatter
-from models.checkpoints import WEIGHTS_DIR, without_options
-from models.positional import SCHEMES
+from models.checkpoints import WEIGHTS_DIR, trained_schemes, without_options
 
 
 def recipe_arguments(scheme: str, weights: Path = WEIGHTS_DIR) -> list[str]:
@@ -39,7 +38,8 @@ def train_all(out: Path, work: Path, device: str, budget_seconds: float, extra: 
     """Start every scheme, wait up to the budget, stop the rest, pack each folder. Exit codes by
     scheme (None: stopped at the budget)."""
     processes = {}
-    for scheme in SCHEMES:
+    schemes = trained_schemes()  # the ones with a recorded recipe (a scheme still in training has none yet)
+    for scheme in schemes:
         command = [sys.executable, "-m", "models.train", "--scheme", scheme, *recipe_arguments(scheme), *extra]
         command += ["--out", str(work), "--device", device, "--resume", "--threads", "1"]
         log = (work / f"{scheme}.stdout").open("w")
@@ -54,7 +54,7 @@ def train_all(out: Path, work: Path, device: str, budget_seconds: float, extra: 
             process.wait()
             codes[scheme] = None
     out.mkdir(parents=True, exist_ok=True)
-    for scheme in SCHEMES:
+    for scheme in schemes:
         with tarfile.open(out / f"{scheme}.tar.gz", "w:gz") as archive:
             for path in [work / scheme, work / f"{scheme}.stdout"]:
                 if path.exists():

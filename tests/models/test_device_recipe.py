@@ -11,7 +11,6 @@ import pytest
 
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.device_recipe import main, recipe_arguments
-from models.positional import SCHEMES
 
 
 def test_the_recipe_is_the_shipped_weights_own() -> None:
@@ -29,8 +28,8 @@ def test_every_scheme_trains_and_comes_back_as_one_archive(tmp_path: Path) -> No
     tiny = ["--steps", "2", "--warmup-steps", "1", "--eval-interval", "2", "--eval-windows", "2", "--probe-trials", "2"]
     code = main(["--out", str(out), "--work", str(work), "--device", "cpu", "--budget-seconds", "600", *tiny])
     assert code == 0
-    assert sorted(p.name for p in out.iterdir()) == sorted(f"{scheme}.tar.gz" for scheme in SCHEMES)
-    for scheme in SCHEMES:
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{scheme}.tar.gz" for scheme in trained_schemes())
+    for scheme in trained_schemes():
         with tarfile.open(out / f"{scheme}.tar.gz") as archive:
             names = set(archive.getnames())
             assert {f"{scheme}/model.safetensors", f"{scheme}/training.json"} <= names, names
@@ -43,4 +42,4 @@ def test_every_scheme_trains_and_comes_back_as_one_archive(tmp_path: Path) -> No
 def test_a_spent_budget_stops_every_scheme_and_says_so(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert main(["--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--budget-seconds", "0"]) == 1
-    assert len(list(out.glob("*.tar.gz"))) == len(SCHEMES)
+    assert len(list(out.glob("*.tar.gz"))) == len(trained_schemes())
