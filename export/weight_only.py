@@ -65,21 +65,23 @@ def derive_weight_only(source: Path, bits: int, block_size: int = BLOCK_SIZE) ->
     return folder
 
 
-def logit_differences(source: Path, derived: Path, windows: int = 4, context: int = 256) -> tuple[float, float]:
+def logit_differences(source: Path, derived: Path, windows: int = 4, context: int = 256) -> tuple[float, float, float]:
     """(max, mean) absolute difference of the float32 graphs' logits, `derived` against `source`, over
-    `windows` windows of `context` bytes of the test split (held-out text)."""
+    `windows` windows of `context` bytes of the test split (held-out text), and the mean absolute
+    logit of `source` (the scale they are read against)."""
     stream = load_corpus(None).splits["test"]
     sequences = evaluation_sequences(stream, context, windows, TOKENIZER.bos_token_id)
     reference, quantized = OnnxCausalLM(source), OnnxCausalLM(derived)
-    differences = []
+    differences, scale = [], []
     for ids in sequences:
         batch = np.array([ids], dtype=np.int64)
         mask, positions = np.ones_like(batch), np.arange(len(ids), dtype=np.int64)[None]
         want, _ = reference.forward(batch, mask, positions, reference.empty_past(1))
         got, _ = quantized.forward(batch, mask, positions, quantized.empty_past(1))
         differences.append(np.abs(got - want))
+        scale.append(float(np.abs(want).mean()))
     every = np.concatenate([d.reshape(-1) for d in differences])
-    return float(every.max()), float(every.mean())
+    return float(every.max()), float(every.mean()), float(np.mean(scale))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for source in args.folders:
         folder = derive_weight_only(source, args.bits, args.block_size)
-        largest, mean = logit_differences(source, folder)
-        print(
-            f"{folder.name}: logits against {source.name} on held-out text: max |diff| {largest:.4f}, mean {mean:.5f}"
-        )
+        largest, mean, scale = logit_differences(source, folder)
+        print(f"{folder.name}: logits against {source.name} on held-out text: max |diff| {largest:.4f}, "
+              f"mean {mean:.5f} (mean |logit| {scale:.4f})")  # fmt: skip
     return 0
 
 
