@@ -29,7 +29,7 @@ from bench.layers import decode_tokens_per_second_genai, decode_tokens_per_secon
 from bench.long_context import BASELINE, LONG_CONTEXTS
 from bench.prefill import gemm_gflops, grpc_ttft, linear_shapes, prefill_flops, prompt_text
 from bench.runners import batch_runner, step_seconds
-from contract.manifest import Manifest
+from contract.manifest import SERVING_FUSED, Manifest
 from export.fused import IR_VERSION
 from models.sizes import RANDOM_SCHEMES
 from service.api import generation_pb2 as pb
@@ -66,9 +66,10 @@ class Bandwidth:
 
 
 def weight_bytes(manifest: Manifest) -> int:
-    """Bytes of weights a decode step reads: every float32 parameter (the embedding's one row is the
-    exception, and at 259 x 768 it is 0.2% of the model)."""
-    return 4 * int(manifest.data["parameters"])  # type: ignore[call-overload]
+    """Bytes of weights a decode step reads: the served decode graph's file, which is its weights
+    (and a weight-only model's scales, export/weight_only.py) and a few KB of graph; the embedding's
+    one row a step is the exception, 0.2% of the model at 259 x 768."""
+    return manifest.onnx_path(SERVING_FUSED).stat().st_size
 
 
 def kv_read_bytes(manifest: Manifest, context: int) -> int:
@@ -265,8 +266,8 @@ def print_width(args: argparse.Namespace, repository: Path, server_threads: int)
     print(f"gRPC/genai {figures['genai_ratio']:.2f}")
     rate = prefill_flops(base, PROMPT_BYTES + 1) / figures["ttft"] / 1e9
     print(f"prefill/sgemm {rate / figures['sgemm']:.2f}")
-    for name in manifests:
-        if name.endswith("-swa"):
+    for name, manifest in manifests.items():  # the hybrids, and weight-only forms (export/weight_only.py)
+        if name.endswith("-swa") or "weight_only" in manifest.data:
             print(f"{name} / {BASELINE} ITL@{LONG} {itl[name][LONG]['vs_baseline']:.2f}")
     hybrids = [(name, m) for name, m in manifests.items() if name.endswith("-swa")]
     if hybrids:

@@ -34,30 +34,38 @@ BLOCK_SIZE = 32  # weights per scale along the input axis (onnxruntime-genai's i
 COPIED = ("genai_config.json", "tokenizer.json")
 
 
-def weight_only_name(name: str, bits: int) -> str:
-    return f"{name}-int{bits}"
+def weight_only_name(name: str, bits: int, accuracy_level: int | None = None) -> str:
+    return f"{name}-int{bits}" + ("" if accuracy_level is None else f"-acc{accuracy_level}")
 
 
-def quantize_graph(source: Path, target: Path, bits: int, block_size: int = BLOCK_SIZE) -> None:
-    """`source` with every constant-weight MatMul as MatMulNBits of `bits` bits (symmetric blocks)."""
-    quantizer = MatMulNBitsQuantizer(onnx.load(str(source)), bits=bits, block_size=block_size, is_symmetric=True)
+def quantize_graph(
+    source: Path, target: Path, bits: int, block_size: int = BLOCK_SIZE, accuracy_level: int | None = None
+) -> None:
+    """`source` with every constant-weight MatMul as MatMulNBits of `bits` bits (symmetric blocks);
+    `accuracy_level` 4 lets the kernel quantize the activations to int8 too (its int8 dot products)."""
+    quantizer = MatMulNBitsQuantizer(
+        onnx.load(str(source)), bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level
+    )
     quantizer.process()
     onnx.save(quantizer.model.model, str(target))
 
 
-def derive_weight_only(source: Path, bits: int, block_size: int = BLOCK_SIZE) -> Path:
+def derive_weight_only(
+    source: Path, bits: int, block_size: int = BLOCK_SIZE, accuracy_level: int | None = None
+) -> Path:
     """The weight-only form of the model in `source`, written beside it; returns its folder."""
     manifest = Manifest.load(source)
-    name = weight_only_name(manifest.name, bits)
+    name = weight_only_name(manifest.name, bits, accuracy_level)
     folder = source.parent / name
     folder.mkdir(exist_ok=True)
     data = json.loads((source / MANIFEST).read_text())
     for variant, entry in data["variants"].items():
-        quantize_graph(source / entry["file"], folder / entry["file"], bits, block_size)
+        quantize_graph(source / entry["file"], folder / entry["file"], bits, block_size, accuracy_level)
         entry["sha256"] = sha256_file(folder / entry["file"])
         logging.info("%s %s: %.1f MB", name, variant, (folder / entry["file"]).stat().st_size / 1e6)
     data |= {"name": name, "sha256": data["variants"]["float32"]["sha256"]}
-    data["weight_only"] = {"bits": bits, "block_size": block_size, "source": manifest.name}
+    data["weight_only"] = {"bits": bits, "block_size": block_size, "accuracy_level": accuracy_level,
+                           "source": manifest.name}  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
     for file in COPIED:
         if (source / file).is_file():
@@ -65,21 +73,23 @@ def derive_weight_only(source: Path, bits: int, block_size: int = BLOCK_SIZE) ->
     return folder
 
 
-def logit_differences(source: Path, derived: Path, windows: int = 4, context: int = 256) -> tuple[float, float]:
+def logit_differences(source: Path, derived: Path, windows: int = 4, context: int = 256) -> tuple[float, float, float]:
     """(max, mean) absolute difference of the float32 graphs' logits, `derived` against `source`, over
-    `windows` windows of `context` bytes of the test split (held-out text)."""
+    `windows` windows of `context` bytes of the test split (held-out text), and the mean absolute
+    logit of `source` (the scale they are read against)."""
     stream = load_corpus(None).splits["test"]
     sequences = evaluation_sequences(stream, context, windows, TOKENIZER.bos_token_id)
     reference, quantized = OnnxCausalLM(source), OnnxCausalLM(derived)
-    differences = []
+    differences, scale = [], []
     for ids in sequences:
         batch = np.array([ids], dtype=np.int64)
         mask, positions = np.ones_like(batch), np.arange(len(ids), dtype=np.int64)[None]
         want, _ = reference.forward(batch, mask, positions, reference.empty_past(1))
         got, _ = quantized.forward(batch, mask, positions, quantized.empty_past(1))
         differences.append(np.abs(got - want))
+        scale.append(float(np.abs(want).mean()))
     every = np.concatenate([d.reshape(-1) for d in differences])
-    return float(every.max()), float(every.mean())
+    return float(every.max()), float(every.mean()), float(np.mean(scale))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,13 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="bits a weight")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="weights per scale")
+    parser.add_argument(
+        "--accuracy-level", type=int, choices=(1, 2, 3, 4), default=None,
+        help="MatMulNBits accuracy_level (4: activations quantized to int8 inside the kernel); named -acc<N>",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     for source in args.folders:
-        folder = derive_weight_only(source, args.bits, args.block_size)
-        largest, mean = logit_differences(source, folder)
-        print(
-            f"{folder.name}: logits against {source.name} on held-out text: max |diff| {largest:.4f}, mean {mean:.5f}"
-        )
+        folder = derive_weight_only(source, args.bits, args.block_size, args.accuracy_level)
+        largest, mean, scale = logit_differences(source, folder)
+        print(f"{folder.name}: logits against {source.name} on held-out text: max |diff| {largest:.4f}, "
+              f"mean {mean:.5f} (mean |logit| {scale:.4f})")  # fmt: skip
     return 0
 
 
