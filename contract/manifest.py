@@ -38,6 +38,10 @@ PREFILL_FUSED = "prefill-fused"
 # kernel reads int8 K/V with fixed per-channel scales (contract.kv_int8's channel format, the scales in
 # the manifest's `int8_channel_scales`) and writes each new token's K/V quantized into the buffer.
 SERVING_FUSED_INT8 = "serving-fused-int8"
+# The prompt graph of an attention whose prompts want another form than its decode steps (latent
+# attention: keys and values up-projected from the cached latents, one fused Attention node a layer,
+# models/latent.py): the in-place serving graph's contract (contract.graph), float32.
+PREFILL_UP_PROJECTED = "prefill-up-projected"
 _SERVING_PREFIX = "serving-"
 # A manifest without any of these is refused (manifest.json may carry more).
 REQUIRED_KEYS = (
@@ -55,7 +59,7 @@ def serving_variant(dtype: str) -> str:
 
 def variant_dtype(variant: str) -> str:
     """The storage dtype of a variant's cache and activations ("serving-float16" -> "float16")."""
-    if variant in (SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8):
+    if variant in (SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8, PREFILL_UP_PROJECTED):
         return "float32"
     dtype = variant.removeprefix(_SERVING_PREFIX)
     if dtype not in DTYPE_BYTES:

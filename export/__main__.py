@@ -17,7 +17,15 @@ import time
 from pathlib import Path
 
 from contract.cli import HelpFormatter
-from contract.manifest import PREFILL_FUSED, SERVING, SERVING_FP16, SERVING_FUSED, SERVING_FUSED_INT8, SERVING_INT8
+from contract.manifest import (
+    PREFILL_FUSED,
+    PREFILL_UP_PROJECTED,
+    SERVING,
+    SERVING_FP16,
+    SERVING_FUSED,
+    SERVING_FUSED_INT8,
+    SERVING_INT8,
+)
 from contract.paths import sized_repository
 from export.repository import GRAPH_FILES, ExportOptions, ExportResult, plan, run
 from models.positional import SCHEMES
@@ -33,6 +41,7 @@ SHORT_NAMES = {
     SERVING_FUSED: "fused",
     PREFILL_FUSED: "prefill",
     SERVING_FUSED_INT8: "fused-int8",
+    PREFILL_UP_PROJECTED: "prefill-up",
 }
 
 

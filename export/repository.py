@@ -33,6 +33,7 @@ from contract.manifest import (
     GENAI_CONFIG,
     MANIFEST,
     PREFILL_FUSED,
+    PREFILL_UP_PROJECTED,
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
@@ -81,6 +82,7 @@ GRAPH_FILES = {
     SERVING_FUSED: "model.serving.fused.onnx",
     PREFILL_FUSED: "model.prefill.fused.onnx",
     SERVING_FUSED_INT8: "model.serving.fused.int8.onnx",
+    PREFILL_UP_PROJECTED: "model.prefill.up.onnx",
 }
 FP16_GRAPHS = ("float16", SERVING_FP16)
 # The graphs whose parity against PyTorch export checks (serving graphs are held to these in tests).
@@ -88,7 +90,7 @@ PARITY_GRAPHS = ("float32", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # The graphs a random size gets: the decode and prompt graphs the service runs (the explicit serving
 # graph stays: bounded cache policies decode through it) beside float32, onnxruntime-genai's.
-RANDOM_GRAPHS = (SERVING, SERVING_FUSED, PREFILL_FUSED)
+RANDOM_GRAPHS = (SERVING, SERVING_FUSED, PREFILL_FUSED, PREFILL_UP_PROJECTED)
 # The scheme whose models take inference-time rope scaling (see model_variants).
 ROPE_SCHEME = "rope"
 
@@ -99,10 +101,11 @@ TRACED_GRAPHS = ("float32", SERVING, "float16", SERVING_FP16)
 
 
 def graphs_for(scheme: str, graphs: tuple[str, ...]) -> tuple[str, ...]:
-    """The graphs of `graphs` a scheme's cache can be served by."""
+    """The graphs of `graphs` a scheme's cache can be served by: the K/V kernels' for K and V, the
+    traced ones and the prompts' own form for latent attention."""
     if layer_cache_spec(ModelConfig(scheme=scheme)).key_value:
-        return graphs
-    return tuple(variant for variant in graphs if variant in TRACED_GRAPHS)
+        return tuple(variant for variant in graphs if variant != PREFILL_UP_PROJECTED)
+    return tuple(variant for variant in graphs if variant in (*TRACED_GRAPHS, PREFILL_UP_PROJECTED))
 
 
 def cuda_onnxruntime() -> bool:
@@ -233,6 +236,8 @@ def export_model(
             export_onnx(copy.deepcopy(model), variants[variant], int8=True)
         elif variant in (SERVING_FUSED, PREFILL_FUSED):
             export_fused(copy.deepcopy(model), variants[variant], prompt=variant == PREFILL_FUSED)
+        elif variant == PREFILL_UP_PROJECTED:
+            export_onnx(copy.deepcopy(model), variants[variant], prompts=True)
         elif variant == SERVING_FUSED_INT8:
             scales = kv_channel_scales(copy.deepcopy(model))
             export_fused(copy.deepcopy(model), variants[variant], int8_scales=scales)

@@ -29,6 +29,7 @@ from contract.kv_int8 import quantize_channels
 from contract.manifest import (
     NP_DTYPES,
     PREFILL_FUSED,
+    PREFILL_UP_PROJECTED,
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
@@ -55,8 +56,8 @@ class OnnxCausalLM:
         self, folder: Path, dtype: str = "float32", providers: list[str] | None = None, threads: int = 0
     ) -> None:
         self.manifest = Manifest.load(folder)
-        self.dtype = dtype  # the variant: float32, float16, serving-float32 or serving-float16
-        self.in_place = dtype in (SERVING, SERVING_FP16)
+        self.dtype = dtype  # the variant: float32, float16, serving-float32, serving-float16 or prefill-up-projected
+        self.in_place = dtype in (SERVING, SERVING_FP16, PREFILL_UP_PROJECTED)
         path = self.manifest.verify(dtype)
         self.session = ort.InferenceSession(
             str(path), session_options(threads), providers=providers or ["CPUExecutionProvider"]

@@ -51,6 +51,15 @@ class Transformer(nn.Module):
             block.attn.serve_in_place()
         return self
 
+    def serve_prompts_in_place(self) -> Transformer:
+        """The serving layout in the form prompts want, for attention that has one (latent attention:
+        up-projected, models/latent.py); the others have one form and refuse."""
+        for block in self.blocks:
+            if not hasattr(block.attn, "serve_prompts_in_place"):
+                raise ValueError(f"{self.config.scheme}: its attention serves prompts and steps in one form")
+            block.attn.serve_prompts_in_place()
+        return self
+
     def attend_with_fused_kernel(self) -> Transformer:
         """Switch to PyTorch's fused attention (training): the same mathematics in one kernel, and a
         faster training step (README, Training speed). Export keeps the explicit graph."""

@@ -35,6 +35,7 @@ from contract.graph import (
 from contract.manifest import (
     NP_DTYPES,
     PREFILL_FUSED,
+    PREFILL_UP_PROJECTED,
     FusedAttention,
     LocalCache,
     Manifest,
@@ -243,6 +244,14 @@ def prompt_graph(manifest: Manifest, dtype: str, attention: str) -> str | None:
     (it is float32, and `explicit` keeps every call on the explicit serving graph)."""
     exported = PREFILL_FUSED in manifest.data["variants"]  # type: ignore[operator]
     return PREFILL_FUSED if exported and dtype == "float32" and attention != "explicit" else None
+
+
+def serving_prompt_graph(manifest: Manifest, dtype: str) -> str:
+    """The graph of the serving contract that prompts run through where no fused prompt graph takes
+    them: the attention's own prompt form where it has one (latent attention's up-projected
+    prefill-up-projected, float32), else the serving graph of `dtype`."""
+    up_projected = PREFILL_UP_PROJECTED in manifest.data["variants"]  # type: ignore[operator]
+    return PREFILL_UP_PROJECTED if up_projected and dtype == "float32" else serving_variant(dtype)
 
 
 class GraphBinder:

@@ -50,13 +50,17 @@ class PromptSessions:
         graphs: dict[str, CacheGraph],
         dtype: str,
         prompt_variant: str | None,
+        serving_prompt_variant: str,
         prefill_threads: int,
         tail_scratch: ScratchArray | None,
         release_call: Callable[[], None],
     ) -> None:
-        """`release_call`: a one-token call through the worker session whose run options shrink its arena."""
+        """`prompt_variant`: the fused prompt graph, or None; `serving_prompt_variant`: the graph of the
+        serving contract the worker runs prompts through without one (model_session.serving_prompt_graph).
+        `release_call`: a one-token call through the worker session whose run options shrink its arena."""
         self._open, self._graphs, self._dtype, self._release_call = open_session, graphs, dtype, release_call
         self._prompt_variant, self._threads, self._tail_scratch = prompt_variant, prefill_threads, tail_scratch
+        self._serving_prompt_variant = serving_prompt_variant
         self.worker: ModelSession | None = None  # open()
         self.by_kind: dict[str, ModelSession] = {}  # open(): by storage kind, for prompts streaming through a row
         self.tail: ModelSession | None = None  # open_tail()
@@ -67,9 +71,12 @@ class PromptSessions:
         """(Re)create the prompt sessions from the calling thread: ONNX Runtime's pool threads inherit
         that thread's OS priority."""
         self.by_kind = {kind: self._open(self._threads, False, graph.variant) for kind, graph in self._graphs.items()}
-        self.worker = (
-            self._open(self._threads, True, self._prompt_variant) if self._prompt_variant else self.by_kind[self._dtype]
-        )
+        if self._prompt_variant is not None:
+            self.worker = self._open(self._threads, True, self._prompt_variant)
+        elif self._serving_prompt_variant != self._graphs[self._dtype].variant:
+            self.worker = self._open(self._threads, False, self._serving_prompt_variant)
+        else:
+            self.worker = self.by_kind[self._dtype]
 
     def open_tail(self) -> bool:
         """Fused prompt sessions for prefix-cache hits' short tails (service.engine.prompts.prefill.TailWorker):

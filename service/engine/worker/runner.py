@@ -58,6 +58,7 @@ from service.engine.worker.model_session import (
     cache_graphs,
     default_threads,
     serving_plan,
+    serving_prompt_graph,
 )
 from service.engine.worker.policy_stream import PolicyStream
 from service.engine.worker.prompt_sessions import Lane, PromptLane, PromptSessions
@@ -125,13 +126,14 @@ class ModelRunner:
         self.fused_session = self._session(self.threads, True, self.fused.variant) if self.fused else None
         # Prompts and scoring (prefill worker, tail worker, gRPC threads); the worker opens its own on its thread.
         tail_scratch = ScratchArray() if isinstance(self.backend, NumpyArrays) else None  # kv/scratch.py
+        serving_prompts = serving_prompt_graph(manifest, self.dtype)
         self.prompt_sessions = PromptSessions(
-            self._session, self.graphs, self.dtype, self.prompt_variant, self.prefill_threads, tail_scratch,
-            self._release_arena,
+            self._session, self.graphs, self.dtype, self.prompt_variant, serving_prompts, self.prefill_threads,
+            tail_scratch, self._release_arena,
         )  # fmt: skip
         if open_prefill_session:
             self.prompt_sessions.open()
-        self.prompt_graph = str(manifest.onnx_path(self.prompt_variant or self.variant))  # (for profiling it)
+        self.prompt_graph = str(manifest.onnx_path(self.prompt_variant or serving_prompts))  # (for profiling it)
         self.pad_token_id = int(manifest.tokenizer["pad_token_id"])  # type: ignore[call-overload]
         self.timings = RunnerTimings()
         fused_rows = self.layout.storage(self.fused.dtype) if self.fused else None

@@ -77,18 +77,39 @@ def test_its_cache_is_one_latent_and_rotated_key_a_token_under_a_third_of_ropes(
     assert (spec.entries, spec.heads, spec.width, spec.rotated_columns) == (("latent",), 1, 80, (64, 80))
 
 
-@pytest.mark.parametrize("variant", ["float32", "serving-float32"])
+@pytest.mark.parametrize("variant", ["float32", "serving-float32", "prefill-up-projected"])
 def test_its_graphs_match_pytorch_and_cached_decoding_matches_recomputation(
     latent_repository: Path, latent_weights: Path, variant: str
 ) -> None:
-    """Prefill and 32 cached steps against PyTorch; the serving graph is the absorbed form."""
+    """Prefill and 32 cached steps against PyTorch; the serving graph is the absorbed form, the
+    prompts' graph the up-projected one through one Attention node a layer."""
     model = Transformer.load(latent_weights / "mla")
     runtime = OnnxCausalLM(latent_repository / "mla", variant)
     report = check_parity(model, runtime, default_prompts(TOKENIZER.bos_token_id))
     assert report.max_abs <= FP32_TOLERANCE and report.cached_vs_full_max_abs <= FP32_TOLERANCE
     assert report.greedy_equal
     traced = {"float32", "serving-float32", "float16", "serving-float16"}  # no int8 or fused graph: they read K and V
-    assert set(Manifest.load(latent_repository / "mla").data["variants"]) <= traced
+    assert set(Manifest.load(latent_repository / "mla").data["variants"]) <= traced | {"prefill-up-projected"}
+
+
+def test_prompts_run_through_the_up_projected_graph_and_steps_through_the_absorbed_one(
+    latent_repository: Path,
+) -> None:
+    """The prompt graph holds one `Attention` node a layer and no absorbed query; the runner opens it
+    for prompts, and the serving graph (absorbed) for decode steps."""
+    import onnx
+
+    from service.engine.worker.runner import ModelRunner, StoreConfig
+
+    folder = latent_repository / "mla"
+    manifest = Manifest.load(folder)
+    nodes = [node.op_type for node in onnx.load(str(manifest.onnx_path("prefill-up-projected"))).graph.node]
+    assert nodes.count("Attention") == manifest.n_layers
+    runner = ModelRunner(manifest, StoreConfig(1 << 24, 16, 512), "cpu", 1)
+    assert runner.prompt_graph.endswith("model.prefill.up.onnx")
+    sessions = runner.prompt_sessions
+    assert sessions.worker is not None and sessions.worker is not sessions.by_kind["float32"]
+    assert runner.session is runner.sessions["float32"] and runner.graphs["float32"].variant == "serving-float32"
 
 
 def test_int8_and_bounded_policies_are_refused_by_name(server: ServerProcess) -> None:
