@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from service.engine.messages import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_PRIORITY,
     MAX_SEGMENTS,
     MAX_SPECULATIVE_TOKENS,
     MAX_STOP_CHARACTERS,
     MAX_STOP_STRINGS,
+    MIN_PRIORITY,
     ErrorKind,
     GenerateInput,
     ModelInfo,
@@ -62,6 +64,8 @@ def check_fields(raw: GenerateInput, limits: FieldLimits) -> None:
     check_logit_bias(raw.logit_bias, limits)
     if raw.speculative_tokens is not None and not 0 <= raw.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise refuse("speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {raw.speculative_tokens}")
+    if not MIN_PRIORITY <= raw.priority <= MAX_PRIORITY:
+        raise refuse("priority", f"must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {raw.priority}")
 
 
 def check_prompt(raw: GenerateInput, limits: FieldLimits) -> None:
