@@ -125,6 +125,5 @@ def print_kv_bytes(folders: list[Path], device: str) -> None:
         limit = manifest.max_positions or "unbounded"
         print(f"  {manifest.name:<12} {layout.token_bytes:>6} B/token{per_sequence}   positions: {limit}")
 
-
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -44,7 +44,7 @@ def long_context_steps(
     names = list(runners)
     samples: dict[str, dict[int, list[float]]] = {name: {c: [] for c in runners[name]} for name in names}
     for round_index in range(rounds):
-        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
+        for name in names[round_index % len(names):] + names[: round_index % len(names)]:
             for context, runner in runners[name].items():
                 samples[name][context].append(step_seconds(runner, steps))
     return {name: {c: statistics.median(v) for c, v in by_context.items()} for name, by_context in samples.items()}

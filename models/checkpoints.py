@@ -29,8 +29,6 @@ def trained_schemes(weights: Path = WEIGHTS_DIR) -> tuple[str, ...]:
     """The schemes, in SCHEMES order, whose weights lie in `weights`: what export and the comparison
     take by default, so a scheme still in training is left out rather than failing them."""
     return tuple(scheme for scheme in SCHEMES if (weights / scheme / "model.safetensors").is_file())
-
-
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "training.json"
 LOG = "train_log.jsonl"

@@ -35,14 +35,9 @@ def _quality(results: Results, hybrid: str) -> str:
             text += f", {own[longest] / theirs[longest] - 1:+.1%} at {longest}x"
         parts.append(text)
     close = results.quality.get("rope", {}).get("1")
-    verdict = (
-        ""
-        if close is None
-        else (
-            " (within 3% of rope at the training length)"
-            if abs(own["1"] / close - 1) <= QUALITY_CLOSE
-            else " (**not** within 3% of rope at the training length)"
-        )
+    verdict = "" if close is None else (
+        " (within 3% of rope at the training length)" if abs(own["1"] / close - 1) <= QUALITY_CLOSE
+        else " (**not** within 3% of rope at the training length)"
     )
     return f"{own['1']:.3f} bits/byte at 1x, {own[longest]:.3f} at {longest}x: " + "; ".join(parts) + verdict
 
@@ -69,8 +64,7 @@ def _memory(results: Results, hybrid: str) -> str:
         return "memory footprint not measured"
     lengths = sorted((k.split("@")[1] for k in own if k.startswith("kv_bytes")), key=int)
     per_token = ", ".join(
-        f"{own[f'kv_bytes_per_token@{n}'] / rope[f'kv_bytes_per_token@{n}']:.2f}x at {n}"
-        for n in lengths
+        f"{own[f'kv_bytes_per_token@{n}'] / rope[f'kv_bytes_per_token@{n}']:.2f}x at {n}" for n in lengths
         if f"kv_bytes_per_token@{n}" in rope
     )
     text = f"K/V bytes per token {per_token} tokens of rope's (relative and alibi hold rope's bytes)"
@@ -84,11 +78,9 @@ def _budget_load(results: Results, hybrid: str) -> str:
     own, rope = results.load_budget.get(hybrid), results.load_budget.get("rope")
     if not own or not rope:
         return ""
-    return (
-        f" Under one KV budget with 4 KB prompts it ran {own.get('running_peak', 0):.0f} requests at once "
-        f"against rope's {rope.get('running_peak', 0):.0f}, for {own['goodput_per_s']:.2f} good req/s and "
-        f"{own['tokens_per_s']:.0f} tokens/s against {rope['goodput_per_s']:.2f} and {rope['tokens_per_s']:.0f}."
-    )
+    return (f" Under one KV budget with 4 KB prompts it ran {own.get('running_peak', 0):.0f} requests at once "
+            f"against rope's {rope.get('running_peak', 0):.0f}, for {own['goodput_per_s']:.2f} good req/s and "
+            f"{own['tokens_per_s']:.0f} tokens/s against {rope['goodput_per_s']:.2f} and {rope['tokens_per_s']:.0f}.")
 
 
 def _latency(results: Results, hybrid: str) -> str:
@@ -168,8 +160,5 @@ def hybrids_section(results: Results) -> str:
     return (
         "**What the hybrids cost and buy** (the served seed-1234 models' figures; the verdicts above give "
         "each scheme's range over its seeds. Local sliding-window RoPE layers with one global layer, against "
-        + ", ".join(RIVALS)
-        + ")\n\n"
-        + "\n".join(blocks)
-        + "\n"
+        + ", ".join(RIVALS) + ")\n\n" + "\n".join(blocks) + "\n"
     )

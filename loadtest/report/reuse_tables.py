@@ -416,7 +416,7 @@ def reuse_section(results: Results) -> str:
         'Each verdict comes from the paired 95% interval of the change from the full recompute: "within 1%" '
         'only when the interval lies inside +-1%, "cannot" only when it lies wholly above +1%, "reads better" '
         'when it lies wholly below -1% (no loss, though not the recompute\'s answer), otherwise "undecided" at '
-        "that many prompts. " + samples_note(results) + " Every prompt sample's verdict, and "
+        'that many prompts. ' + samples_note(results) + " Every prompt sample's verdict, and "
         "whether they agree:\n"
     )
     parts.append(samples_table(results, forms))

@@ -36,11 +36,11 @@ def routing_section(results: Results) -> str:
     table = "\n".join(rows)
     return f"""## Routing: round robin against prefix affinity
 
-{setup["replicas"]} replicas of `{setup["model"]}` with small KV budgets behind HAProxy
-(deploy/haproxy/haproxy.cfg), {setup["users"]} users streaming {setup["prefixes"]} prefixes of
-{setup["prefix_bytes"]} bytes, each {setup["uses"]} times with a different tail, in a random order
+{setup['replicas']} replicas of `{setup['model']}` with small KV budgets behind HAProxy
+(deploy/haproxy/haproxy.cfg), {setup['users']} users streaming {setup['prefixes']} prefixes of
+{setup['prefix_bytes']} bytes, each {setup['uses']} times with a different tail, in a random order
 (the prefixes' K/V about twice what one replica's prefix cache keeps); every round on new prefixes,
-{len(rr["rounds"])} rounds, medians [min-max]. Affinity hashes the x-routing-key header (the
+{len(rr['rounds'])} rounds, medians [min-max]. Affinity hashes the x-routing-key header (the
 prompt's first 256 bytes) onto a consistent-hash ring with a bound on load.
 
 | routing | prefix hit rate | TTFT p50 ms | TTFT p99 ms | goodput req/s |
@@ -48,8 +48,8 @@ prompt's first 256 bytes) onto a consistent-hash ring with a bound on load.
 {table}
 
 Affinity's hit rate is {hits:.2f}x round robin's and its TTFT p50 {ttft:.2f}x. One replica killed
-(SIGKILL) a third into an affinity run: {kill["requests"]} requests served, {kill["failed_before_start"]}
-failed before their first token (the proxy retried the rest on the other replica), {kill["cut_streams"]}
+(SIGKILL) a third into an affinity run: {kill['requests']} requests served, {kill['failed_before_start']}
+failed before their first token (the proxy retried the rest on the other replica), {kill['cut_streams']}
 streams cut after it ({errors}).
 
 """

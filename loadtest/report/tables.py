@@ -182,8 +182,7 @@ def budget_load_table(results: Results) -> str:
         f"to servers whose `--kv-cache-bytes` is {fmt_mb(first['kv_budget_bytes'])} MB (8 rope sequences of "
         "4,096 tokens): a scheme that holds fewer K/V bytes a token runs more of them at once. Whether that "
         "shows as goodput depends on what prefill costs on this machine; either way it is a finding.\n\n"
-        + "\n".join(rows)
-        + "\n"
+        + "\n".join(rows) + "\n"
     )
 
 
