@@ -72,10 +72,13 @@ def openapi(models: dict[str, ModelInfo] | None = None, secured: bool = True) ->
     named = [types.ErrorResponse, *(o.answer for o in OPERATIONS), *(o.request for o in OPERATIONS if o.request)]
     _, schemas = msgspec.json.schema_components(named, ref_template="#/components/schemas/{name}")
     _relate_completion_fields(schemas["CompletionRequest"])
-    # Chat's top_logprobs needs logprobs: true.
+    # Chat's top_logprobs needs logprobs: true; max_tokens or max_completion_tokens, not both.
     asked = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}}
+    lengths = ("max_tokens", "max_completion_tokens")
+    both = {"required": list(lengths), "properties": {field: {"type": "integer"} for field in lengths}}
     schemas["ChatCompletionRequest"]["allOf"] = [
-        {"if": asked, "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+        {"if": asked, "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        {"not": both},
     ]
     # Both: stream_options (any option set) only with stream: true.
     options = {"required": ["stream_options"], "properties": {"stream_options": {"type": "object", "minProperties": 1}}}
@@ -130,7 +133,10 @@ def _relate_completion_fields(schema: dict[str, Any]) -> None:
         {
             "if": segmented,
             "then": {"properties": {"prompt": {"anyOf": [{"type": "null"}, {"const": ""}]}, "segments": some_text}},
-            "else": {"properties": {"prompt": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array"}]}}},
+            "else": {
+                "required": ["prompt"],
+                "properties": {"prompt": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array"}]}},
+            },
         },
         {"if": no_echo, "then": {"properties": {"max_tokens": {"anyOf": [{"type": "null"}, {"minimum": 1}]}}}},
     ]

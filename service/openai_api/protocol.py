@@ -23,8 +23,11 @@ tokens whose K/V was reused, not computed in context); /v1/models gives each mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import secrets
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -39,7 +42,6 @@ from service.engine.messages import (
     RequestError,
     RequestStatus,
 )
-from service.openai_api.openapi import schema_nodes
 from service.openai_api.types import MAX_PROMPTS
 from service.security import cache_salt
 
@@ -155,39 +157,54 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 def conform(body: Any, kind: type, parse: Callable[[dict[str, Any]], T]) -> T:
-    """`parse(body)`, then the body checked against the request's type (service.openai_api.types,
-    which the OpenAPI description is made from), so that what the description refuses is refused,
-    with 400 naming the field (the parser's own messages, which name the limit, come first). JSON
-    Schema's integers include 6.0: integral numbers are taken as integers. Unknown fields are
-    ignored, as the description allows them."""
+    """`parse(body)`, then the body's shape checked against the request's type (service.openai_api.
+    types, which the OpenAPI description is made from): every field of the type the description
+    gives it, nested objects' fields included, with 400 naming the field. Only shapes and types: the
+    limits the types state (ranges, lengths, patterns) are the description's words for checks made
+    once elsewhere, with the message naming the field and the limit: by the parser for what only
+    this API has (n, the penalties, a prompt list's shapes), by the engine client for every sampling
+    and limit field (service.engine.processing.fields, gRPC's and HTTP's alike). JSON Schema's
+    integers include 6.0: integral numbers are taken as integers. Unknown fields are ignored, as the
+    description allows them."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body: must be a JSON object")
     body = _integral(body)
     parsed = parse(body)
     try:
-        msgspec.convert(body, kind, strict=True)
+        msgspec.convert(body, shape_of(kind), strict=True)
     except msgspec.ValidationError as error:
         message = str(error)
         where = message.rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in message else None
         field = re.match(r"\w+", where or "")
-        param = field[0] if field else None
-        raise ApiError(400, f"{where or 'request body'}: {_worded(message, kind, param)}", param) from None
+        expected = message.partition(" - at ")[0]
+        raise ApiError(400, f"{where or 'request body'}: {expected}", field[0] if field else None) from None
     return parsed
 
 
-def _worded(message: str, kind: type, field: str | None) -> str:
-    """msgspec's message in this API's words: a length as "at most N", a number's range as [min, max]."""
-    expected = message.partition(" - at ")[0]
-    length = re.fullmatch(r"Expected `(\w+)` of length <= (\d+)", expected)
-    if length:
-        return f"at most {length[2]} {'characters' if length[1] == 'str' else 'items'}"
-    if re.fullmatch(r"Expected `\w+` [<>]=? \S+", expected) and field:
-        schema = msgspec.json.schema(kind)
-        properties = schema["$defs"][kind.__name__]["properties"]
-        for node in schema_nodes(properties.get(field, {})):
-            if "minimum" in node and "maximum" in node:
-                return f"must be in [{node['minimum']:g}, {node['maximum']:g}] ({expected})"
-    return expected
+@functools.cache
+def shape_of(kind: Any) -> Any:
+    """`kind` without its constraints (msgspec's Meta: ranges, lengths, patterns): its types and
+    shapes alone, Structs rebuilt field by field (conform's check)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Annotated:
+        return shape_of(args[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return typing.Union[tuple(shape_of(arg) for arg in args)]  # noqa: UP007 (built from a tuple)
+    if origin in (list, dict):
+        return origin[tuple(shape_of(arg) for arg in args)] if args else origin
+    if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        config = kind.__struct_config__
+        fields = [(f.name, shape_of(f.type), _default(f)) for f in msgspec.structs.fields(kind)]
+        return msgspec.defstruct(
+            kind.__name__, fields, kw_only=True, forbid_unknown_fields=config.forbid_unknown_fields
+        )
+    return kind
+
+
+def _default(field: msgspec.structs.FieldInfo) -> Any:
+    if field.default_factory is not msgspec.NODEFAULT:
+        return msgspec.field(default_factory=field.default_factory)
+    return field.default  # NODEFAULT: required
 
 
 def _integral(value: Any) -> Any:
@@ -220,7 +237,11 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
     else:
         prompts = ["".join(s.text for s in segments)] if segments else completion_prompts(body.get("prompt"))
     logprobs, echo = requested_logprobs(body, chat)
-    tokens_field = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    lengths = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    given = [field for field in lengths if body.get(field) is not None]
+    if len(given) == 2:  # chat: one length, or the other's limits would go unchecked
+        raise invalid("max_tokens", "set either max_tokens or max_completion_tokens, not both")
+    tokens_field = given[0] if given else "max_tokens"
     max_tokens = _typed(body, tokens_field, int, None)
     names = {**API_NAMES, "max_new_tokens": tokens_field, **({"logprobs": "top_logprobs"} if chat else {})}
     n = _typed(body, "n", int, 1)
@@ -271,20 +292,6 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         for p in prompts
     )
     return Generation(inputs, stream, bool(options.get("include_usage")), chat, logprobs, echo, names)
-
-
-def _max_tokens(body: dict[str, Any], chat: bool, echo: bool, limit: int) -> int | None:
-    """max_tokens, or chat's max_completion_tokens (which wins), each checked where given: 0 only with echo."""
-    lowest = 0 if echo else 1
-    fields = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
-    found = None
-    for field in fields:
-        value = _typed(body, field, int, None)
-        if value is not None and not lowest <= value <= limit:
-            alone = "" if echo else " (0 only with echo: the prompt's log-probabilities alone)"
-            raise invalid(field, f"must be in [{lowest}, {limit}]{alone}, got {value}")
-        found = value if value is not None else found
-    return found
 
 
 def _priority(body: dict[str, Any]) -> int:

@@ -2,8 +2,11 @@
 openapi builds it from these with msgspec's JSON Schema), and what tests hold the parser and the
 answers to (tests/service/test_openapi.py: the parser reads no field these lack, and schemathesis
 checks every real answer against them). Static limits are declared here (minimum, maximum, lengths)
-and are the limits the server enforces; the server's own flags (--max-new-tokens-limit, the model's
-positions) come on top, and a request past those gets 400 naming them.
+and are the limits the server enforces, though not here: a body is held only to these types' shapes
+(protocol.conform), and each limit is checked once, by the parser or, for every sampling and limit
+field, by service.engine.processing.fields for gRPC and HTTP alike. The server's own flags
+(--max-new-tokens-limit, the model's positions) come on top, and a request past those gets 400
+naming them.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ class CompletionRequest(GenerationFields, kw_only=True):
     """`prompt`: a string, token ids, a list of strings or a list of token-id lists (at most 64
     prompts); null or "" only with `segments`, the prompt given in pieces instead."""
 
-    prompt: str | Annotated[list[Prompt], Meta(min_length=1)] | None  # "" only with segments (the description says)
+    # Required without segments, null or "" with them (the description says: service.openai_api.openapi).
+    prompt: str | Annotated[list[Prompt], Meta(min_length=1)] | None = None
     echo: bool | None = None
     logprobs: Logprobs | None = None
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None

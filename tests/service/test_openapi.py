@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 from service.engine.messages import ModelInfo
 from service.openai_api import types
 from service.openai_api.openapi import OPERATIONS, openapi
-from service.openai_api.protocol import SEGMENT_FIELDS, parse_generation
+from service.openai_api.protocol import SEGMENT_FIELDS, ApiError, conform, parse_generation
 from service.process import ServerProcess
 
 MODEL = ModelInfo(
@@ -123,3 +123,24 @@ def test_schemathesis_with_every_check_finds_nothing(server: ServerProcess, tmp_
     ]  # fmt: skip
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-8000:]
+
+
+def test_the_shape_check_leaves_every_limit_to_the_field_checks() -> None:
+    """conform checks shapes and types only: a value past a limit the description states reaches the
+    one check of each field (service.engine.processing.fields), which words it for gRPC and HTTP alike."""
+    body = {"model": "alibi", "prompt": "x", "temperature": -1, "logprobs": 99, "stop": ["x"] * 40, "priority": 2**40}
+    parsed = conform(body, types.CompletionRequest, lambda body: parse_generation(body, {"alibi": MODEL}, False))
+    assert parsed.input.temperature == -1.0 and parsed.input.logprobs == 99 and len(parsed.input.stop) == 40
+    with pytest.raises(ApiError) as refused:  # a wrong type is the shape check's
+        conform({**body, "user": 3}, types.CompletionRequest, lambda body: None)
+    assert refused.value.status == 400 and refused.value.param == "user"
+
+
+def test_chat_takes_one_length_field() -> None:
+    """max_tokens and max_completion_tokens both given: the one left out would go unchecked."""
+    body = {"model": "alibi", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0,
+            "max_completion_tokens": 8}  # fmt: skip
+    with pytest.raises(ApiError) as refused:
+        parse_generation(body, {"alibi": MODEL}, True)
+    assert refused.value.param == "max_tokens" and "not both" in refused.value.message
+    assert parse_generation({**body, "max_tokens": None}, {"alibi": MODEL}, True).input.max_new_tokens == 8
