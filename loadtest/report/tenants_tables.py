@@ -32,10 +32,15 @@ def verdict(results: Results, policy: str) -> str:
     cell, goals = results.tenants[policy], results.tenants["setup"]
     quiet, noisy = cell["quiet_ttft_vs_solo"], cell["noisy_throughput_vs_solo"]
     met = quiet <= goals["quiet_ttft_goal"] and noisy >= goals["noisy_throughput_goal"]
+    server = cell.get("server_throughput_vs_solo")
+    kept = "" if server is None else (
+        f"; the server's tokens/s {server:.2f}x the noisy tenant's solo, {cell['quiet_share']:.0%} of them the quiet "
+        "tenant's"
+    )  # fmt: skip
     return (
         f"{POLICIES[policy]}: quiet TTFT p50 {cell['quiet']['ttft_p50_s'] * 1000:.0f} ms ({quiet:.1f}x solo), "
         f"noisy {noisy:.2f}x its solo tokens/s ({'meets' if met else 'misses'} <= {goals['quiet_ttft_goal']:g}x "
-        f"and >= {goals['noisy_throughput_goal']:g}x)"
+        f"and >= {goals['noisy_throughput_goal']:g}x){kept}"
     )
 
 
@@ -46,6 +51,11 @@ def tenants_finding(results: Results) -> str:
     users = results.tenants["setup"]["users"]
     lines = "\n".join(f"- {verdict(results, policy)}" for policy in POLICIES)
     return f"**[Tenants: {users['quiet']} quiet streams beside {users['noisy']} noisy ones]({ANCHOR})**\n\n{lines}\n"
+
+
+def _solo_share(tenants: dict[str, Any]) -> float:
+    noisy = tenants["solo"]["noisy"]["tokens_per_s"]
+    return tenants["solo"]["quiet"]["tokens_per_s"] / noisy if noisy else float("nan")
 
 
 def tenants_section(results: Results) -> str:
@@ -65,7 +75,12 @@ one holds {setup["users"]["noisy"]} closed-loop streams, the quiet one {setup["u
 a {setup["prompt_bytes"]}-byte held-out prompt and {setup["new_tokens"]} new tokens, {setup["seconds"]:g} s a
 measurement; each tenant alone, then both under `--scheduling fcfs` and `--scheduling fair`
 (deficit round robin over tokens, docs/engine.md), {setup["rounds"]} rounds, medians [min-max].
-Goodput: requests a second within the load sections' TTFT and ITL targets.
+Goodput: requests a second within the load sections' TTFT and ITL targets. The quiet tenant's
+streams send their next request as soon as the last ends, so the faster it is served the more it
+asks: alone its {setup["users"]["quiet"]} streams use {tenants["solo"]["quiet"]["tokens_per_s"]:.0f} tokens/s,
+{_solo_share(tenants):.2f}x what the noisy tenant's {setup["users"]["noisy"]} use, and whatever share it
+takes beside the noisy tenant is the noisy one's loss unless the policy wastes capacity (the
+verdicts give both).
 
 | scheduling | tenant | TTFT p50 ms | TTFT p99 ms | tokens/s | goodput req/s |
 |---|---|---|---|---|---|

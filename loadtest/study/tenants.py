@@ -113,11 +113,16 @@ def medians(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, floa
 
 def ratios(solo: dict[str, dict[str, float]], together: dict[str, dict[str, float]]) -> dict[str, float]:
     """The acceptance's two figures: the quiet tenant's TTFT p50 over its solo one, the noisy tenant's
-    tokens a second over its solo ones."""
+    tokens a second over its solo ones; and what explains the second: both tenants' tokens a second
+    over the noisy one's solo (what the policy keeps of the server's capacity) and the quiet tenant's
+    share of them (what its closed loop takes when its requests are served promptly)."""
     quiet, noisy = solo["quiet"]["ttft_p50_s"], solo["noisy"]["tokens_per_s"]
+    total = together["noisy"]["tokens_per_s"] + together["quiet"]["tokens_per_s"]
     return {
         "quiet_ttft_vs_solo": together["quiet"]["ttft_p50_s"] / quiet if quiet else float("nan"),
         "noisy_throughput_vs_solo": together["noisy"]["tokens_per_s"] / noisy if noisy else float("nan"),
+        "server_throughput_vs_solo": total / noisy if noisy else float("nan"),
+        "quiet_share": together["quiet"]["tokens_per_s"] / total if total else float("nan"),
     }
 
 
