@@ -9,7 +9,8 @@ memory), quality through `Score` (bits per byte at 0.5x-8x the training context,
 linear/ntk/yarn scaling), graded retrieval probes with 95% intervals (copy over distance and
 depth, passkey, bits per byte on bytes that complete a repeated n-gram; loadtest/probes.py) and
 the cache-budget comparison (window, attention sinks and int8 caches: quality against KV bytes;
-loadtest/study/cache_budget.py), and KV reuse (a shared prefix with and without the prefix cache;
+loadtest/study/cache_budget.py), a noisy tenant beside a quiet one under first come first served
+and fair scheduling (loadtest/study/tenants.py), and KV reuse (a shared prefix with and without the prefix cache;
 documents in varying order as reusable segments, as is, re-rotated and repaired; loadtest/study/reuse.py).
 The scored sections and speculation's acceptance run on every training seed of a scheme the weights
 hold (models/weights/seed<N>/<scheme>, served as `<scheme>@seed<N>`); the served models are seed 1234's.
@@ -38,7 +39,7 @@ from contract.cli import HelpFormatter
 from contract.paths import REPOSITORY_ROOT
 from loadtest import speculative
 from loadtest.evaluation import evaluate
-from loadtest.study import reuse, routing, scored, timed
+from loadtest.study import reuse, routing, scored, tenants, timed
 from loadtest.study.budget import Budget
 from loadtest.study.held_out import HeldOut
 from loadtest.study.results import Environment, Results, RunConfig, RunRecord, TrainingCurve
@@ -47,9 +48,14 @@ from models import emergence
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.positional import SCHEMES
 
-SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse", "speculative", "routing")
+SECTIONS = ("quality", "latency", "load", "retrieval", "cache", "reuse", "speculative", "routing", "tenants")
 assert set(SECTIONS) == (
-    set(timed.SECTIONS) | set(scored.SECTIONS) | set(reuse.SECTIONS) | set(speculative.SECTIONS) | set(routing.SECTIONS)
+    set(timed.SECTIONS)
+    | set(scored.SECTIONS)
+    | set(reuse.SECTIONS)
+    | set(speculative.SECTIONS)
+    | set(routing.SECTIONS)
+    | set(tenants.SECTIONS)
 )
 # The sections run on every training seed of a scheme (`--seeds-only`: on the further ones only).
 SEEDED = frozenset(("quality", "retrieval", "cache", "reuse", "speculative"))
@@ -171,6 +177,7 @@ def run(args: argparse.Namespace) -> Path:
         + (2 * len(schemes) * (not budget.seeds_only) + models) * ("reuse" in sections)
         + models * ("speculative" in sections)
         + (2 * budget.load_rounds + 1) * ("routing" in sections)
+        + 3 * budget.load_rounds * ("tenants" in sections)
         + len(schemes) * ("evaluation" in sections)
     )
     seconds: dict[str, float] = {}
@@ -194,6 +201,9 @@ def run(args: argparse.Namespace) -> Path:
         if "routing" in sections:
             with timer(seconds, {"routing"}):
                 routing.measure_routing(repository, threads, held_out, budget, results, progress, out)
+        if "tenants" in sections:
+            with timer(seconds, {"tenants"}):
+                tenants.measure_tenants(repository, threads, held_out, budget, results, progress)
         if "evaluation" in sections:
             with timer(seconds, {"evaluation"}):
                 results.evaluation = evaluate(repository, schemes, budget.score_windows, budget.evaluation_choices,

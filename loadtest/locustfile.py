@@ -297,7 +297,11 @@ class HttpGenerationUser(Scenario, FastHttpUser):
         response: ResponseContextManager | None = None
         try:
             with self.client.post(
-                "/v1/completions", json=body, name=f"/v1/completions {model}", stream=True, catch_response=True,
+                "/v1/completions",
+                json=body,
+                name=f"/v1/completions {model}",
+                stream=True,
+                catch_response=True,
                 headers={ROUTING_HEADER: routing_key(prompt)},  # prefix affinity behind HAProxy
             ) as response:
                 if cancel:  # read a few events (maybe none), then hang up, as an impatient client does

@@ -58,6 +58,7 @@ from service.engine.messages import (
 )
 from service.engine.processing.fields import FieldLimits, check_fields
 from service.engine.processing.streams import OutputStream
+from service.quota import TenantQuota
 from service.request_handle import RequestHandle, ResumeObserver
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ class EngineClient:
         on_serving: Callable[[bool], None] = lambda serving: None,
         on_give_up: Callable[[str], None] = lambda reason: None,
         resume: ResumeObserver | None = None,
+        quota: TenantQuota | None = None,
     ) -> None:
+        """`quota`: each tenant's limits and counters (service.quota; None: no limits, not counted)."""
         self.repository, self.config, self.names = repository, config, names
+        self.quota = quota
         self.on_serving, self.on_give_up = on_serving, on_give_up
         self.resume = resume or ResumeObserver()
         self.models: dict[str, ModelInfo] = {}  # what ListModels answers, from the core
@@ -374,19 +378,49 @@ class EngineClient:
                 handle.prompt_tokens = len(handle.prompt_ids)
                 handle.finish(RequestStatus.FINISHED_LENGTH, None)
                 return handle
+        self._hold_quota(handle, raw)
         self._handles[request_id] = handle
         try:
             reply = self._call(request_id, Add(request_id, raw), CALL_TIMEOUT_SECONDS)
-        except RequestError:
+            assert isinstance(reply, Reply)
+            if reply.refusal is not None:
+                raise reply.refusal.error()
+        except RequestError as error:
             self._handles.pop(request_id, None)
+            self._refused(handle, error)
             raise
-        assert isinstance(reply, Reply)
-        if reply.refusal is not None:
-            self._handles.pop(request_id, None)
-            raise reply.refusal.error()
         if self._stopping:
             self._taken_while_stopping.append(handle)
         return handle
+
+    def _hold_quota(self, handle: RequestHandle, raw: GenerateInput) -> None:
+        """The tenant's place for this request (service.quota), given back when it ends; or its refusal."""
+        if self.quota is None:
+            return
+        info = self.models.get(raw.model)
+        prompt = len(raw.prompt_ids) or (len(info.prompt_ids(raw.prompt)) if info else len(raw.prompt.encode()))
+        new = self.config.default_max_new_tokens if raw.max_new_tokens is None else raw.max_new_tokens
+        labels = {"model": raw.model, "scheme": info.scheme} if info else {}
+        ticket = self.quota.acquire(raw.tenant, prompt + new, labels)
+        quota = self.quota
+        handle.quota_labels = ticket.labels
+
+        def release(ended: RequestHandle) -> None:
+            queued = None if ended.scheduled_time is None else max(0.0, ended.scheduled_time - ended.arrival_time)
+            quota.release(ticket, ended.prompt_tokens, ended.completion_tokens, queued)
+
+        handle.on_finish = release
+
+    def _refused(self, handle: RequestHandle, error: RequestError) -> None:
+        """Not accepted: its quota comes back, and the refusal is counted for its tenant."""
+        if self.quota is None or handle.on_finish is None:
+            return
+        reason = error.message.partition(":")[0] if error.kind is ErrorKind.RESOURCE_EXHAUSTED else "invalid"
+        if error.kind is ErrorKind.UNAVAILABLE:
+            reason = "unavailable"
+        reason = reason if reason in ("ttft_slo", "queue", "invalid") else "unavailable"
+        self.quota.refused(handle.quota_labels, reason)
+        handle.on_finish(handle)  # nothing used
 
     def cancel(self, handle: RequestHandle) -> None:
         if not handle.status.finished:

@@ -56,13 +56,16 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ESTIMATE_ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 LABELS = ("model", "scheme")
 POLICY_LABELS = (*LABELS, "policy")  # policy: the form of the request's cache policy (CachePolicy.form)
+TENANT_LABELS = (*LABELS, "tenant")  # tenant: a name from --auth-tokens-file ("": no tokens), never a client's
 
 
 # What the front end (gRPC and HTTP) records itself (RPC accounting, engine restarts); the engine core process
 # records every other series, and /metrics serves both (service.metrics_endpoint).
 # Requests carried over an engine core restart (service.engine_client), recorded by the front end.
 RESUME = ("resumed_requests", "resume_failures", "resume_stall")
-FRONT_END = ("requests", "request_duration", "engine_restarts", "drained", *RESUME)
+# Per tenant (service.quota): the `tenant` label takes only names from --auth-tokens-file ("": no tokens).
+TENANT = ("tenant_requests", "tenant_tokens", "tenant_queue_time", "tenant_refusals")
+FRONT_END = ("requests", "request_duration", "engine_restarts", "drained", *RESUME, *TENANT)
 # Metrics are created unregistered; ServiceMetrics registers its process's share of them itself.
 UNREGISTERED = {"registry": None}
 
@@ -90,6 +93,7 @@ class ServiceMetrics:
         self._define_speculative()
         self._define_admission()
         self._define_prefix_cache()
+        self._define_tenants()
         self._registered = [
             metric for name, metric in vars(self).items() if isinstance(metric, Counter | Gauge | Histogram)
             and (only is None or name in only) and name not in without
@@ -266,6 +270,28 @@ class ServiceMetrics:
             "posenc_prefix_cache_evictions",
             "Prefix-cache blocks evicted, least recently used first, to make room for rows or newer blocks.",
             LABELS, **UNREGISTERED,
+        )  # fmt: skip
+
+    def _define_tenants(self) -> None:
+        """Per tenant (service.quota): requests, tokens, queue time and refusals; `tenant` is a name from
+        --auth-tokens-file ("" without tokens), never a client's string."""
+        self.tenant_requests = Counter(
+            "posenc_tenant_requests", "Generations accepted, by tenant.", TENANT_LABELS, **UNREGISTERED
+        )
+        self.tenant_tokens = Counter(
+            "posenc_tenant_tokens", "Tokens of ended generations by tenant: kind=prompt or completion.",
+            [*TENANT_LABELS, "kind"], **UNREGISTERED,
+        )  # fmt: skip
+        self.tenant_queue_time = Histogram(
+            "posenc_tenant_queue_seconds",
+            "From arrival to admission into the running batch, by tenant (fair scheduling shares it out).",
+            TENANT_LABELS, buckets=LATENCY_BUCKETS, **UNREGISTERED,
+        )  # fmt: skip
+        self.tenant_refusals = Counter(
+            "posenc_tenant_refusals",
+            "Generations refused, by tenant and reason: max_concurrent or tokens_per_minute (the tenant's limits), "
+            "ttft_slo or queue (the server's load shedding), invalid (a bad request) or unavailable.",
+            [*TENANT_LABELS, "reason"], **UNREGISTERED,
         )  # fmt: skip
 
     def exposition(self) -> bytes:

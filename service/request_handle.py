@@ -53,6 +53,8 @@ class RequestHandle:
     first_token_time: float | None = None
     scheduled_time: float | None = None
     finish_time: float | None = None
+    on_finish: Callable[[RequestHandle], None] | None = None  # once, when it ends (its tenant's quota)
+    quota_labels: dict[str, str] = field(default_factory=dict)  # its per-tenant metrics' labels
 
     def receive(
         self,
@@ -91,3 +93,5 @@ class RequestHandle:
         self.finish_time = self.finish_time or time.monotonic()
         self.output.close(text, status, error, logprobs)
         self.done.set()
+        if self.on_finish is not None:
+            self.on_finish(self)

@@ -5,10 +5,13 @@ The token check is a server interceptor over every RPC except the standard healt
 which stays reachable for probes; the HTTP API checks the same `Authorization` header on every
 path but /health (service.openai_api.app).
 
-Tenants. A token file (--auth-tokens-file) holds one `TENANT:TOKEN` per line; the token a call
-carries names its tenant, and every request is salted by it in the prefix cache, so one tenant's
-prompts never give another a cache hit (which would tell, through its time to first token, that
-someone sent that prompt before: vLLM's CVE-2025-46570). A client's own `cache_salt` is combined
+Tenants. A token file (--auth-tokens-file) holds one `TENANT:TOKEN[:WEIGHT] [max_concurrent=N]
+[tokens_per_minute=N]` per line: the weight is the tenant's share of the server under fair
+scheduling (service.engine.sched.fair; 1 by default), the limits its quota (service.quota; the
+--tenant-* flags' by default). The token a call carries names its tenant, and every request is
+salted by it in the prefix cache, so one tenant's prompts never give another a cache hit (which
+would tell, through its time to first token, that someone sent that prompt before: vLLM's
+CVE-2025-46570). A client's own `cache_salt` is combined
 with its tenant's, never used alone: a salt chosen by the caller alone could be copied from a victim.
 """
 
@@ -18,6 +21,7 @@ import hmac
 import re
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +31,41 @@ from service.engine.messages import MAX_CACHE_SALT_CHARACTERS, ErrorKind, Reques
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_TENANT_WEIGHT = 1000.0
+
+
+@dataclass(frozen=True)
+class TenantTerms:
+    """A tenant's share under fair scheduling and its limits (None: the server's default, --tenant-*)."""
+
+    weight: float = 1.0
+    max_concurrent: int | None = None  # requests in flight at once
+    tokens_per_minute: int | None = None  # prompt and generated tokens over the last 60 s
+
+
+LIMIT_KEYS = ("max_concurrent", "tokens_per_minute")
+OPTIONS = re.compile(rf"(\s+({'|'.join(LIMIT_KEYS)})=\S*)+$")  # a line's trailing limits
 
 
 class Tenants:
     """Bearer tokens by tenant. No token: anyone may call, as the anonymous tenant "". The single
     --auth-token is tenant "" too: its requests keep today's unsalted prefix cache."""
 
-    def __init__(self, tokens: dict[str, str] | None = None) -> None:
-        """`tokens`: tenant name -> its token."""
+    def __init__(self, tokens: dict[str, str] | None = None, terms: dict[str, TenantTerms] | None = None) -> None:
+        """`tokens`: tenant name -> its token; `terms`: tenant name -> its weight and limits."""
         tokens = tokens or {}
         if len(set(tokens.values())) < len(tokens):
             raise ValueError("tenants: two tenants share a token")
         self._expected = [(bearer(token), tenant) for tenant, token in tokens.items()]
+        self.terms = {tenant: (terms or {}).get(tenant, TenantTerms()) for tenant in tokens} or {"": TenantTerms()}
+
+    @property
+    def names(self) -> list[str]:
+        """Every tenant's name (the only values a metric's `tenant` label takes)."""
+        return list(self.terms)
+
+    def weights(self) -> dict[str, float]:
+        return {tenant: terms.weight for tenant, terms in self.terms.items() if terms.weight != 1.0}
 
     @property
     def required(self) -> bool:
@@ -57,20 +84,46 @@ class Tenants:
 
     @classmethod
     def read(cls, token: str | None, tokens_file: Path | None) -> Tenants:
-        """The single token (tenant "") and the token file's `TENANT:TOKEN` lines (# starts a comment)."""
+        """The single token (tenant "") and the token file's lines (# starts a comment)."""
         tokens = {"": token} if token else {}
+        terms: dict[str, TenantTerms] = {}
         lines = tokens_file.read_text().splitlines() if tokens_file is not None else []
         for number, line in enumerate(lines, 1):
             line = line.partition("#")[0].strip()
             if not line:
                 continue
-            tenant, _, secret = (part.strip() for part in line.partition(":"))
-            if not TENANT_NAME.fullmatch(tenant) or not secret:
-                raise ValueError(f"{tokens_file}:{number}: expected TENANT:TOKEN, TENANT of {TENANT_NAME.pattern}")
+            try:
+                tenant, secret, terms[tenant] = _tenant_line(line)
+            except ValueError as error:
+                raise ValueError(f"{tokens_file}:{number}: {error}") from None
             if tenant in tokens:
                 raise ValueError(f"{tokens_file}:{number}: tenant {tenant!r} appears twice")
             tokens[tenant] = secret
-        return cls(tokens)
+        return cls(tokens, terms)
+
+
+def _tenant_line(line: str) -> tuple[str, str, TenantTerms]:
+    """`TENANT:TOKEN[:WEIGHT] [max_concurrent=N] [tokens_per_minute=N]` (a token may hold colons:
+    a last part that is a number is the weight)."""
+    trailing = OPTIONS.search(line)
+    options = trailing.group(0).split() if trailing else []
+    first = line[: trailing.start()] if trailing else line
+    tenant, _, secret = (part.strip() for part in first.partition(":"))
+    weight = 1.0
+    head, _, tail = secret.rpartition(":")
+    if head and re.fullmatch(r"[0-9]+(\.[0-9]+)?", tail):
+        secret, weight = head, float(tail)
+        if not 0 < weight <= MAX_TENANT_WEIGHT:
+            raise ValueError(f"weight: must be in (0, {MAX_TENANT_WEIGHT:g}], got {tail}")
+    if not TENANT_NAME.fullmatch(tenant) or not secret:
+        raise ValueError(f"expected TENANT:TOKEN[:WEIGHT], TENANT of {TENANT_NAME.pattern}")
+    limits: dict[str, int] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in LIMIT_KEYS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{option!r}: expected one of {', '.join(k + '=N' for k in LIMIT_KEYS)} with N >= 1")
+        limits[key] = int(value)
+    return tenant, secret, TenantTerms(weight, **limits)
 
 
 def cache_salt(tenant: str, client_salt: str) -> str:

@@ -7,6 +7,7 @@ POSENC_* environment variables (for containers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from contract.manifest import ManifestError
 from contract.paths import REPOSITORY_ROOT
 from service.accounting import RequestAccounting
 from service.api import generation_pb2, generation_pb2_grpc
-from service.engine.messages import MAX_SPECULATIVE_TOKENS, DrainReport, EngineConfig
+from service.engine.messages import MAX_SPECULATIVE_TOKENS, SCHEDULING_POLICIES, DrainReport, EngineConfig
 from service.engine.spec_decode.proposer import PROPOSERS
 from service.engine_client import EngineClient, EngineStartError
 from service.malloc import return_freed_memory_to_the_os
@@ -36,8 +37,9 @@ from service.metrics import FRONT_END, ServiceMetrics
 from service.metrics_endpoint import MetricsEndpoint
 from service.openai_api.app import OpenAIApi
 from service.openai_api.server import HttpServer
+from service.quota import TenantQuota
 from service.request_handle import ResumeObserver
-from service.security import BearerTokenInterceptor, Tenants, read_token, server_credentials, ssl_context
+from service.security import BearerTokenInterceptor, Tenants, TenantTerms, read_token, server_credentials, ssl_context
 from service.servicer import GenerationServicer
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class ServerConfig:
     tls_client_ca: Path | None = None  # set: mutual TLS, clients need a certificate it signed
     # Tokens: every RPC but health needs `authorization: Bearer <token>` of a tenant (none: no token needed).
     tenants: Tenants = field(default_factory=Tenants)
+    # Every tenant's limits unless its line in the token file sets its own (service.quota; None: no limit).
+    tenant_limits: TenantTerms = field(default_factory=TenantTerms)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -122,6 +126,12 @@ ENGINE_FLAGS = {
     ),
     "ngram_prompt_lookup_min": ("--ngram-prompt-lookup-min", int, "shortest n-gram the proposer looks up"),
     "ngram_prompt_lookup_max": ("--ngram-prompt-lookup-max", int, "longest n-gram the proposer looks up"),
+    "scheduling": (
+        "--scheduling",
+        str,
+        "who is admitted next: fair (deficit round robin over tokens across the tenants of --auth-tokens-file, "
+        "by their weights; each tenant's own requests by priority) | fcfs (first come, first served)",
+    ),
     "speculative_max_batch": (
         "--speculative-max-batch",
         int,
@@ -182,6 +192,10 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     except (OSError, ValueError) as error:
         parser.error(f"--auth-tokens-file: {error}")
     return ServerConfig(
+        tenant_limits=TenantTerms(
+            max_concurrent=args["tenant_max_concurrent"] or None,
+            tokens_per_minute=args["tenant_tokens_per_minute"] or None,
+        ),
         model_repository=args["model_repository"],
         models=[m for m in args["models"] if m],
         tls_cert=args["tls_cert"],
@@ -217,8 +231,9 @@ def _parser(defaults: ServerConfig, engine_defaults: EngineConfig) -> argparse.A
         ("auth_token_file", "file holding the bearer token clients must send"),
         (
             "auth_tokens_file",
-            "file of tenants' bearer tokens, one TENANT:TOKEN a line: each tenant's requests "
-            "get a prefix cache of their own (a client's cache_salt is combined with its tenant's)",
+            "file of tenants' bearer tokens, one TENANT:TOKEN[:WEIGHT] [max_concurrent=N] [tokens_per_minute=N] "
+            "a line: each tenant's requests get a prefix cache of their own (a client's cache_salt is combined "
+            "with its tenant's), a share of the server by WEIGHT (default 1) under --scheduling fair, and its limits",
         ),
     ):
         value = os.environ.get(_env(attr))
@@ -241,6 +256,17 @@ def _parser(defaults: ServerConfig, engine_defaults: EngineConfig) -> argparse.A
         "--auth-token", default=os.environ.get(_env("auth_token")),
         help=f"bearer token clients must send (env {_env('auth_token')}; prefer --auth-token-file)",
     )  # fmt: skip
+    for name, text in (
+        ("max_concurrent", "requests in flight at once"),
+        ("tokens_per_minute", "prompt and generated tokens over the last 60 s (charged prompt + max_new_tokens"
+         " when accepted, what was used when done)"),
+    ):  # fmt: skip
+        parser.add_argument(
+            f"--tenant-{name.replace('_', '-')}", type=int, default=int(os.environ.get(_env(f"tenant_{name}"), 0)),
+            help=f"each tenant's limit of {text}, past which its requests get RESOURCE_EXHAUSTED (HTTP 429) naming "
+            f"it; a tenant's line in --auth-tokens-file may set its own {name}=N "
+            f"(0: none; env {_env(f'tenant_{name}')})",
+        )  # fmt: skip
     for flags, source in ((SERVER_FLAGS, defaults), (ENGINE_FLAGS, engine_defaults)):
         for attr, (flag, kind, text) in flags.items():
             default = kind(os.environ.get(_env(attr), getattr(source, attr)))
@@ -259,6 +285,8 @@ def _check_engine(parser: argparse.ArgumentParser, engine: EngineConfig) -> None
         parser.error("--ngram-prompt-lookup-min must be >= 1 and at most --ngram-prompt-lookup-max")
     if engine.tail_prefill_tokens < 0:
         parser.error(f"--tail-prefill-tokens must be >= 0 (got {engine.tail_prefill_tokens})")
+    if engine.scheduling not in SCHEDULING_POLICIES:
+        parser.error(f"--scheduling must be one of {', '.join(SCHEDULING_POLICIES)} (got {engine.scheduling!r})")
     if not 0 <= engine.stream_interval_ms <= 1000:
         parser.error(f"--stream-interval-ms must be between 0 and 1000 (got {engine.stream_interval_ms:g})")
 
@@ -350,9 +378,12 @@ class RunningServer:
         resume = ResumeObserver(
             self.metrics.resumed_requests.inc, self.metrics.resume_failures.inc, self.metrics.resume_stall.observe
         )
+        tenants = self.config.tenants
+        engine = dataclasses.replace(self.config.engine, tenant_weights=tenants.weights())
+        quota = TenantQuota(tenants.terms, self.config.tenant_limits, self.metrics)
         self.engine = EngineClient(
-            self.config.model_repository, self.config.engine, self.config.models or None,
-            on_serving=self._engine_serving, on_give_up=self._give_up, resume=resume,
+            self.config.model_repository, engine, self.config.models or None,
+            on_serving=self._engine_serving, on_give_up=self._give_up, resume=resume, quota=quota,
         )  # fmt: skip
         self.servicer.engine = self.engine
         self.engine.start()

@@ -168,6 +168,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: set either prompt_token_ids or prompt/segments"
             )
         segments = tuple(PromptSegment(s.text, s.reusable) for s in request.segments)
+        tenant = self.tenant(context)
         raw = GenerateInput(
             model=request.model,
             prompt="".join(s.text for s in segments) if segments else request.prompt,
@@ -188,17 +189,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prompt_ids=tuple(request.prompt_token_ids),
             speculative_tokens=request.speculative_tokens if request.HasField("speculative_tokens") else None,
             logit_bias=tuple(sorted(request.logit_bias.items())),
-            cache_salt=self._cache_salt(request.cache_salt, context),
+            cache_salt=self._call(lambda: cache_salt(tenant, request.cache_salt)),
+            tenant=tenant,
+            priority=request.priority,
         )
         handle: RequestHandle = self._call(lambda: engine.submit(raw))
         context.add_callback(lambda: engine.cancel(handle))
         return handle
 
-    def _cache_salt(self, client_salt: str, context: grpc.ServicerContext) -> str:
-        """The caller's tenant's salt with the client's (service.security); the token was checked already."""
+    def tenant(self, context: grpc.ServicerContext) -> str:
+        """The caller's tenant (its token's; the token was checked already): its prefix-cache salt
+        and its flow in the fair scheduler."""
         authorization = dict(context.invocation_metadata() or ()).get("authorization", "")
-        tenant = self.tenants.tenant(str(authorization)) or ""
-        return self._call(lambda: cache_salt(tenant, client_salt))  # type: ignore[no-any-return]
+        return self.tenants.tenant(str(authorization)) or ""
 
     def _events(self, handle: RequestHandle, context: grpc.ServicerContext) -> Iterator[StreamEvent]:
         """The request's new text as it comes; texts produced while we were sending are merged."""

@@ -29,6 +29,7 @@ from loadtest.report.tables import (
     training_section,
     what_each_scheme_buys,
 )
+from loadtest.report.tenants_tables import tenants_section
 from loadtest.study.results import Results
 
 
@@ -183,7 +184,7 @@ def _the_rest(results: Results) -> str:
 ## Cache budgets: what each scheme keeps when its cache is bounded
 
 {cache_budget_section(results)}
-{reuse_section(results)}{speculative_section(results)}{routing_section(results)}{evaluation_section(results)}"""
+{reuse_section(results)}{speculative_section(results)}{routing_section(results)}{tenants_section(results)}{evaluation_section(results)}"""
 
 
 def _appendix(results: Results) -> str:

@@ -23,6 +23,7 @@ from loadtest.report.hybrids import hybrids_section
 from loadtest.report.reuse_tables import judge, mode_changes, scheme_verdict
 from loadtest.report.seeds import AcrossSeeds, across, agreement, label, seed_models, seeds_note
 from loadtest.report.speculative_tables import SPEEDUP_GAIN
+from loadtest.report.tenants_tables import tenants_finding
 from loadtest.study.results import Cell, Probe, Results
 from loadtest.study.rounds import Spread, compared, goodput_ratio_rounds
 from loadtest.workloads import load_prompt_bytes
@@ -282,6 +283,8 @@ def findings_section(results: Results) -> str:
         blocks.append(f"**[Speculative decoding](#speculative-decoding-what-guessing-buys-each-scheme)**\n\n{lines}\n")
     if hybrids := hybrids_section(results):
         blocks.append(hybrids)
+    if tenants := tenants_finding(results):
+        blocks.append(tenants)
     return "## Findings\n\n" + seeds_note(results) + "\n" + "\n".join(blocks)
 
 

@@ -192,6 +192,10 @@ class Results:
     # Routing through HAProxy (loadtest/study/routing.py): "round_robin" and "affinity" -> medians
     # (prefix_hit_rate, ttft_p50_s, ttft_p99_s, goodput_per_s) and their rounds; "kill"; "setup".
     routing: dict[str, Any] = field(default_factory=dict)
+    # A noisy and a quiet tenant on one server (loadtest/study/tenants.py): "solo", "fcfs" and "fair" ->
+    # each tenant's medians (ttft_p50_s, ttft_p99_s, tokens_per_s, goodput_per_s) and rounds, the
+    # policies' ratios to solo (quiet_ttft_vs_solo, noisy_throughput_vs_solo); "setup".
+    tenants: dict[str, Any] = field(default_factory=dict)
     # lm-evaluation-harness against the service (loadtest/evaluation.py): scheme -> figures.
     evaluation: dict[str, dict[str, float]] = field(default_factory=dict)
     # The served weights' copy-emergence curves, from their training logs (models/emergence.py).

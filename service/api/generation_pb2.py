@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aposenc/v1/generation.proto\x12\tposenc.v1\"\x13\n\x11ListModelsRequest\"\x90\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x15\n\rmax_positions\x18\x03 \x01(\r\x12\x15\n\rtrain_context\x18\x04 \x01(\r\x12 \n\x18kv_cache_bytes_per_token\x18\x05 \x01(\x04\x12\x10\n\x08n_layers\x18\x06 \x01(\r\x12\x0f\n\x07n_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\n \x01(\r\x12\x1b\n\x13max_sequence_tokens\x18\x0b \x01(\r\x12\x1f\n\x17kv_cache_capacity_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_policies\x18\r \x03(\t\x12\x1c\n\x14\x64\x65\x66\x61ult_cache_policy\x18\x0e \x01(\t\x12\x1a\n\x12\x65viction_positions\x18\x0f \x01(\t\x12\x15\n\rsegment_reuse\x18\x10 \x01(\t\x12\x12\n\nvocab_size\x18\x11 \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\x12 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x13 \x01(\r\x12\x0f\n\x07\x61\x64\x64_bos\x18\x14 \x01(\x08\x12#\n\x1bkv_cache_bytes_per_sequence\x18\x15 \x01(\x04\x12\x16\n\x0erandom_weights\x18\x16 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.posenc.v1.ModelInfo\"\xf4\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12*\n\x08segments\x18\x0c \x03(\x0b\x32\x18.posenc.v1.PromptSegment\x12\x1d\n\x15segment_repair_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x10 \x03(\r\x12\x1f\n\x12speculative_tokens\x18\x11 \x01(\rH\x04\x88\x01\x01\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).posenc.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_speculative_tokens\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\x42\n\n\x08_logprob\"/\n\rPromptSegment\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08reusable\x18\x02 \x01(\x08\"\x8b\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x1c\n\x14reused_prompt_tokens\x18\x05 \x01(\r\"\\\n\x07Timings\x12#\n\x1btime_to_first_token_seconds\x18\x01 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"\xf3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.posenc.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.posenc.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.posenc.v1.Timings\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.posenc.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.posenc.v1.TokenLogprob\"\xf9\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.posenc.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.posenc.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.posenc.v1.Timings\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.posenc.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.posenc.v1.TokenLogprob\"A\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x03 \x01(\t\"|\n\rScoreResponse\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x15\n\rtotal_logprob\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x15\n\rbits_per_byte\x18\x04 \x01(\x01\x12\x15\n\rgreedy_tokens\x18\x05 \x03(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xab\x02\n\nGeneration\x12I\n\nListModels\x12\x1c.posenc.v1.ListModelsRequest\x1a\x1d.posenc.v1.ListModelsResponse\x12\x43\n\x08Generate\x12\x1a.posenc.v1.GenerateRequest\x1a\x1b.posenc.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.posenc.v1.GenerateRequest\x1a!.posenc.v1.GenerateStreamResponse0\x01\x12:\n\x05Score\x12\x17.posenc.v1.ScoreRequest\x1a\x18.posenc.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aposenc/v1/generation.proto\x12\tposenc.v1\"\x13\n\x11ListModelsRequest\"\x90\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x15\n\rmax_positions\x18\x03 \x01(\r\x12\x15\n\rtrain_context\x18\x04 \x01(\r\x12 \n\x18kv_cache_bytes_per_token\x18\x05 \x01(\x04\x12\x10\n\x08n_layers\x18\x06 \x01(\r\x12\x0f\n\x07n_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\n \x01(\r\x12\x1b\n\x13max_sequence_tokens\x18\x0b \x01(\r\x12\x1f\n\x17kv_cache_capacity_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_policies\x18\r \x03(\t\x12\x1c\n\x14\x64\x65\x66\x61ult_cache_policy\x18\x0e \x01(\t\x12\x1a\n\x12\x65viction_positions\x18\x0f \x01(\t\x12\x15\n\rsegment_reuse\x18\x10 \x01(\t\x12\x12\n\nvocab_size\x18\x11 \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\x12 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x13 \x01(\r\x12\x0f\n\x07\x61\x64\x64_bos\x18\x14 \x01(\x08\x12#\n\x1bkv_cache_bytes_per_sequence\x18\x15 \x01(\x04\x12\x16\n\x0erandom_weights\x18\x16 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.posenc.v1.ModelInfo\"\x86\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12*\n\x08segments\x18\x0c \x03(\x0b\x32\x18.posenc.v1.PromptSegment\x12\x1d\n\x15segment_repair_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x10 \x03(\r\x12\x1f\n\x12speculative_tokens\x18\x11 \x01(\rH\x04\x88\x01\x01\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).posenc.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x12\x10\n\x08priority\x18\x14 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_speculative_tokens\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\x42\n\n\x08_logprob\"/\n\rPromptSegment\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08reusable\x18\x02 \x01(\x08\"\x8b\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x1c\n\x14reused_prompt_tokens\x18\x05 \x01(\r\"\\\n\x07Timings\x12#\n\x1btime_to_first_token_seconds\x18\x01 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x02 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\"\xf3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.posenc.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.posenc.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.posenc.v1.Timings\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.posenc.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.posenc.v1.TokenLogprob\"\xf9\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.posenc.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.posenc.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.posenc.v1.Timings\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.posenc.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.posenc.v1.TokenLogprob\"A\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x03 \x01(\t\"|\n\rScoreResponse\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x15\n\rtotal_logprob\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x15\n\rbits_per_byte\x18\x04 \x01(\x01\x12\x15\n\rgreedy_tokens\x18\x05 \x03(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xab\x02\n\nGeneration\x12I\n\nListModels\x12\x1c.posenc.v1.ListModelsRequest\x1a\x1d.posenc.v1.ListModelsResponse\x12\x43\n\x08Generate\x12\x1a.posenc.v1.GenerateRequest\x1a\x1b.posenc.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.posenc.v1.GenerateRequest\x1a!.posenc.v1.GenerateStreamResponse0\x01\x12:\n\x05Score\x12\x17.posenc.v1.ScoreRequest\x1a\x18.posenc.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2373
-  _globals['_FINISHREASON']._serialized_end=2491
+  _globals['_FINISHREASON']._serialized_start=2391
+  _globals['_FINISHREASON']._serialized_end=2509
   _globals['_LISTMODELSREQUEST']._serialized_start=41
   _globals['_LISTMODELSREQUEST']._serialized_end=60
   _globals['_MODELINFO']._serialized_start=63
@@ -42,25 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSRESPONSE']._serialized_start=593
   _globals['_LISTMODELSRESPONSE']._serialized_end=651
   _globals['_GENERATEREQUEST']._serialized_start=654
-  _globals['_GENERATEREQUEST']._serialized_end=1282
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1149
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1197
-  _globals['_TOKENLOGPROB']._serialized_start=1284
-  _globals['_TOKENLOGPROB']._serialized_end=1395
-  _globals['_PROMPTSEGMENT']._serialized_start=1397
-  _globals['_PROMPTSEGMENT']._serialized_end=1444
-  _globals['_USAGE']._serialized_start=1447
-  _globals['_USAGE']._serialized_end=1586
-  _globals['_TIMINGS']._serialized_start=1588
-  _globals['_TIMINGS']._serialized_end=1680
-  _globals['_GENERATERESPONSE']._serialized_start=1683
-  _globals['_GENERATERESPONSE']._serialized_end=1926
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1929
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2178
-  _globals['_SCOREREQUEST']._serialized_start=2180
-  _globals['_SCOREREQUEST']._serialized_end=2245
-  _globals['_SCORERESPONSE']._serialized_start=2247
-  _globals['_SCORERESPONSE']._serialized_end=2371
-  _globals['_GENERATION']._serialized_start=2494
-  _globals['_GENERATION']._serialized_end=2793
+  _globals['_GENERATEREQUEST']._serialized_end=1300
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1167
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1215
+  _globals['_TOKENLOGPROB']._serialized_start=1302
+  _globals['_TOKENLOGPROB']._serialized_end=1413
+  _globals['_PROMPTSEGMENT']._serialized_start=1415
+  _globals['_PROMPTSEGMENT']._serialized_end=1462
+  _globals['_USAGE']._serialized_start=1465
+  _globals['_USAGE']._serialized_end=1604
+  _globals['_TIMINGS']._serialized_start=1606
+  _globals['_TIMINGS']._serialized_end=1698
+  _globals['_GENERATERESPONSE']._serialized_start=1701
+  _globals['_GENERATERESPONSE']._serialized_end=1944
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1947
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2196
+  _globals['_SCOREREQUEST']._serialized_start=2198
+  _globals['_SCOREREQUEST']._serialized_end=2263
+  _globals['_SCORERESPONSE']._serialized_start=2265
+  _globals['_SCORERESPONSE']._serialized_end=2389
+  _globals['_GENERATION']._serialized_start=2512
+  _globals['_GENERATION']._serialized_end=2811
 # @@protoc_insertion_point(module_scope)

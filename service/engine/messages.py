@@ -116,6 +116,10 @@ class GenerateInput(msgspec.Struct, frozen=True, array_like=True):
     # The prefix cache's salt (vLLM's cache_salt): prompts with different salts never share cached K/V.
     # The front end sets it from the caller's tenant and the client's own salt (service.security.cache_salt).
     cache_salt: str = ""
+    # The caller's tenant (set by the front end from its token, never by the client; "" without
+    # tokens) and the request's priority among its tenant's own (vLLM's field: lower is served first).
+    tenant: str = ""
+    priority: int = 0
 
 
 # The most alternatives a token's log-probabilities may list (OpenAI's and vLLM's default limit).
@@ -130,6 +134,10 @@ MAX_STOP_CHARACTERS = 256
 MAX_LOGIT_BIAS = 100.0
 # A client's cache_salt, in characters (it only needs to be unguessable).
 MAX_CACHE_SALT_CHARACTERS = 256
+# Who the scheduler admits next (EngineConfig.scheduling; service.engine.sched.fair).
+SCHEDULING_POLICIES = ("fair", "fcfs")
+# A request's priority among its tenant's own (lower first): a 32-bit signed integer, as gRPC carries it.
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
 # Segments of one prompt (each is a lookup in the reuse cache).
 MAX_SEGMENTS = 256
 
@@ -203,6 +211,10 @@ class EngineConfig:
     ngram_prompt_lookup_min: int = 3
     ngram_prompt_lookup_max: int = 12
     speculative_max_batch: int = 1
+    # Who is admitted next (service.engine.sched.fair): "fair" (deficit round robin over tokens across
+    # tenants) or "fcfs" (arrival order); tenants' weights by name (absent: 1).
+    scheduling: str = "fair"
+    tenant_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

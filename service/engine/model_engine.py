@@ -35,6 +35,7 @@ from service.engine.prompts.segments import SegmentAssembly, SegmentReuser
 from service.engine.request import Request
 from service.engine.sampler import Sampler, all_greedy, logprobs_by_row
 from service.engine.sched.admission import AdmissionControl, Backlog, open_trace
+from service.engine.sched.fair import WaitingQueue
 from service.engine.sched.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from service.engine.sched.step_observer import StepObserver
 from service.engine.spec_decode.speculator import Speculator
@@ -92,7 +93,9 @@ class ModelEngine:
             attention=config.attention,
         )
         self.store = self.runner.store
-        self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue)  # prefix_blocks: below
+        waiting = WaitingQueue(config.scheduling, config.tenant_weights)
+        self.scheduler = Scheduler(self.store, config.max_batch_size, config.max_queue, waiting=waiting)
+        # (its prefix_blocks: below)
         trace = open_trace(Path(config.admission_trace), manifest.folder.name) if config.admission_trace else None
         self.admission = AdmissionControl(config.ttft_slo_seconds, config.max_batch_size, trace)
         self._admission_trace = trace
@@ -118,7 +121,7 @@ class ModelEngine:
         self._steady: SteadyBatch | None = None  # the fast path's batch, while it holds (step)
         self.prefill_worker = PrefillWorker(
             self.runner, config.prefill_tokens, self._deliver_prefilled, self.observer.prefill, manifest.name,
-            config.prefill_nice,
+            config.prefill_nice, fair=config.scheduling == "fair",
         )  # fmt: skip
         # Prefix-cache hits with a short tail left go to a thread of their own (TailWorker).
         tails = config.tail_prefill_tokens > 0 and config.prefix_cache and self.runner.prompt_sessions.open_tail()
@@ -161,11 +164,13 @@ class ModelEngine:
                 )
             if self.admission.enabled:  # the inbox's prompt tokens are summed only when they are used
                 inbox_tokens = sum(len(r.prefill_ids) - r.cached_prompt_tokens for r in self._inbox)
+                prompt_tokens = len(request.prefill_ids) - self.prefix.peek(request)
+                weight = self.scheduler.waiting.weight(request.tenant)
                 try:
                     request.admission_estimate = self.admission.check(
                         request.request_id,
-                        len(request.prefill_ids) - self.prefix.peek(request),
-                        self._backlog,
+                        prompt_tokens,
+                        self._backlog.seen_by(request.tenant, prompt_tokens, weight),  # its tenant's share
                         inbox_tokens,
                         len(self._inbox),
                         self.manifest.name,

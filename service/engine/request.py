@@ -65,6 +65,10 @@ class Request:
     cached_prompt_tokens: int = 0
     # The prefix cache's salt (GenerateInput.cache_salt): part of its first block's key.
     cache_salt: str = ""
+    # Its tenant (the caller's token's; "" without tokens) and its priority within the tenant (vLLM's:
+    # lower first): the scheduler's fair queue orders by them (service.engine.sched.fair).
+    tenant: str = ""
+    priority: int = 0
     # Reusable segments of the prompt as token spans [start, end), and how many leading tokens of
     # each are recomputed in context (service.engine.prompts.segments); the reused tokens, for the usage.
     segments: tuple[tuple[int, int], ...] = ()

@@ -27,8 +27,8 @@ from service.engine.messages import GenerateInput, ModelInfo, RequestError, Requ
 from service.engine_client import EngineClient
 from service.logprobs import TokenAligner, aligned, token_string
 from service.metrics import ServiceMetrics
-from service.openai_api import openapi
-from service.openai_api.protocol import ApiError, Generation, parse_generation, shown
+from service.openai_api import openapi, types
+from service.openai_api.protocol import ApiError, Generation, conform, parse_generation, shown
 from service.openai_api.responses import DONE, Choice, Shapes, Usage, models_list
 from service.openai_api.stream import AsyncOutputStream
 from service.request_handle import RequestHandle
@@ -68,7 +68,7 @@ class OpenAIApi:
         # EngineClient.submit blocks until the core accepts or refuses (a pipe round trip): off the loop.
         self._submitter = ThreadPoolExecutor(submit_threads, thread_name_prefix="http-submit")
         self._created = int(time.time())
-        self._openapi_document = openapi.document()
+        self._openapi_documents: dict[tuple[str, ...], bytes] = {}  # by the served models' names
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[self._account, self._errors, self._authorize], client_max_size=16 << 20)
@@ -117,7 +117,10 @@ class OpenAIApi:
         except web.HTTPException as error:  # unknown path or method
             if error.status < 400:
                 raise
-            return error_response(ApiError(error.status, f"{request.method} {request.path}: {error.reason}"))
+            response = error_response(ApiError(error.status, f"{request.method} {request.path}: {error.reason}"))
+            if isinstance(error, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 says which methods the path takes
+                response.headers["Allow"] = ", ".join(sorted(error.allowed_methods))
+            return response
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
@@ -137,7 +140,13 @@ class OpenAIApi:
         return web.json_response({"status": "serving" if serving else "not serving"}, status=200 if serving else 503)
 
     async def _openapi(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._openapi_document, content_type="application/json")
+        """The served description: the served models' names and limits in the request schemas."""
+        engine = self._engine()
+        models = engine.models if engine is not None else {}
+        key = tuple(sorted(models))
+        if key not in self._openapi_documents:
+            self._openapi_documents[key] = openapi.document(models, secured=self._tenants.required)
+        return web.Response(body=self._openapi_documents[key], content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:
         engine = self._serving_engine()
@@ -148,7 +157,8 @@ class OpenAIApi:
         body = await _json_body(request)
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             request["model"] = body["model"]
-        generation = parse_generation(body, engine.models, chat, request["tenant"])
+        kind = types.ChatCompletionRequest if chat else types.CompletionRequest
+        generation = conform(body, kind, lambda body: parse_generation(body, engine.models, chat, request["tenant"]))
         loop = asyncio.get_running_loop()
         handles: list[RequestHandle] = []
         outputs: list[AsyncOutputStream] = []
@@ -273,14 +283,9 @@ class OpenAIApi:
         """POST /tokenize {"prompt", "add_special_tokens" (default true), "model" (optional)}: the ids
         the engine computes a text prompt as (BOS first when added); no special is parsed out of text."""
         engine = self._serving_engine()
-        body = await _json_body(request)
-        info = _tokenizer_model(engine, body)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise ApiError(400, f"prompt: required, a string; got {shown(prompt)}", "prompt")
-        special = body.get("add_special_tokens", True)
-        if not isinstance(special, bool):
-            raise ApiError(400, f"add_special_tokens: must be a boolean, got {shown(special)}", "add_special_tokens")
+        info, prompt, special = conform(
+            await _json_body(request), types.TokenizeRequest, lambda body: _tokenize_fields(engine, body)
+        )
         ids = info.prompt_ids(prompt) if special else list(prompt.encode("utf-8"))
         limit = info.max_positions or info.max_sequence_tokens
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": limit})
@@ -288,14 +293,9 @@ class OpenAIApi:
     async def _detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize {"tokens", "model" (optional)}: the text of the byte tokens (specials skipped)."""
         engine = self._serving_engine()
-        body = await _json_body(request)
-        info = _tokenizer_model(engine, body)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise ApiError(400, f"tokens: required, a list of token ids; got {shown(tokens)}", "tokens")
-        bad = [t for t in tokens if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "tokens")
+        tokens = conform(
+            await _json_body(request), types.DetokenizeRequest, lambda body: _detokenize_fields(engine, body)
+        )
         text = bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
         return web.json_response({"prompt": text})
 
@@ -366,6 +366,30 @@ def json_depth(value: Any) -> int:
         deepest = max(deepest, depth)
         pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
     return deepest
+
+
+def _tokenize_fields(engine: EngineClient, body: dict[str, Any]) -> tuple[ModelInfo, str, bool]:
+    """POST /tokenize's model, prompt and add_special_tokens, or the refusal naming the field."""
+    info = _tokenizer_model(engine, body)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ApiError(400, f"prompt: required, a string; got {shown(prompt)}", "prompt")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise ApiError(400, f"add_special_tokens: must be a boolean, got {shown(special)}", "add_special_tokens")
+    return info, prompt, special
+
+
+def _detokenize_fields(engine: EngineClient, body: dict[str, Any]) -> list[int]:
+    """POST /detokenize's token ids, each in the vocabulary, or the refusal naming the field."""
+    info = _tokenizer_model(engine, body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ApiError(400, f"tokens: required, a list of token ids; got {shown(tokens)}", "tokens")
+    bad = [t for t in tokens if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "tokens")
+    return tokens
 
 
 def _tokenizer_model(engine: EngineClient, body: Any) -> ModelInfo:

@@ -23,10 +23,14 @@ tokens whose K/V was reused, not computed in context); /v1/models gives each mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import secrets
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -38,7 +42,10 @@ from service.engine.messages import (
     RequestError,
     RequestStatus,
 )
+from service.openai_api.types import MAX_PROMPTS
 from service.security import cache_salt
+
+T = TypeVar("T")
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
@@ -48,11 +55,10 @@ FINISH_REASONS = {
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 # Fields OpenAI defines that these models cannot honour: accepted only at their neutral value.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1}
-MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
 SEGMENT_FIELDS = ("text", "reusable")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_BIASED_TOKENS = 1024  # logit_bias entries (more than any vocabulary served here: the engine checks ids)
-TOKEN_KEY = re.compile(r"[0-9]{1,10}")
+TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # no leading zeros: "065" and "65" would name one token twice
 PARAM = re.compile(r"[A-Za-z_]\w*(\[[0-9]+\])*")  # a field an error names: `max_tokens`, `prompt[3]`
 # The engine's field names as /v1/completions spells them (chat: its own, Generation.names).
 API_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}
@@ -150,6 +156,68 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return names.get(kind, str(kind)) if isinstance(kind, type) else " or ".join(names[k] for k in kind)
 
 
+def conform(body: Any, kind: type, parse: Callable[[dict[str, Any]], T]) -> T:
+    """`parse(body)`, then the body's shape checked against the request's type (service.openai_api.
+    types, which the OpenAPI description is made from): every field of the type the description
+    gives it, nested objects' fields included, with 400 naming the field. Only shapes and types: the
+    limits the types state (ranges, lengths, patterns) are the description's words for checks made
+    once elsewhere, with the message naming the field and the limit: by the parser for what only
+    this API has (n, the penalties, a prompt list's shapes), by the engine client for every sampling
+    and limit field (service.engine.processing.fields, gRPC's and HTTP's alike). JSON Schema's
+    integers include 6.0: integral numbers are taken as integers. Unknown fields are ignored, as the
+    description allows them."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body: must be a JSON object")
+    body = _integral(body)
+    parsed = parse(body)
+    try:
+        msgspec.convert(body, shape_of(kind), strict=True)
+    except msgspec.ValidationError as error:
+        message = str(error)
+        where = message.rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in message else None
+        field = re.match(r"\w+", where or "")
+        expected = message.partition(" - at ")[0]
+        raise ApiError(400, f"{where or 'request body'}: {expected}", field[0] if field else None) from None
+    return parsed
+
+
+@functools.cache
+def shape_of(kind: Any) -> Any:
+    """`kind` without its constraints (msgspec's Meta: ranges, lengths, patterns): its types and
+    shapes alone, Structs rebuilt field by field (conform's check)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Annotated:
+        return shape_of(args[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return typing.Union[tuple(shape_of(arg) for arg in args)]  # noqa: UP007 (built from a tuple)
+    if origin in (list, dict):
+        return origin[tuple(shape_of(arg) for arg in args)] if args else origin
+    if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        config = kind.__struct_config__
+        fields = [(f.name, shape_of(f.type), _default(f)) for f in msgspec.structs.fields(kind)]
+        return msgspec.defstruct(
+            kind.__name__, fields, kw_only=True, forbid_unknown_fields=config.forbid_unknown_fields
+        )
+    return kind
+
+
+def _default(field: msgspec.structs.FieldInfo) -> Any:
+    if field.default_factory is not msgspec.NODEFAULT:
+        return msgspec.field(default_factory=field.default_factory)
+    return field.default  # NODEFAULT: required
+
+
+def _integral(value: Any) -> Any:
+    """Floats with an integral value (6.0) as integers, anywhere in a decoded JSON value."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    return value
+
+
 def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant: str = "") -> Generation:
     """The engine's input from an OpenAI request body, or an ApiError naming the field and the limit;
     `tenant`: the caller's (its token's), which salts its prompts in the prefix cache."""
@@ -169,7 +237,11 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
     else:
         prompts = ["".join(s.text for s in segments)] if segments else completion_prompts(body.get("prompt"))
     logprobs, echo = requested_logprobs(body, chat)
-    tokens_field = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    lengths = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    given = [field for field in lengths if body.get(field) is not None]
+    if len(given) == 2:  # chat: one length, or the other's limits would go unchecked
+        raise invalid("max_tokens", "set either max_tokens or max_completion_tokens, not both")
+    tokens_field = given[0] if given else "max_tokens"
     max_tokens = _typed(body, tokens_field, int, None)
     names = {**API_NAMES, "max_new_tokens": tokens_field, **({"logprobs": "top_logprobs"} if chat else {})}
     n = _typed(body, "n", int, 1)
@@ -209,6 +281,8 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         speculative_tokens=_typed(body, "speculative_tokens", int, None),
         logit_bias=logit_bias(body.get("logit_bias")),
         cache_salt=salt,
+        tenant=tenant,
+        priority=_priority(body),
         # echo with max_tokens 0 scores the prompt even when no log-probabilities are shown: its
         # length is checked like any scored text, and nothing is generated.
         prompt_logprobs=None if not echo else logprobs if logprobs is not None else 0 if max_tokens == 0 else None,
@@ -218,6 +292,11 @@ def parse_generation(body: Any, models: dict[str, ModelInfo], chat: bool, tenant
         for p in prompts
     )
     return Generation(inputs, stream, bool(options.get("include_usage")), chat, logprobs, echo, names)
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """vLLM's `priority`: among the tenant's own waiting requests, lower first (its range: fields.py)."""
+    return _typed(body, "priority", int, 0)
 
 
 def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -232,7 +311,9 @@ def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, bias in value.items():
         if not TOKEN_KEY.fullmatch(key):
-            raise invalid("logit_bias", f"keys must be token ids (decimal integers), got {shown(key)}")
+            raise invalid(
+                "logit_bias", f"keys must be token ids (decimal integers, no leading zeros), got {shown(key)}"
+            )
         if isinstance(bias, bool) or not isinstance(bias, int | float):
             raise invalid("logit_bias", f"the bias of token {key} must be a number, got {shown(bias)}")
         pairs.append((int(key), float(bias)))
@@ -317,11 +398,15 @@ def chat_prompt(messages: Any) -> str:
             raise invalid(f"messages[{index}]", f"must be an object with a role in {', '.join(CHAT_ROLES)}")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise invalid(f"messages[{index}].content", "only text parts are supported")
-            content = "".join(str(part.get("text", "")) for part in content)
+            if not content or not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise invalid(f"messages[{index}].content", "a non-empty list of text parts (only text is supported)")
+            if not all(isinstance(p.get("text"), str) and p["text"] for p in content):
+                raise invalid(f"messages[{index}].content", "each text part needs a non-empty `text` string")
+            content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
             raise invalid(f"messages[{index}].content", f"must be a string, got {shown(content)}")
+        if not content:  # as the description says: an empty message would make an empty prompt alone
+            raise invalid(f"messages[{index}].content", "must not be empty")
         texts.append(content)
     return "\n".join(texts)
 

@@ -2,12 +2,16 @@
 openapi builds it from these with msgspec's JSON Schema), and what tests hold the parser and the
 answers to (tests/service/test_openapi.py: the parser reads no field these lack, and schemathesis
 checks every real answer against them). Static limits are declared here (minimum, maximum, lengths)
-and are the limits the server enforces; the server's own flags (--max-new-tokens-limit, the model's
-positions) come on top, and a request past those gets 400 naming them.
+and are the limits the server enforces, though not here: a body is held only to these types' shapes
+(protocol.conform), and each limit is checked once, by the parser or, for every sampling and limit
+field, by service.engine.processing.fields for gRPC and HTTP alike. The server's own flags
+(--max-new-tokens-limit, the model's positions) come on top, and a request past those gets 400
+naming them.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Literal
 
 import msgspec
@@ -17,17 +21,22 @@ from service.engine.messages import (
     MAX_CACHE_SALT_CHARACTERS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_PRIORITY,
     MAX_SEGMENTS,
     MAX_SPECULATIVE_TOKENS,
     MAX_STOP_CHARACTERS,
     MAX_STOP_STRINGS,
+    MIN_PRIORITY,
 )
 
-TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id of the model's vocabulary (/v1/models)")]
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
+TOKEN_ID = "a token id of the model's vocabulary (/v1/models)"  # the served description bounds it by the vocabulary
+TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description=TOKEN_ID)]
 StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARACTERS)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
-BiasKey = Annotated[str, Meta(pattern="^[0-9]{1,10}$", description="a token id, in decimal")]
+BIAS_KEY = "a token id, in decimal"  # the served description bounds it by the vocabulary
+BiasKey = Annotated[str, Meta(pattern="^(0|[1-9][0-9]{0,9})$", description=BIAS_KEY)]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 FinishReason = Literal["stop", "length"]
 Prompt = str | TokenId | list[TokenId]  # an item of a prompt list: all strings, all ids, or all id lists
@@ -50,9 +59,9 @@ class GenerationFields(msgspec.Struct, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=0, description="at most --max-new-tokens-limit (1024)")] | None = None
     min_tokens: Annotated[int, Meta(ge=0, description="at most max_tokens")] | None = None
     temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1, description="-1 or 0: no filter")] | None = None
-    seed: int | None = None
+    top_p: Annotated[float, Meta(ge=sys.float_info.min, le=1, description="in (0, 1]")] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1, description="-1 or 0: no filter")] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: Stop | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -64,6 +73,13 @@ class GenerationFields(msgspec.Struct, kw_only=True):
     cache_policy: Annotated[str, Meta(description="a form /v1/models lists; empty: the model's default")] | None = None
     cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARACTERS)] | None = None
     ignore_eos: bool | None = None
+    priority: (
+        Annotated[
+            int,
+            Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="among the tenant's own requests: lower first (vLLM's)"),
+        ]
+        | None
+    ) = None
     speculative_tokens: Annotated[int, Meta(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
     user: str | None = None
 
@@ -72,7 +88,8 @@ class CompletionRequest(GenerationFields, kw_only=True):
     """`prompt`: a string, token ids, a list of strings or a list of token-id lists (at most 64
     prompts); null or "" only with `segments`, the prompt given in pieces instead."""
 
-    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[Prompt], Meta(min_length=1)] | None
+    # Required without segments, null or "" with them (the description says: service.openai_api.openapi).
+    prompt: str | Annotated[list[Prompt], Meta(min_length=1)] | None = None
     echo: bool | None = None
     logprobs: Logprobs | None = None
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None
@@ -83,18 +100,21 @@ class CompletionRequest(GenerationFields, kw_only=True):
 
 class ContentPart(msgspec.Struct, kw_only=True):
     type: Literal["text"]
-    text: str = ""
+    text: Annotated[str, Meta(min_length=1)]
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """`content`: not empty (its text, or its parts' text joined)."""
+
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    content: Annotated[str, Meta(min_length=1)] | Annotated[list[ContentPart], Meta(min_length=1)]
 
 
 class ChatCompletionRequest(GenerationFields, kw_only=True):
     """The messages' contents joined with newlines are the prompt (docs/http-api.md, chat template)."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1, description="at most --max-new-tokens-limit (1024)")] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None

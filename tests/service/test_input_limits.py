@@ -171,7 +171,7 @@ def test_every_field_is_checked_in_one_function() -> None:
     for bad, field in [
         (GenerateInput("alibi", "x", stop=("a",) * (MAX_STOP_STRINGS + 1)), "stop"),
         (GenerateInput("alibi", "x", max_new_tokens=0), "max_new_tokens"),
-        (GenerateInput("alibi", "x", min_tokens=65), "min_tokens"),  # above the default max_new_tokens
+        (GenerateInput("alibi", "x", min_tokens=1025), "min_tokens"),  # above the limit
         (GenerateInput("alibi", "x", temperature=math.nan), "temperature"),
         (GenerateInput("alibi", "", prompt_ids=(256, 259)), "prompt[1]"),
         (GenerateInput("alibi", "x", seed=-1), "seed"),
@@ -187,7 +187,7 @@ def test_every_field_is_checked_in_one_function() -> None:
 BAD_FIELDS = [
     ({"max_new_tokens": 5000}, {"max_tokens": 5000}, "max_new_tokens: must be in [1, 1024]"),
     ({"max_new_tokens": 0}, {"max_tokens": 0}, "max_new_tokens: must be in [1, 1024] (0 only with"),
-    ({"max_new_tokens": 8, "min_tokens": 9}, {"max_tokens": 8, "min_tokens": 9}, "min_tokens: must be in [0,"),
+    ({"max_new_tokens": 8, "min_tokens": 5000}, {"max_tokens": 8, "min_tokens": 5000}, "min_tokens: must be in [0,"),
     ({"temperature": -1.0}, {"temperature": -1}, "temperature: must be >= 0"),
     ({"top_p": 1.5}, {"top_p": 1.5}, "top_p: must be in (0, 1]"),
     ({"top_p": 0.0}, {"top_p": 0}, "top_p: must be in (0, 1]"),

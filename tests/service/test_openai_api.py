@@ -107,7 +107,7 @@ def test_raw_sse_is_framed_as_openai_sends_it(server: ServerProcess) -> None:
         ({"model": "alibi", "prompt": []}, 400, ("prompt", "a token-id list")),
         ({"model": "alibi", "prompt": "x", "n": 2}, 400, ("n", "only 1")),
         ({"model": "alibi", "prompt": "x", "logprobs": 21}, 400, ("logprobs", "[0, 20]")),
-        ({"model": "alibi", "prompt": "x", "max_tokens": 8, "min_tokens": 9}, 400, ("min_tokens", "max_tokens=8")),
+        ({"model": "alibi", "prompt": "x", "max_tokens": 8, "min_tokens": 5000}, 400, ("min_tokens", "[0, 1024]")),
         ({"model": "alibi", "prompt": "x", "temperature": -1}, 400, ("temperature", ">= 0")),
         ({"model": "alibi", "prompt": "x", "cache_policy": "window:0"}, 400, ("cache_policy",)),
         ({"model": "alibi", "prompt": "x" * 5000, "max_tokens": 8}, 400, ("prompt", "4096")),
@@ -183,3 +183,19 @@ def test_token_queue_limit_and_drain(repository: Path) -> None:
             assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     finally:
         server.stop()
+
+
+def test_min_tokens_past_max_tokens_runs_to_max_tokens(server: ServerProcess) -> None:
+    """The description cannot relate two fields: min_tokens past max_tokens means only that EOS never ends it."""
+    body = {"model": "alibi", "prompt": "x", "max_tokens": 8, "min_tokens": 9, "temperature": 0}
+    response = httpx.post(server.http_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+
+
+def test_echo_of_a_one_token_prompt_has_no_log_probability_to_give(server: ServerProcess) -> None:
+    """Once a 500: scoring one token ran a graph call of length 0 (found by schemathesis)."""
+    body = {"model": "alibi", "prompt": [255], "echo": True, "logprobs": 0, "max_tokens": 1}
+    response = httpx.post(server.http_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None

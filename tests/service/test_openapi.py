@@ -4,6 +4,8 @@ against it (no server error, only documented status codes, answers that match th
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 from service.engine.messages import ModelInfo
 from service.openai_api import types
 from service.openai_api.openapi import OPERATIONS, openapi
-from service.openai_api.protocol import SEGMENT_FIELDS, parse_generation
+from service.openai_api.protocol import SEGMENT_FIELDS, ApiError, conform, parse_generation
 from service.process import ServerProcess
 
 MODEL = ModelInfo(
@@ -82,7 +84,11 @@ def server(repository: Path) -> Iterator[ServerProcess]:
 
 def test_the_server_serves_the_document(server: ServerProcess) -> None:
     response = httpx.get(server.http_url + "/openapi.json", timeout=10)  # no token needed, as /health
-    assert response.status_code == 200 and response.json() == openapi()
+    served = response.json()
+    assert response.status_code == 200 and served["paths"].keys() == openapi()["paths"].keys()
+    model = served["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
+    assert model["enum"] == ["alibi"]  # the served models
+    assert "security" not in served  # this server takes no tokens
 
 
 # The document the server serves (the test above): loaded here, not from a fixture, so that each
@@ -106,3 +112,35 @@ def test_the_cases_reached_the_engine(server: ServerProcess) -> None:
     """Run after the schemathesis cases: some of them were served in full, not all refused."""
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert server.metric("posenc_requests_total", method=path, code="OK") > 0, path
+
+
+def test_schemathesis_with_every_check_finds_nothing(server: ServerProcess, tmp_path: Path) -> None:
+    """The schemathesis CLI with `--checks all` over the served description: schema-valid requests
+    are accepted, schema-invalid ones refused, 405s carry Allow, and no answer breaks its schema."""
+    command = [
+        str(Path(sys.executable).parent / "st"), "run", f"{server.http_url}/openapi.json", "--checks", "all",
+        "--max-examples", "40", "--seed", "1", "--no-color",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-8000:]
+
+
+def test_the_shape_check_leaves_every_limit_to_the_field_checks() -> None:
+    """conform checks shapes and types only: a value past a limit the description states reaches the
+    one check of each field (service.engine.processing.fields), which words it for gRPC and HTTP alike."""
+    body = {"model": "alibi", "prompt": "x", "temperature": -1, "logprobs": 99, "stop": ["x"] * 40, "priority": 2**40}
+    parsed = conform(body, types.CompletionRequest, lambda body: parse_generation(body, {"alibi": MODEL}, False))
+    assert parsed.input.temperature == -1.0 and parsed.input.logprobs == 99 and len(parsed.input.stop) == 40
+    with pytest.raises(ApiError) as refused:  # a wrong type is the shape check's
+        conform({**body, "user": 3}, types.CompletionRequest, lambda body: None)
+    assert refused.value.status == 400 and refused.value.param == "user"
+
+
+def test_chat_takes_one_length_field() -> None:
+    """max_tokens and max_completion_tokens both given: the one left out would go unchecked."""
+    body = {"model": "alibi", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0,
+            "max_completion_tokens": 8}  # fmt: skip
+    with pytest.raises(ApiError) as refused:
+        parse_generation(body, {"alibi": MODEL}, True)
+    assert refused.value.param == "max_tokens" and "not both" in refused.value.message
+    assert parse_generation({**body, "max_tokens": None}, {"alibi": MODEL}, True).input.max_new_tokens == 8

@@ -3,6 +3,8 @@ never reads the prefix cache of another, and the same tenant still hits (vLLM's 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,3 +101,84 @@ def test_each_tenants_token_is_needed(server: ServerProcess) -> None:
     with pytest.raises(grpc.RpcError) as error:
         server.stub.Generate(pb.GenerateRequest(model="alibi", prompt="x"), timeout=30)
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---------------------------------------------------------------------------------- fair share and limits
+
+LIMITED = {"acme": "acme-secret", "globex": "globex-secret", "initech": "initech-secret", "hooli": "hooli-secret"}
+
+
+@pytest.fixture(scope="module")
+def limited(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """acme may run one request at a time, globex 300 tokens a minute, initech and hooli have no limit;
+    two rows."""
+    path = tmp_path_factory.mktemp("limits") / "tokens"
+    path.write_text(
+        "acme:acme-secret max_concurrent=1\nglobex:globex-secret:2 tokens_per_minute=300\n"
+        "initech:initech-secret\nhooli:hooli-secret\n"
+    )
+    flags = ("--models", "alibi", "--auth-tokens-file", str(path), "--max-batch-size", "2", "--no-prefix-cache")
+    process = ServerProcess(repository, *flags).wait_serving()
+    yield process
+    process.stop()
+
+
+def long_stream(server: ServerProcess, tenant: str, tokens: int = 1000) -> Iterator[pb.GenerateStreamResponse]:
+    request = pb.GenerateRequest(model="alibi", prompt="tell me", max_new_tokens=tokens, ignore_eos=True)
+    metadata = [("authorization", f"Bearer {LIMITED[tenant]}")]
+    return server.stub.GenerateStream(request, timeout=120, metadata=metadata)
+
+
+def complete(server: ServerProcess, tenant: str, max_tokens: int = 4) -> httpx.Response:
+    body = {"model": "alibi", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {LIMITED[tenant]}"}
+    return httpx.post(server.http_url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def test_a_tenant_past_its_concurrency_gets_429_naming_it_and_others_are_served(limited: ServerProcess) -> None:
+    stream = long_stream(limited, "acme")
+    next(stream)  # running
+    try:
+        refused = complete(limited, "acme")
+        assert refused.status_code == 429, refused.text
+        assert "max_concurrent" in refused.json()["error"]["message"] and int(refused.headers["Retry-After"]) >= 1
+        with pytest.raises(grpc.RpcError) as error:
+            next(long_stream(limited, "acme"))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent" in error.value.details()
+        assert dict(error.value.trailing_metadata())["retry-after-ms"]
+        assert complete(limited, "initech").status_code == 200  # another tenant: unaffected
+    finally:
+        stream.cancel()
+    assert limited.metric("posenc_tenant_refusals_total", tenant="acme", reason="max_concurrent") == 2
+    assert limited.metric("posenc_tenant_requests_total", tenant="initech") >= 1
+
+
+def test_a_tenant_past_its_tokens_a_minute_gets_429_naming_it(limited: ServerProcess) -> None:
+    assert complete(limited, "globex", 200).status_code == 200  # charged its prompt and 200 new tokens
+    refused = complete(limited, "globex", 200)
+    assert refused.status_code == 429 and "tokens_per_minute" in refused.json()["error"]["message"], refused.text
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert complete(limited, "initech", 200).status_code == 200
+
+
+def test_a_quiet_tenant_s_one_request_goes_before_a_noisy_tenant_s_queue(limited: ServerProcess) -> None:
+    """Two rows, six long streams of one tenant, then one request of another: it is admitted at once
+    (it takes a row from the noisy tenant), not after the four waiting streams."""
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def run(tenant: str, tokens: int) -> None:
+        for _ in long_stream(limited, tenant, tokens):
+            pass
+        with lock:
+            finished.append(tenant)
+
+    noisy = [threading.Thread(target=run, args=("initech", 1000)) for _ in range(6)]  # about 1 s each
+    for thread in noisy:
+        thread.start()
+    time.sleep(0.3)  # two run, four wait
+    quiet = threading.Thread(target=run, args=("hooli", 8))
+    quiet.start()
+    for thread in [*noisy, quiet]:
+        thread.join(120)
+    assert finished.index("hooli") <= 2, finished  # first come, first served: after 4 or more noisy ones

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from service.engine.messages import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_PRIORITY,
     MAX_SEGMENTS,
     MAX_SPECULATIVE_TOKENS,
     MAX_STOP_CHARACTERS,
     MAX_STOP_STRINGS,
+    MIN_PRIORITY,
     ErrorKind,
     GenerateInput,
     ModelInfo,
@@ -62,6 +64,8 @@ def check_fields(raw: GenerateInput, limits: FieldLimits) -> None:
     check_logit_bias(raw.logit_bias, limits)
     if raw.speculative_tokens is not None and not 0 <= raw.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise refuse("speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {raw.speculative_tokens}")
+    if not MIN_PRIORITY <= raw.priority <= MAX_PRIORITY:
+        raise refuse("priority", f"must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {raw.priority}")
 
 
 def check_prompt(raw: GenerateInput, limits: FieldLimits) -> None:
@@ -78,16 +82,18 @@ def check_prompt(raw: GenerateInput, limits: FieldLimits) -> None:
 
 
 def check_lengths(raw: GenerateInput, limits: FieldLimits) -> None:
-    """max_new_tokens in range (0 only where the prompt's log-probabilities are all that is asked),
-    min_tokens within it; unset, max_new_tokens is the server's default."""
+    """max_new_tokens in range (0 only where the prompt's log-probabilities are all that is asked;
+    unset, the server's default), min_tokens within the same limit: past max_new_tokens it means only
+    that EOS never ends the request (a relation of two fields, which the HTTP API's description could
+    not state, so a request it calls valid would be refused)."""
     limit = limits.max_new_tokens_limit
     new_tokens = limits.default_max_new_tokens if raw.max_new_tokens is None else raw.max_new_tokens
     lowest = 0 if raw.prompt_logprobs is not None else 1
     if not lowest <= new_tokens <= limit:
         alone = "" if lowest == 0 else " (0 only with prompt_logprobs: the prompt's log-probabilities alone)"
         raise refuse("max_new_tokens", f"must be in [{lowest}, {limit}]{alone}, got {new_tokens}")
-    if not 0 <= raw.min_tokens <= new_tokens:
-        raise refuse("min_tokens", f"must be in [0, max_new_tokens={new_tokens}], got {raw.min_tokens}")
+    if not 0 <= raw.min_tokens <= limit:
+        raise refuse("min_tokens", f"must be in [0, {limit}], got {raw.min_tokens}")
 
 
 def check_sampling(raw: GenerateInput) -> None:

@@ -99,6 +99,7 @@ class InputProcessor:
         request.segments = segment_spans(raw.segments, self.add_bos)
         request.segment_repair_tokens = raw.segment_repair_tokens
         request.cache_salt = raw.cache_salt  # resumed too: it never reads another tenant's blocks
+        request.tenant, request.priority = raw.tenant, raw.priority
         return request
 
     def generate(self, raw: GenerateInput) -> tuple[list[int], SamplingParams, CachePolicy]:

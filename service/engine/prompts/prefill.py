@@ -13,6 +13,7 @@ first, and prompts use every core that is left.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -100,9 +101,12 @@ class PrefillWorker(_JobThread):
         observe: Callable[[float, int, int], None],
         name: str,
         nice: int = 0,
+        fair: bool = False,
     ) -> None:
-        """`deliver` gets finished results (on this thread); `observe(seconds, batch, tokens)` each call."""
+        """`deliver` gets finished results (on this thread); `observe(seconds, batch, tokens)` each call;
+        `fair`: waiting short prompts are taken round robin across tenants, not in arrival order."""
         self.runner = runner
+        self.fair = fair
         self.chunk_tokens = chunk_tokens
         self._deliver = deliver
         self._observe = observe
@@ -151,15 +155,21 @@ class PrefillWorker(_JobThread):
                 if release and idle_wait is None:  # already handed back: wait for work
                     continue
                 idle_wait = None if release else RELEASE_AFTER_IDLE_SECONDS
-                short, hits = [], []
-                while self._jobs:  # when each runs (the runner decides how)
-                    job = self._jobs.popleft()
+                short, hits, tokens = [], [], 0
+                jobs, later = self._ordered(list(self._jobs)), []
+                self._jobs.clear()
+                for job in jobs:  # when each runs (the runner decides how)
                     if job.past is not None or job.compute is not None:  # a prefix-cache hit, reused segments
                         hits.append(job)
                     elif job.run.streams or len(job.token_ids) > self.chunk_tokens:  # one chunk a turn
                         self._long.append((job, self.runner.prefill([job.run], self.chunk_tokens)))
                     else:
+                        if short and tokens + len(job.token_ids) > self.chunk_tokens:
+                            later.append(job)  # one batch a turn: its first tokens go out before the next is computed
+                            continue
                         short.append(job)
+                        tokens += len(job.token_ids)
+                self._jobs.extendleft(reversed(later))
             if release:
                 try:
                     self.runner.prompt_sessions.release()
@@ -175,6 +185,18 @@ class PrefillWorker(_JobThread):
                 logger.exception("prefill worker failed")
             if results:
                 self._deliver(results)
+
+    def _ordered(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
+        """The waiting jobs in the order they are taken: arrival order, or under fair scheduling round
+        robin across tenants (each tenant's own in arrival order), so that a quiet tenant's prompt
+        joins the next batch rather than waiting behind a noisy tenant's backlog."""
+        if not self.fair:
+            return jobs
+        by_tenant: dict[str, list[PrefillJob]] = {}
+        for job in jobs:
+            by_tenant.setdefault(job.request.tenant, []).append(job)
+        rounds = itertools.zip_longest(*by_tenant.values())
+        return [job for row in rounds for job in row if job is not None]
 
     def _run_hits(self, jobs: list[PrefillJob], results: list[PrefillResult]) -> None:
         """Prompts that start with cached blocks: each its own call with its past (its rest chunked

@@ -72,12 +72,39 @@ TARGET_DEVIATIONS = 1.28
 
 
 @dataclass(frozen=True)
+class TenantBacklog:
+    """One tenant's part of the backlog under fair scheduling."""
+
+    tenant: str
+    prompt_tokens: int
+    waiting: int
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class Backlog:
     """What is ahead of a new request, snapshot by the engine loop each step (Scheduler.backlog)."""
 
     prompt_tokens: int = 0  # prompts not yet computed (waiting, or admitted and in prefill)
     waiting: int = 0  # requests not yet admitted to the running batch
     running_steps_left: tuple[int, ...] = ()  # decode steps each running sequence has left, ascending
+    tenants: tuple[TenantBacklog, ...] = ()  # by tenant, under fair scheduling (empty: first come, first served)
+
+    def seen_by(self, tenant: str, prompt_tokens: int, weight: float = 1.0) -> Backlog:
+        """What is ahead of a new request of `tenant` (with `prompt_tokens` to compute) under fair
+        scheduling: its own tenant's backlog, and of every other tenant's no more than its share of
+        what is served up to it (deficit round robin serves tenants in proportion to their weights):
+        a quiet tenant's request does not wait behind a noisy tenant's whole queue."""
+        if not self.tenants:
+            return self
+        mine = next((t for t in self.tenants if t.tenant == tenant), TenantBacklog(tenant, 0, 0, weight))
+        tokens, waiting = mine.prompt_tokens, mine.waiting
+        for other in self.tenants:
+            if other.tenant != tenant:
+                ratio = other.weight / mine.weight
+                tokens += min(other.prompt_tokens, math.ceil((mine.prompt_tokens + prompt_tokens) * ratio))
+                waiting += min(other.waiting, math.ceil((mine.waiting + 1) * ratio))
+        return Backlog(tokens, waiting, self.running_steps_left)
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,17 @@
 """Iteration-level (continuous) batching: who runs this step, within the KV store and batch limits.
 
-Each step every decoding sequence advances one token, and waiting requests are admitted in
-arrival order while the batch has room and the KV store can allocate their rows; their prompts
-go to the prefill worker and are written into those rows when computed. When the store cannot
-grow a sequence, the preemption policy picks a victim whose row is freed (recomputed later),
-as vLLM does.
+Each step every decoding sequence advances one token, and waiting requests are admitted in the
+waiting queue's order (service.engine.sched.fair: deficit round robin across tenants, or arrival
+order) while the batch has room and the KV store can allocate their rows; their prompts go to the
+prefill worker and are written into those rows when computed. When the store cannot grow a
+sequence, the preemption policy picks a victim whose row is freed (recomputed later), as vLLM
+does; under fair scheduling the victim is the newest of the tenant holding the most rows for its
+weight (`FairShare`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,7 +19,8 @@ from typing import Protocol
 from contract.cache_policy import FULL_POLICY, CachePolicy
 from service.engine.messages import RequestStatus
 from service.engine.request import Request
-from service.engine.sched.admission import Backlog
+from service.engine.sched.admission import Backlog, TenantBacklog
+from service.engine.sched.fair import FairShare, WaitingQueue
 
 
 class QueueFullError(RuntimeError):
@@ -74,15 +76,19 @@ class Scheduler:
         max_queue: int = 128,
         preemption: PreemptionPolicy | None = None,
         prefix_blocks: Callable[[Request], frozenset[int]] = lambda request: frozenset(),
+        waiting: WaitingQueue | None = None,
     ) -> None:
+        """`waiting`: the admission order (fair across tenants by default); under fair scheduling the
+        running batch is shared by FairShare, unless `preemption` names another rule."""
         self.kv = kv
         # The prefix cache's keys of a request's prompt blocks: the rows of later admissions must
         # not evict the blocks an earlier one of the same step is about to take.
         self.prefix_blocks = prefix_blocks
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
-        self.preemption: PreemptionPolicy = preemption or NewestFirst()
-        self.waiting: deque[Request] = deque()
+        self.waiting = waiting if waiting is not None else WaitingQueue()  # (an empty queue is falsy)
+        self.fair_share = FairShare(self.waiting) if self.waiting.policy == "fair" else None
+        self.preemption: PreemptionPolicy = preemption or self.fair_share or NewestFirst()
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
@@ -112,7 +118,8 @@ class Scheduler:
                     break
             else:
                 out.decode.append(request)
-        # 2. New requests (and preempted ones) in arrival order: a row for the prompt and its first token.
+        # 2. New requests (and preempted ones) in the waiting queue's order: a row for the prompt and its
+        # first token (under fair scheduling the next free row goes to the tenant whose turn it is).
         # A row never evicts the cached prefix blocks of a prompt admitted before it in this step,
         # nor its own while others run (it waits for one of them to end rather than recompute
         # them); with nothing running it may evict its own, or it would wait forever.
@@ -181,4 +188,19 @@ class Scheduler:
         pending = [r for r in (*waiting, *running) if not r.output_ids]
         left = sorted(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in running)
         uncached = sum(len(r.prefill_ids) - r.cached_prompt_tokens for r in pending)  # the prefix cache's hits
-        return Backlog(uncached, len(waiting), tuple(left))
+        return Backlog(uncached, len(waiting), tuple(left), self._tenant_backlogs(pending, waiting))
+
+    def _tenant_backlogs(self, pending: list[Request], waiting: list[Request]) -> tuple[TenantBacklog, ...]:
+        """Under fair scheduling, each tenant's part of the backlog (what admission's estimate shares out)."""
+        if self.fair_share is None:
+            return ()
+        tokens: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        for request in pending:
+            tokens[request.tenant] = tokens.get(request.tenant, 0) + len(request.prefill_ids)
+            tokens[request.tenant] -= request.cached_prompt_tokens
+        for request in waiting:
+            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        names = sorted(tokens.keys() | counts.keys())
+        weight = self.waiting.weight
+        return tuple(TenantBacklog(name, tokens.get(name, 0), counts.get(name, 0), weight(name)) for name in names)

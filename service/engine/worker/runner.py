@@ -343,6 +343,11 @@ class ModelRunner:
         after the first, so each sees the int8 cache of the ones before it); `top`: each position's
         likeliest tokens and their log-probabilities too (echo's alternatives)."""
         inputs = token_ids[:-1]
+        if not inputs:  # one token: nothing precedes it to score it by (a graph call of length 0 fails)
+            empty = Scored(np.zeros(0), np.zeros(0, dtype=np.int64))
+            if top:
+                empty.top_ids, empty.top_logprobs = np.zeros((0, top), dtype=np.int64), np.zeros((0, top))
+            return empty
         if policy is not None and len(inputs) > (head := policy.exact_tokens(len(inputs))):
             *_, streamed = self._stream_through_policy("score", inputs, policy, len(inputs), True, head)
             assert streamed is not None and streamed.all_logits is not None
