@@ -475,11 +475,12 @@ class ExportProgress:
     graphs takes a minute or more here, so a bar of whole models would sit at 0% for minutes. Graph
     files are counted on disk (workers are other processes), each polled PROGRESS_POLL_S."""
 
-    def __init__(self, out: Path, names: list[str], graphs: tuple[str, ...], verify: bool) -> None:
-        paths = [out / name / GRAPH_FILES[variant] for name in names for variant in graphs]
+    def __init__(self, out: Path, graphs: dict[str, tuple[str, ...]], verify: bool) -> None:
+        """`graphs`: each model's graph variants, by name."""
+        paths = [out / name / GRAPH_FILES[variant] for name, variants in graphs.items() for variant in variants]
         # What each file was before (a file system's clock can lag time.time(), so no time threshold).
         self.before, self.checked = {path: self._stamp(path) for path in paths}, 0
-        total = len(paths) + len(names) * verify
+        total = len(paths) + len(graphs) * verify
         self.bar = tqdm(total=total, desc="export", unit="step", bar_format=BAR_FORMAT)
 
     @staticmethod
@@ -505,8 +506,11 @@ def plan(options: ExportOptions) -> str:
     jobs = sum(1 for spec in variants if spec.scaling is None)
     workers = options.workers or min(jobs, available_cores()) or 1
     check = "; then each is checked against PyTorch and scored on held-out text" if options.verify else ""
+    # Latent attention gets fewer graphs than K/V attention (graphs_for).
+    counts = sorted({len(graphs_for(spec.scheme, graphs)) for spec in variants if spec.scaling is None}) or [0]
+    each = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return (f"exporting {len(variants)} models ({', '.join(spec.name for spec in variants)}) in {workers} "
-            f"processes: {len(graphs)} graphs each, traced in 5-20 s apiece on an idle core{check}")  # fmt: skip
+            f"processes: {each} graphs each, traced in 5-20 s apiece on an idle core{check}")  # fmt: skip
 
 
 def run(options: ExportOptions) -> list[ExportResult]:
@@ -534,7 +538,8 @@ def run(options: ExportOptions) -> list[ExportResult]:
             base = ModelSpec(ROPE_SCHEME, ROPE_SCHEME, options.weights / ROPE_SCHEME)
             jobs.append(_Job(base, replace(options, out=Path(scratch)), graphs))
         workers = options.workers or min(len(jobs), available_cores())
-        progress = ExportProgress(options.out, [spec.name for spec in variants], graphs, options.verify)
+        files = {spec.name: graphs_for(spec.scheme, graphs) for spec in variants}
+        progress = ExportProgress(options.out, files, options.verify)
         with _executor(workers) as pool, progress.bar:
             pending: dict[Future, _Job | str] = {pool.submit(_export_job, job): job for job in jobs}
             sequences = _evaluation_windows(options) if options.verify else None

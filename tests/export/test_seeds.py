@@ -100,7 +100,7 @@ def test_the_export_says_what_it_does_and_its_bar_counts_graphs(tmp_path: Path) 
     weights = linked_weights(tmp_path, ("alibi", "rope"))
     options = ExportOptions(weights=weights, out=tmp_path / "out", graphs=("serving-float32",), workers=2)
     assert plan(options).startswith("exporting 2 models (rope, alibi) in 2 processes: 2 graphs each")
-    progress = ExportProgress(options.out, ["rope", "alibi"], options.graph_variants(), verify=True)
+    progress = ExportProgress(options.out, dict.fromkeys(["rope", "alibi"], options.graph_variants()), verify=True)
     with progress.bar:
         assert progress.bar.total == 2 * 2 + 2
         (options.out / "rope").mkdir(parents=True)
