@@ -20,6 +20,7 @@ from loadtest.report.analysis import (
 )
 from loadtest.report.formatting import cell, fmt, kv_bytes
 from loadtest.report.hybrids import hybrids_section
+from loadtest.report.latent import latent_section
 from loadtest.report.reuse_tables import judge, mode_changes, scheme_verdict
 from loadtest.report.seeds import AcrossSeeds, across, agreement, label, seed_models, seeds_note
 from loadtest.report.speculative_tables import SPEEDUP_GAIN
@@ -283,6 +284,8 @@ def findings_section(results: Results) -> str:
         blocks.append(f"**[Speculative decoding](#speculative-decoding-what-guessing-buys-each-scheme)**\n\n{lines}\n")
     if hybrids := hybrids_section(results):
         blocks.append(hybrids)
+    if latent := latent_section(results):
+        blocks.append(latent)
     if tenants := tenants_finding(results):
         blocks.append(tenants)
     return "## Findings\n\n" + seeds_note(results) + "\n" + "\n".join(blocks)

@@ -20,13 +20,13 @@ def hybrid_schemes(results: Results) -> list[str]:
     return [s for s in results.schemes if issubclass(SCHEME_REGISTRY.get(s, object), LocalGlobalHybrid)]
 
 
-def _quality(results: Results, hybrid: str) -> str:
+def quality_summary(results: Results, hybrid: str, rivals: tuple[str, ...] = RIVALS) -> str:
     own = results.quality.get(hybrid, {})
     if own.get("1") is None:
         return "quality not measured"
     longest = max((m for m, v in own.items() if v is not None), key=float)
     parts = []
-    for rival in RIVALS:
+    for rival in rivals:
         theirs = results.quality.get(rival, {})
         if theirs.get("1") is None:
             continue
@@ -42,7 +42,7 @@ def _quality(results: Results, hybrid: str) -> str:
     return f"{own['1']:.3f} bits/byte at 1x, {own[longest]:.3f} at {longest}x: " + "; ".join(parts) + verdict
 
 
-def _retrieval(results: Results, hybrid: str) -> str:
+def retrieval_summary(results: Results, hybrid: str, rivals: tuple[str, ...] = RIVALS) -> str:
     if hybrid not in results.retrieval:
         return "retrieval not measured"
     parts = []
@@ -51,10 +51,10 @@ def _retrieval(results: Results, hybrid: str) -> str:
         if found is None:
             continue
         far = max(int(k) for k, v in results.probe(hybrid, probe).items() if v is not None and k != "all")
-        rivals = ", ".join(f"{r} {cell(c)}" for r in RIVALS if r in results.retrieval
-                           and (c := results.probe(r, probe).get(str(far))) is not None)  # fmt: skip
+        against = ", ".join(f"{r} {cell(c)}" for r in rivals if r in results.retrieval
+                            and (c := results.probe(r, probe).get(str(far))) is not None)  # fmt: skip
         unit = "bytes apart" if probe == "copy" else "bytes of context"
-        parts.append(f"{probe} {cell(found)} at {far} {unit}" + (f" (against {rivals})" if rivals else ""))
+        parts.append(f"{probe} {cell(found)} at {far} {unit}" + (f" (against {against})" if against else ""))
     return "; ".join(parts) or "retrieval not measured"
 
 
@@ -83,26 +83,26 @@ def _budget_load(results: Results, hybrid: str) -> str:
             f"{own['tokens_per_s']:.0f} tokens/s against {rope['goodput_per_s']:.2f} and {rope['tokens_per_s']:.0f}.")
 
 
-def _latency(results: Results, hybrid: str) -> str:
+def latency_summary(results: Results, hybrid: str, rivals: tuple[str, ...] = RIVALS) -> str:
     """Inter-token latency at the longest context the run measured for the hybrid and its rivals."""
     own = results.itl.get(hybrid, {})
     if not own:
         return ""
     longest = max(own, key=int)
-    rivals = ", ".join(f"{own[longest] / theirs[longest]:.2f}x {rival}'s" for rival in RIVALS
-                       if (theirs := results.itl.get(rival, {})).get(longest))  # fmt: skip
+    against = ", ".join(f"{own[longest] / theirs[longest]:.2f}x {rival}'s" for rival in rivals
+                        if (theirs := results.itl.get(rival, {})).get(longest))  # fmt: skip
     text = f" Latency: inter-token {own[longest] * 1000:.2f} ms at {longest} bytes of context"
-    return text + (f" ({rivals})." if rivals else ".")
+    return text + (f" ({against})." if against else ".")
 
 
-def _speculation(results: Results, hybrid: str) -> str:
+def speculation_summary(results: Results, hybrid: str, rivals: tuple[str, ...] = RIVALS) -> str:
     """Speculation's speedup at one stream on code with repeats, against the rivals'."""
     own = results.speculative.get(hybrid, {}).get("repeats@1")
     if own is None:
         return ""
-    rivals = ", ".join(f"{rival} {theirs['speedup']:.2f}x" for rival in RIVALS
-                       if (theirs := results.speculative.get(rival, {}).get("repeats@1")))  # fmt: skip
-    return f" Speculation: {own['speedup']:.2f}x at one stream" + (f" (against {rivals})." if rivals else ".")
+    against = ", ".join(f"{rival} {theirs['speedup']:.2f}x" for rival in rivals
+                        if (theirs := results.speculative.get(rival, {}).get("repeats@1")))  # fmt: skip
+    return f" Speculation: {own['speedup']:.2f}x at one stream" + (f" (against {against})." if against else ".")
 
 
 def _placed(reuse: Reuse, form: str) -> str | None:
@@ -115,7 +115,7 @@ def _placed(reuse: Reuse, form: str) -> str | None:
     return None if change is None or kind == "not measured" else cell_change(change)
 
 
-def _reuse(results: Results, hybrid: str) -> str:
+def reuse_summary(results: Results, hybrid: str, rivals: tuple[str, ...] = RIVALS) -> str:
     """Reused documents' cost over the full recompute, as each scheme places them, against the rivals'."""
     own = results.reuse.get(hybrid)
     if own is None:
@@ -125,9 +125,9 @@ def _reuse(results: Results, hybrid: str) -> str:
         placed = _placed(own, form)
         if placed is None:
             continue
-        rivals = ", ".join(f"{rival} {theirs.split(' [')[0].split(' (')[0]}" for rival in RIVALS
-                           if rival in results.reuse and (theirs := _placed(results.reuse[rival], form)))  # fmt: skip
-        parts.append(f"{form} documents {placed}" + (f" (against {rivals})" if rivals else ""))
+        against = ", ".join(f"{rival} {theirs.split(' [')[0].split(' (')[0]}" for rival in rivals
+                            if rival in results.reuse and (theirs := _placed(results.reuse[rival], form)))  # fmt: skip
+        parts.append(f"{form} documents {placed}" + (f" (against {against})" if against else ""))
     how = "as is" if own["segment_reuse"] == "as_is" else "re-rotated"
     return f" Reuse ({how}, bits per byte over the full recompute): {'; '.join(parts)}." if parts else ""
 
@@ -137,7 +137,7 @@ def cell_change(change: dict[str, float]) -> str:
     return f"{change['value']:+.1%} [{change['low'] * 100:+.1f}, {change['high'] * 100:+.1f}]"
 
 
-def _measured_or_not(results: Results, hybrid: str) -> str:
+def not_measured_summary(results: Results, hybrid: str) -> str:
     missing = [name for name, section in (("latency", results.itl), ("speculation", results.speculative),
                                           ("reuse", results.reuse), ("load under one KV budget", results.load_budget))
                if hybrid not in section]  # fmt: skip
@@ -152,10 +152,10 @@ def hybrids_section(results: Results) -> str:
     blocks = []
     for hybrid in hybrids:
         blocks.append(
-            f"- **{label(results, hybrid)}**: quality {_quality(results, hybrid)}. Retrieval: "
-            f"{_retrieval(results, hybrid)}. Memory: {_memory(results, hybrid)}.{_budget_load(results, hybrid)}"
-            f"{_latency(results, hybrid)}{_speculation(results, hybrid)}{_reuse(results, hybrid)}"
-            f"{_measured_or_not(results, hybrid)}"
+            f"- **{label(results, hybrid)}**: quality {quality_summary(results, hybrid)}. Retrieval: "
+            f"{retrieval_summary(results, hybrid)}. Memory: {_memory(results, hybrid)}.{_budget_load(results, hybrid)}"
+            f"{latency_summary(results, hybrid)}{speculation_summary(results, hybrid)}{reuse_summary(results, hybrid)}"
+            f"{not_measured_summary(results, hybrid)}"
         )
     return (
         "**What the hybrids cost and buy** (the served seed-1234 models' figures; the verdicts above give "
