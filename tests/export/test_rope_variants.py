@@ -25,9 +25,10 @@ from contract.manifest import (
     Manifest,
 )
 from export.onnx import export_onnx
-from export.repository import ExportOptions, cuda_onnxruntime, export_model, rope_scaled_name, run
+from export.repository import ExportOptions, cuda_onnxruntime, export_model, run
 from export.rope_variants import RopeRewriteError, derive_graph, derive_rope_variant, rotary_constants
 from export.runtime import OnnxCausalLM
+from export.sources import rope_scaled_name
 from export.verify import (
     FP32_TOLERANCE,
     check_fused_graph,
