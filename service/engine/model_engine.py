@@ -357,7 +357,7 @@ class ModelEngine:
 
     def _prefill_job(self, request: Request) -> PrefillJob:
         """Its prompt, with what the prefix cache holds of it and its reused segments."""
-        past = self.prefix.take(request, self.segments.exact_tokens(request))
+        past = self.prefix.take(request, self.segments.hit_tokens(request))
         return PrefillJob(request, request.attempt, request.prefill_ids, past, self.segments.compute(request, past))
 
     def _join(self, results: list[PrefillResult]) -> list[PrefillResult]:
