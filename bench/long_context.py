@@ -15,7 +15,6 @@ from pathlib import Path
 
 from bench.latent import print_absorbed_step
 from bench.runners import batch_runner, step_seconds
-from contract.kv_spec import LATENT_ATTENTION
 from contract.manifest import Manifest
 from service.engine.worker.runner import ModelRunner
 
@@ -52,7 +51,7 @@ def long_context_steps(
 
 def cuts_the_cache(manifest: Manifest) -> bool:
     """A model that caches less than K and V of every layer a token: a hybrid's windows, or latent attention."""
-    return manifest.is_hybrid or manifest.kv_spec.kind == LATENT_ATTENTION
+    return manifest.is_hybrid or not manifest.kv_spec.key_value
 
 
 def hybrid_ratios(table: dict[str, dict[int, float]], context: int, names: set[str]) -> dict[str, float]:

@@ -52,11 +52,11 @@ def policy_runner(
     shape = (layout.tensors, layout.n_heads, cached, layout.head_dim)
     logits = np.zeros(runner.manifest.vocab_size, dtype=np.float32)
     prompts = []
-    # A hybrid's split rows (KVLayout.split): the local layers' K/V of the window before the next token.
-    local_shape = (layout.local_tensors, layout.n_heads, min(cached, max(layout.window - 1, 0)), layout.head_dim)
+    window = layout.local  # a hybrid's split rows: the local layers' K/V of the window before the next token
     for i in range(batch):
         cache = runner.backend.upload((rng.standard_normal(shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
-        if layout.split:
+        if window is not None:
+            local_shape = (window.tensors, layout.n_heads, min(cached, window.keep_tokens), layout.head_dim)
             local = runner.backend.upload((rng.standard_normal(local_shape) * 0.1).astype(NP_DTYPES[runner.dtype]))
             cache = SplitKV(cache, local)
         runner.store.reserve(f"r{i}", policy.cached(history + 1), policy)

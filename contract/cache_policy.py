@@ -38,7 +38,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from contract.kv_spec import LATENT_ATTENTION
 from contract.manifest import SERVING_FUSED_INT8, SERVING_INT8, serving_variant
 
 if TYPE_CHECKING:
@@ -166,7 +165,7 @@ class CachePolicy:
 
     def missing(self, manifest: Manifest) -> str | None:
         """What the model's export lacks to serve this policy (None: nothing), as an error's reason."""
-        if (self.bounded or self.int8) and manifest.kv_spec.kind == LATENT_ATTENTION:
+        if (self.bounded or self.int8) and not manifest.kv_spec.key_value:  # the int8 graphs and eviction need K and V
             return (
                 f"does not serve {self.form!r}: its latent attention cache (one [latent; rotated key] of "
                 f"{manifest.kv_spec.width} numbers a token and layer) has neither an int8 graph nor eviction; "

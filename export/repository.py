@@ -3,10 +3,11 @@
 For every scheme with shipped weights: export the graphs this device serves (float32 and its
 in-place serving graph, the int8 cache's serving graph, the fused decode and prompt graphs (`export.fused`), and
 both float16 graphs where CUDA ONNX Runtime is present or when asked), write manifest.json and
-genai_config.json, then optionally check parity against PyTorch and evaluate bits per byte. Models
-are exported side by side in worker processes (tracing is single-threaded Python, so one process per
-core is what makes it fast); rope scaling variants are derived from the exported rope graphs by
-rewriting constants (`export.rope_variants`), not traced again.
+genai_config.json, then optionally check parity against PyTorch and evaluate bits per byte. The
+models (`model_variants`: weights, rope scalings, further seeds, random sizes) are `export.sources`'s
+`ModelSpec`s; they are exported side by side in worker processes (`export.workers`); rope scaling
+variants are derived from the exported rope graphs by rewriting constants (`export.rope_variants`),
+not traced again.
 """
 
 from __future__ import annotations
@@ -14,20 +15,16 @@ from __future__ import annotations
 import copy
 import json
 import multiprocessing
-import os
-import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
 import onnxruntime
 import torch
-from tqdm import tqdm
 
 from contract.manifest import (
     GENAI_CONFIG,
@@ -41,7 +38,6 @@ from contract.manifest import (
     SERVING_INT8,
     variant_dtype,
 )
-from contract.names import seed_model_name
 from contract.paths import REPOSITORY_ROOT
 from export.evaluate import onnx_bits_per_byte
 from export.fused import export_fused
@@ -50,6 +46,15 @@ from export.manifest import build_manifest, genai_config, layer_cache_spec, writ
 from export.onnx import OPSET, export_onnx
 from export.rope_variants import derive_rope_variant
 from export.runtime import OnnxCausalLM
+from export.sources import (
+    ROPE_SCHEME,
+    ModelSpec,
+    extra_seeds,
+    reference_model,
+    rope_scaled_name,
+    training_seed,
+    weights_folder,
+)
 from export.verify import (
     FP32_TOLERANCE,
     INT8_CHANNEL_TOLERANCE,
@@ -63,11 +68,12 @@ from export.verify import (
     tolerance,
     torch_reference,
 )
+from export.workers import PROGRESS_POLL_S, ExportProgress, available_cores, executor
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
 from models.config import ModelConfig, RopeScaling
 from models.corpus import load_corpus
 from models.evaluation import evaluation_sequences
-from models.sizes import RANDOM_SCHEMES, RANDOM_SEED, RANDOM_SIZES, random_model
+from models.sizes import RANDOM_SCHEMES, RANDOM_SEED, RANDOM_SIZES
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
@@ -91,8 +97,6 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # The graphs a random size gets: the decode and prompt graphs the service runs (the explicit serving
 # graph stays: bounded cache policies decode through it) beside float32, onnxruntime-genai's.
 RANDOM_GRAPHS = (SERVING, SERVING_FUSED, PREFILL_FUSED, PREFILL_UP_PROJECTED)
-# The scheme whose models take inference-time rope scaling (see model_variants).
-ROPE_SCHEME = "rope"
 
 
 # The graphs a cache that is not K and V (latent attention, contract.kv_spec) is exported as: the traced
@@ -210,11 +214,6 @@ class Verification:
     fused_int8_max_abs: float | None = None
 
 
-def rope_scaled_name(scaling: RopeScaling) -> str:
-    """Model name of a rope model with inference-time scaling, e.g. rope-ntk-x4."""
-    return f"rope-{scaling.kind}-x{scaling.factor:g}"
-
-
 def export_model(
     name: str,
     model: Transformer,
@@ -266,64 +265,6 @@ def export_model(
     )
 
 
-# Further training runs of a scheme's recipe: weights/seed<N>/<scheme>/ (issue 55).
-SEED_FOLDER = re.compile(r"seed(?P<seed>[0-9]+)")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model to export: its name, scheme, weights folder, and rope scaling (None: as trained)."""
-
-    name: str
-    scheme: str
-    weights: Path
-    scaling: RopeScaling | None = None
-    size: str | None = None  # a random size (ExportOptions.size): no weights are read
-    n_layers: int | None = None
-
-    def model(self) -> tuple[Transformer, dict[str, object]]:
-        """The model to export and its training record (a random size: none, and the manifest says so)."""
-        if self.size is None:
-            return load_weights(self.weights)
-        overrides = {} if self.n_layers is None else {"n_layers": self.n_layers}
-        return random_model(self.scheme, self.size, **overrides), {}
-
-
-def training_seed(training: dict[str, object]) -> int | None:
-    """The seed a model was trained with, from its training.json (None: not recorded)."""
-    config = training.get("train_config")
-    seed = config.get("seed") if isinstance(config, dict) else None
-    return None if seed is None else int(seed)
-
-
-def weights_folder(folder: Path, scheme: str) -> Path:
-    """A weights folder; a missing weights file stops the export, named."""
-    if not (folder / "model.safetensors").is_file():
-        raise SystemExit(
-            f"{folder / 'model.safetensors'}: no weights for scheme {scheme!r}; train with python -m models.train"
-        )
-    return folder
-
-
-def load_weights(folder: Path) -> tuple[Transformer, dict[str, object]]:
-    training_file = folder / "training.json"
-    training = json.loads(training_file.read_text()) if training_file.is_file() else {}
-    return Transformer.load(folder), training
-
-
-def extra_seeds(weights: Path, schemes: tuple[str, ...]) -> list[ModelSpec]:
-    """Every `weights/seed<N>/<scheme>` with weights, for the schemes asked, by seed then scheme order."""
-    found = []
-    for folder in weights.iterdir() if weights.is_dir() else ():
-        match = SEED_FOLDER.fullmatch(folder.name)
-        if match is None or not folder.is_dir():
-            continue
-        for scheme in schemes:
-            if (folder / scheme / "model.safetensors").is_file():
-                found.append((int(match["seed"]), schemes.index(scheme), folder / scheme, scheme))
-    return [ModelSpec(seed_model_name(scheme, seed), scheme, path) for seed, _, path, scheme in sorted(found)]
-
-
 def model_variants(options: ExportOptions) -> list[ModelSpec]:
     """One model per scheme, its rope scaling variants, then its further training seeds (if asked)."""
     if options.size is not None:
@@ -339,14 +280,6 @@ def model_variants(options: ExportOptions) -> list[ModelSpec]:
     if options.extra_seeds:
         variants += extra_seeds(options.weights, options.chosen_schemes())
     return variants if options.names is None else [spec for spec in variants if spec.name in options.names]
-
-
-def reference_model(spec: ModelSpec) -> Transformer:
-    """The PyTorch model an export is checked against: the weights with the spec's scaling."""
-    model = spec.model()[0]
-    if spec.scaling is not None:
-        model.config.rope_scaling = RopeScaling(spec.scaling.kind, spec.scaling.factor, model.config.train_context)
-    return model
 
 
 def verify_model(
@@ -412,35 +345,6 @@ def _attach(result: ExportResult, verification: Verification) -> ExportResult:
     return result
 
 
-def _one_thread() -> None:
-    """Worker initializer: the cores are shared out as processes, so each uses one thread."""
-    torch.set_num_threads(1)
-
-
-class _InProcess(Executor):
-    """An executor that runs each call at submission: one worker needs no process pool."""
-
-    def submit(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Future:  # type: ignore[override]
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except Exception as error:  # handed to whoever reads the result, as a pool would
-            future.set_exception(error)
-        return future
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _executor(workers: int) -> Executor:
-    if workers <= 1:
-        return _InProcess()
-    # spawn: a fork of a process that has run torch can deadlock in its thread pools.
-    context = multiprocessing.get_context("spawn")
-    return ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread)
-
-
 def _evaluation_windows(options: ExportOptions) -> dict[int, list[list[int]]]:
     """Test-split windows per evaluated context; none for random weights (their bits per byte say nothing)."""
     if options.size is not None:
@@ -470,34 +374,10 @@ def derive_scaled(
     )
 
 
-class ExportProgress:
-    """The export's bar, one step per graph file written and per model checked: tracing a model's
-    graphs takes a minute or more here, so a bar of whole models would sit at 0% for minutes. Graph
-    files are counted on disk (workers are other processes), each polled PROGRESS_POLL_S."""
-
-    def __init__(self, out: Path, graphs: dict[str, tuple[str, ...]], verify: bool) -> None:
-        """`graphs`: each model's graph variants, by name."""
-        paths = [out / name / GRAPH_FILES[variant] for name, variants in graphs.items() for variant in variants]
-        # What each file was before (a file system's clock can lag time.time(), so no time threshold).
-        self.before, self.checked = {path: self._stamp(path) for path in paths}, 0
-        total = len(paths) + len(graphs) * verify
-        self.bar = tqdm(total=total, desc="export", unit="step", bar_format=BAR_FORMAT)
-
-    @staticmethod
-    def _stamp(path: Path) -> int | None:
-        return path.stat().st_mtime_ns if path.is_file() else None
-
-    def refresh(self) -> None:
-        written = sum(1 for path, before in self.before.items() if self._stamp(path) not in (None, before))
-        self.bar.update(written + self.checked - self.bar.n)
-
-    def check(self) -> None:
-        self.checked += 1
-        self.refresh()
-
-
-PROGRESS_POLL_S = 2.0
-BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} graphs written and models checked [{elapsed}]"
+def export_progress(out: Path, graphs: dict[str, tuple[str, ...]], verify: bool) -> ExportProgress:
+    """The bar of an export of each model's `graphs` (by name) into `out` (checked after, with `verify`)."""
+    paths = [out / name / GRAPH_FILES[variant] for name, variants in graphs.items() for variant in variants]
+    return ExportProgress(paths, len(graphs) * verify)
 
 
 def plan(options: ExportOptions) -> str:
@@ -539,8 +419,8 @@ def run(options: ExportOptions) -> list[ExportResult]:
             jobs.append(_Job(base, replace(options, out=Path(scratch)), graphs))
         workers = options.workers or min(len(jobs), available_cores())
         files = {spec.name: graphs_for(spec.scheme, graphs) for spec in variants}
-        progress = ExportProgress(options.out, files, options.verify)
-        with _executor(workers) as pool, progress.bar:
+        progress = export_progress(options.out, files, options.verify)
+        with executor(workers) as pool, progress.bar:
             pending: dict[Future, _Job | str] = {pool.submit(_export_job, job): job for job in jobs}
             sequences = _evaluation_windows(options) if options.verify else None
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from contract.manifest import MANIFEST, Manifest
 from contract.names import SeedModel, seed_model_name
-from export.repository import ExportOptions, model_variants, rope_scaled_name, training_seed
+from export.repository import ExportOptions, model_variants
 from export.repository import run as export_run
+from export.sources import rope_scaled_name, training_seed
 from loadtest.study.results import Results
 from models.checkpoints import WEIGHTS_DIR
 from models.config import RopeScaling

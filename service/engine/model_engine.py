@@ -4,8 +4,10 @@ thread, streaming each request's new text back through its output sink.
 The roles, as vLLM v1 splits them: the input processor (defaults, tokens, the checks that need the
 model; every field was checked where the front end handed the request over) runs on the caller's
 thread before a request reaches the loop; the scheduler decides who runs and
-reserves their rows in the KV store; the runner computes prompts (on the prefill worker's
-thread) and decode steps; the output processor turns logits into tokens, text and stops.
+reserves their rows in the KV store; the prompt dispatch (prompts/dispatch.py) hands admitted
+prompts, with what the prefix cache and reused segments hold of them, to the workers whose runner
+calls compute them; the runner computes decode steps; the output processor turns logits into
+tokens, text and stops.
 Requests arrive through a small inbox. Cancellation and deadlines are honoured at the next
 step boundary, where the sequence's row is freed. A step is a full one (`_full_step`) or, while
 the last full step's batch holds (SteadyBatch), a steady one that skips reaping and scheduling.
@@ -29,9 +31,8 @@ from service.engine.model_metrics import ModelMetrics
 from service.engine.model_policies import policy_forms
 from service.engine.processing.input_processor import InputProcessor
 from service.engine.processing.output_processor import Finished, OutputBatch, OutputProcessor
-from service.engine.prompts.prefill import PrefillJob, PrefillResult, PrefillWorker, TailWorker
-from service.engine.prompts.prefix_cache import PrefixMetrics, PrefixReuse
-from service.engine.prompts.segments import SegmentAssembly, SegmentReuser
+from service.engine.prompts.dispatch import PromptDispatch
+from service.engine.prompts.prefill import PrefillResult
 from service.engine.request import Request
 from service.engine.sampler import Sampler, all_greedy, logprobs_by_row
 from service.engine.sched.admission import AdmissionControl, Backlog, open_trace
@@ -101,15 +102,9 @@ class ModelEngine:
         self._admission_trace = trace
         self._backlog = Backlog()  # what is ahead of a new request, as of the last step
         self.inputs = InputProcessor.of(manifest, config, self.store.max_tokens)
-        self.labels = {"model": manifest.name, "scheme": manifest.scheme}
         self.policy_forms = policy_forms(manifest)
         self.metrics = ModelMetrics(metrics, manifest.name, manifest.scheme, self.policy_forms)
         self.observer = StepObserver(self.metrics, self.admission)
-        prefix_metrics = PrefixMetrics.of(metrics, self.labels)
-        self.prefix = PrefixReuse(self.store, manifest.name, config.prefix_cache, prefix_metrics)
-        self.scheduler.prefix_blocks = self.prefix.blocks_of
-        assembly = SegmentAssembly(self.runner, manifest.segment_reuse, config.prefill_tokens)
-        self.segments = SegmentReuser(self.store, manifest.name, assembly)
         self.outputs = OutputProcessor(self.inputs.eos_token_id, self.metrics.tokens, on_stop=self.wake)
         self._inbox: list[Request] = []
         self._prefilled: list[PrefillResult] = []  # from the worker, written into the store at the next step
@@ -119,16 +114,11 @@ class ModelEngine:
         # the next step is a full one, whatever batch is steady.
         self._changed = True
         self._steady: SteadyBatch | None = None  # the fast path's batch, while it holds (step)
-        self.prefill_worker = PrefillWorker(
-            self.runner, config.prefill_tokens, self._deliver_prefilled, self.observer.prefill, manifest.name,
-            config.prefill_nice, fair=config.scheduling == "fair",
-        )  # fmt: skip
-        # Prefix-cache hits with a short tail left go to a thread of their own (TailWorker).
-        tails = config.tail_prefill_tokens > 0 and config.prefix_cache and self.runner.prompt_sessions.open_tail()
-        self._tail_tokens = config.tail_prefill_tokens if tails else 0
-        self.tail_worker = TailWorker(
-            self.runner, self._deliver_prefilled, self.observer.prefill, manifest.name, self._nothing_decodes
-        )
+        # The prefix cache, reused segments and the workers that compute prompts (prompts/dispatch.py).
+        deliver, observe = self._deliver_prefilled, self.observer.prefill
+        self.prompts = PromptDispatch(manifest, config, self.runner, metrics, deliver, observe, self._nothing_decodes)
+        self.prefix = self.prompts.prefix
+        self.scheduler.prefix_blocks = self.prefix.blocks_of
         self._wake = threading.Condition()
         self.sampler = Sampler()
         # Speculative decoding (service.engine.spec_decode): for requests whose parameters ask for guesses.
@@ -192,8 +182,7 @@ class ModelEngine:
     # ------------------------------------------------------------------ the loop
 
     def start(self) -> None:
-        self.prefill_worker.start()
-        self.tail_worker.start()
+        self.prompts.start()
         self._thread.start()
 
     def stop(self, timeout: float) -> DrainReport:
@@ -215,8 +204,7 @@ class ModelEngine:
             self._changed = True
             self._wake.notify()
         self._thread.join(timeout=5)
-        self.prefill_worker.stop()
-        self.tail_worker.stop()
+        self.prompts.stop()
         if self._admission_trace is not None:
             self._admission_trace.close()
         cut = sum(1 for r in in_flight if r.status is RequestStatus.FINISHED_SHUTDOWN)
@@ -286,7 +274,7 @@ class ModelEngine:
             # First tokens go out now, not after this step's decode; then the prompts' blocks are
             # kept in the prefix cache (copies that no first token should wait for).
             self._hand_over()
-            self._keep_prompts(joined)
+            self.prompts.keep(joined)
         output = self.scheduler.schedule()
         self._snapshot_backlog()
         if output.preempted:
@@ -343,27 +331,12 @@ class ModelEngine:
             if request.attempt == 0:
                 request.scheduled_time = now
                 self.metrics.prompt_tokens[request.cache_policy.form].inc(len(request.prompt_ids))
-        tails: list[PrefillJob] = []
-        queued: list[PrefillJob] = []
-        for job in (self._prefill_job(r) for r in admitted):
-            (tails if self._short_tail(job) else queued).append(job)
-        for worker, jobs in ((self.tail_worker, tails), (self.prefill_worker, queued)):
-            if jobs:
-                worker.submit(jobs)
+        self.prompts.submit(admitted)
 
     def _nothing_decodes(self) -> bool:
         """No running request has its prompt computed (read by the tail worker's thread: a list the
         engine thread may change meanwhile, so a hint, never a guarantee)."""
         return not any(request.prefill_done for request in list(self.scheduler.running))
-
-    def _short_tail(self, job: PrefillJob) -> bool:
-        """A prefix-cache hit with at most `tail_prefill_tokens` left to compute (TailWorker's)."""
-        return job.past is not None and job.compute is None and 0 < job.computed_tokens <= self._tail_tokens
-
-    def _prefill_job(self, request: Request) -> PrefillJob:
-        """Its prompt, with what the prefix cache holds of it and its reused segments."""
-        past = self.prefix.take(request, self.segments.exact_tokens(request))
-        return PrefillJob(request, request.attempt, request.prefill_ids, past, self.segments.compute(request, past))
 
     def _join(self, results: list[PrefillResult]) -> list[PrefillResult]:
         """Computed prompts are written into their rows; first tokens are sampled. Returns those joined."""
@@ -397,13 +370,6 @@ class ModelEngine:
             self._sample([requests[row] for row in fresh], logits)
             self.observer.first_tokens([requests[row] for row in fresh])
         return ready
-
-    def _keep_prompts(self, joined: list[PrefillResult]) -> None:
-        """Prompts just joined leave their blocks (and reusable segments) in the prefix cache."""
-        for result in joined:
-            request = result.job.request
-            self.prefix.keep(request, result.prompt, self.segments.exact_tokens(request))  # type: ignore[arg-type]
-            self.segments.keep(request, result.prompt)  # type: ignore[arg-type]
 
     def _snapshot_backlog(self) -> None:
         """What is ahead of a new request as of this step, for admission control (when it is on)."""

@@ -17,6 +17,7 @@ from onnx import numpy_helper
 from contract.graph import input_names, left_pad_batch, output_names
 from contract.manifest import (
     PREFILL_FUSED,
+    PREFILL_UP_PROJECTED,
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
@@ -25,9 +26,10 @@ from contract.manifest import (
     Manifest,
 )
 from export.onnx import export_onnx
-from export.repository import ExportOptions, cuda_onnxruntime, export_model, rope_scaled_name, run
+from export.repository import ExportOptions, cuda_onnxruntime, export_model, run
 from export.rope_variants import RopeRewriteError, derive_graph, derive_rope_variant, rotary_constants
 from export.runtime import OnnxCausalLM
+from export.sources import rope_scaled_name
 from export.verify import (
     FP32_TOLERANCE,
     check_fused_graph,
@@ -165,11 +167,13 @@ def test_graphs_by_device_or_as_asked() -> None:
     """CPUs serve float32: float16 graphs only with CUDA ONNX Runtime, --fp16, or --graphs naming them."""
     fp16 = ("float16", SERVING_FP16)
     default = ExportOptions().graph_variants()
-    assert set(fp16) <= set(default) if cuda_onnxruntime() else default == FP32_GRAPHS
+    cpu = (*FP32_GRAPHS, PREFILL_UP_PROJECTED)  # the last: latent attention's alone (graphs_for)
+    assert set(fp16) <= set(default) if cuda_onnxruntime() else default == cpu
     assert ExportOptions(fp16=True).graph_variants() == (
         "float32", SERVING, *fp16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8,
+        PREFILL_UP_PROJECTED,
     )  # fmt: skip
-    assert ExportOptions(fp16=False).graph_variants() == FP32_GRAPHS
+    assert ExportOptions(fp16=False).graph_variants() == cpu
     assert ExportOptions(graphs=(SERVING_INT8,)).graph_variants() == ("float32", SERVING_INT8)
     with pytest.raises(ValueError, match="unknown graph variants"):
         ExportOptions(graphs=("bfloat16",)).graph_variants()

@@ -11,7 +11,8 @@ import httpx
 from contract.manifest import Manifest
 from contract.names import SeedModel, seed_model_name
 from export.__main__ import parse_args
-from export.repository import GRAPH_FILES, ExportOptions, ExportProgress, extra_seeds, model_variants, plan
+from export.repository import GRAPH_FILES, ExportOptions, export_progress, model_variants, plan
+from export.sources import extra_seeds
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
 from tests.standins import linked_weights
@@ -100,7 +101,7 @@ def test_the_export_says_what_it_does_and_its_bar_counts_graphs(tmp_path: Path) 
     weights = linked_weights(tmp_path, ("alibi", "rope"))
     options = ExportOptions(weights=weights, out=tmp_path / "out", graphs=("serving-float32",), workers=2)
     assert plan(options).startswith("exporting 2 models (rope, alibi) in 2 processes: 2 graphs each")
-    progress = ExportProgress(options.out, dict.fromkeys(["rope", "alibi"], options.graph_variants()), verify=True)
+    progress = export_progress(options.out, dict.fromkeys(["rope", "alibi"], options.graph_variants()), verify=True)
     with progress.bar:
         assert progress.bar.total == 2 * 2 + 2
         (options.out / "rope").mkdir(parents=True)

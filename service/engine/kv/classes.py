@@ -73,8 +73,9 @@ class CapacityClass:
         self.rotary_inv_freq = rotary_inv_freq
         self.storage = storage or make_rows(self.kind, backend, layout, rows, capacity, reserve_bytes)
         self.cache = self.storage.cache  # (2 x layers, rows, heads, capacity, head_dim)
-        # A hybrid's local layers' K/V (KVLayout.split), bounded by the window: kv/local.py.
-        self.local = local or (LocalRows(backend, layout, rows, capacity, reserve_bytes) if layout.split else None)
+        # A hybrid's local layers' K/V (KVLayout.local), bounded by the window: kv/local.py.
+        window = layout.local
+        self.local = local or (None if window is None else LocalRows(backend, window, rows, capacity, reserve_bytes))
         # mask: (rows, capacity + 1); the last column is the token fed by the step, always 1.
         self.mask = backend.zeros((rows, capacity + 1), "int64")
         self.mask[:, capacity] = 1

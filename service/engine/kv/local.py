@@ -18,31 +18,33 @@ from typing import Any
 import numpy as np
 
 from service.engine.kv.arrays import Array, Backend
-from service.engine.kv.layout import KVLayout
 from service.engine.kv.region import RowMemory
+from service.engine.kv.spec import SlidingWindowSpec
 
 
 class LocalRows:
     """The local layers' K/V of a class's rows, (2 x local layers, rows, heads, local_width, head_dim),
     with their own mask (rows, local_width + 1; the last column is the step's token) and lengths."""
 
-    def __init__(self, backend: Backend, layout: KVLayout, rows: int, capacity: int, reserve_bytes: int = 0) -> None:
-        """The local columns of rows of `capacity` tokens (`KVLayout.local_columns`). A class narrower
+    def __init__(
+        self, backend: Backend, spec: SlidingWindowSpec, rows: int, capacity: int, reserve_bytes: int = 0
+    ) -> None:
+        """The local columns of rows of `capacity` tokens (`SlidingWindowSpec.columns`). A class narrower
         than the window never shifts: its rows' local columns fill only as their global ones do, and a
         full row moves to a wider class, its local K/V with it, before its next step."""
-        self.backend, self.layout = backend, layout
-        self.width, self.keep_tokens = layout.local_columns(capacity), layout.window - 1
+        self.backend, self.spec = backend, spec
+        self.width, self.keep_tokens = spec.columns(capacity), spec.keep_tokens
         self.shifts = self.width > self.keep_tokens
         self.memory = RowMemory(backend, reserve_bytes)
-        shape = (layout.local_tensors, rows, layout.n_heads, self.width, layout.head_dim)
-        self.cache = self.memory.zeros(shape, layout.dtype)
+        shape = (spec.tensors, rows, spec.cache.heads, self.width, spec.cache.width)
+        self.cache = self.memory.zeros(shape, spec.dtype)
         self.mask = backend.zeros((rows, self.width + 1), "int64")
         self.mask[:, self.width] = 1
         self.lengths = np.zeros(rows, dtype=np.int64)
 
     @property
     def nbytes(self) -> int:
-        return int(self.lengths.shape[0]) * self.width * self.layout.local_token_bytes
+        return int(self.lengths.shape[0]) * self.width * self.spec.token_bytes
 
     def resize(self, rows: int, kept: int) -> None:
         """Its array laid out again with `rows` rows in place (host memory with a reserve), masks and lengths alike."""

@@ -35,9 +35,9 @@ class Int8KV:
 
 @dataclass(frozen=True)
 class SplitKV:
-    """A hybrid row's cache (KVLayout.split): the global layers' K/V of every token, (2 x global layers,
-    heads, n, head_dim), and the local layers' of the sequence's last m <= n tokens, (2 x local layers,
-    heads, m, head_dim). Moves between classes carry it as it is."""
+    """A hybrid row's cache (its KVLayout.local kept apart): the global layers' K/V of every token,
+    (2 x global layers, heads, n, head_dim), and the local layers' of the sequence's last m <= n tokens,
+    (2 x local layers, heads, m, head_dim). Moves between classes carry it as it is."""
 
     global_kv: Array
     local_kv: Array

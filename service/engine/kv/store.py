@@ -25,7 +25,7 @@ from service.engine.kv.classes import GROWTH, CapacityClass, capacity_ladder
 from service.engine.kv.layout import INT8, INT8_CHANNEL, KVLayout
 from service.engine.kv.prefix import CachedBlock, CachedPast, PrefixCache
 from service.engine.kv.rows import SplitKV
-from service.engine.kv.spec import RowEviction
+from service.engine.kv.spec import RowEviction, SlidingWindowSpec
 
 # A class moves up the ladder as a whole when each of its rows would be at least this full there.
 PROMOTED_FILL = 1 / GROWTH**2
@@ -86,7 +86,7 @@ class KVStore:
         self.physical_bytes = 0  # rows and the prefix cache's blocks
         self.peak_physical_bytes = 0
         self.prefix = PrefixCache(block_size)
-        self._local_block_bytes = layout.local_token_bytes * block_size
+        self._local_block_bytes = 0 if layout.local is None else layout.local.token_bytes * block_size
 
     @staticmethod
     def minimum_budget(layout: KVLayout, max_tokens: int, block_size: int) -> int:
@@ -94,8 +94,9 @@ class KVStore:
         ladder = capacity_ladder(max_tokens, block_size)
         below = ladder[-2] if len(ladder) > 1 else 0
         whole_blocks = -(-(ladder[-1] + below) // block_size) * block_size
-        local = layout.local_columns(ladder[-1]) + layout.local_columns(below)  # a split row's, in each row alive
-        return whole_blocks * layout.token_bytes + local * layout.local_token_bytes
+        window = layout.local  # a split row's local columns, in each row alive
+        local = 0 if window is None else window.row_bytes(ladder[-1]) + window.row_bytes(below)
+        return whole_blocks * layout.token_bytes + local
 
     def class_for(self, tokens: int) -> int:
         for capacity in self.ladder:
@@ -329,7 +330,7 @@ class KVStore:
             return None
         whole, rest = divmod(tokens, self.block_size)
         parts = [block.kv for block in blocks[:whole]] + ([blocks[whole].kv[:, :, :rest]] if rest else [])
-        local = self._local_window(blocks, tokens) if self.layout.split and not repair else None
+        local = self._local_window(self.layout.local, blocks, tokens) if self.layout.local and not repair else None
         return CachedPast(parts, self.backend, self.layout.dtype, local, repair)
 
     def _split_hit(self, blocks: list[CachedBlock], tokens: int) -> tuple[int, int]:
@@ -337,9 +338,9 @@ class KVStore:
         none). Split rows need the local window before a hit: where the cache holds it (the blocks near a
         cached prompt's end), as is; else the window is recomputed after the global K/V
         (KVLayout.repair_tokens) where that costs fewer tokens than stepping back to a held window."""
-        if not self.layout.split:
+        if self.layout.local is None:
             return tokens, 0
-        held, repair = self._local_hit(blocks, tokens), self.layout.repair_tokens
+        held, repair = self._local_hit(self.layout.local, blocks, tokens), self.layout.repair_tokens
         if held == tokens or not repair or tokens - held <= repair:
             return held, 0
         return tokens, repair
@@ -347,16 +348,16 @@ class KVStore:
     def peek_cached(self, token_ids: list[int], hashes: list[int], extra: object) -> int:
         """Tokens a lookup would find now (admission's estimate; touches nothing): for split rows, as
         `cached_past` rules on their local window (`_split_hit`)."""
-        if not self.layout.split:
+        if self.layout.local is None:
             return self.prefix.peek(token_ids, hashes, extra)
         blocks = self.prefix.peek_blocks(token_ids, hashes, extra)
         return self._split_hit(blocks, len(blocks) * self.block_size)[0]
 
-    def _local_hit(self, blocks: list[CachedBlock], tokens: int) -> int:
+    def _local_hit(self, window: SlidingWindowSpec, blocks: list[CachedBlock], tokens: int) -> int:
         """The longest hit, at most `tokens`, whose local window (the `window - 1` tokens before it,
         which the next token's local layers attend to) every block covering it holds: a hit ends at
         a block boundary below `tokens` when the blocks just before it kept no local K/V."""
-        size, past = self.block_size, self.layout.window - 1
+        size, past = self.block_size, window.keep_tokens
         while tokens > 0:
             first, last = max(0, tokens - past) // size, -(-tokens // size)
             if all(block.local is not None for block in blocks[first:last]):
@@ -364,9 +365,9 @@ class KVStore:
             tokens = (last - 1) * size
         return 0
 
-    def _local_window(self, blocks: list[CachedBlock], tokens: int) -> list[Array]:
+    def _local_window(self, window: SlidingWindowSpec, blocks: list[CachedBlock], tokens: int) -> list[Array]:
         """The local K/V of the `window - 1` tokens before `tokens` (at most), as parts of the blocks that hold them."""
-        start, size = max(0, tokens - (self.layout.window - 1)), self.block_size
+        start, size = max(0, tokens - window.keep_tokens), self.block_size
         parts = []
         for index in range(start // size, -(-tokens // size)):
             low, high = max(start, index * size), min(tokens, (index + 1) * size)
@@ -409,8 +410,8 @@ class KVStore:
         """Keep a reusable segment's K/V computed on its own, (2 x layers, heads, T, head_dim), as one
         entry of the prefix cache (same budget, same eviction). False: no room without evicting rows."""
         nbytes = len(tokens) * self.layout.token_bytes
-        if isinstance(kv, SplitKV):  # and the local K/V of its last tokens
-            nbytes += int(kv.local_kv.shape[2]) * self.layout.local_token_bytes
+        if isinstance(kv, SplitKV) and self.layout.local:  # and the local K/V of its last tokens
+            nbytes += int(kv.local_kv.shape[2]) * self.layout.local.token_bytes
         if key in self.prefix.blocks or not self._room_for_cached(nbytes, frozenset((key,))):
             return False
         self._add_cached(key, CachedBlock(0, tokens, kv, nbytes, form))

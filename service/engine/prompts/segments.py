@@ -59,7 +59,7 @@ class SegmentAssembly:
     def __init__(self, runner: ModelRunner, reuse: SegmentReuse, chunk_tokens: int) -> None:
         self.runner, self.reuse, self.chunk_tokens = runner, reuse, chunk_tokens
 
-    def _compute(self, request_id: str, token_ids: list[int], past: Array | None) -> PrefilledPrompt:
+    def _compute(self, request_id: str, token_ids: list[int], past: Array | CachedPast | None) -> PrefilledPrompt:
         """`token_ids` after the `past` they extend, computed in that context."""
         *_, result = self.runner.prefill([PromptRun(request_id, token_ids, past)], self.chunk_tokens)
         assert result is not None
@@ -82,7 +82,9 @@ class SegmentAssembly:
         if past is None:
             return SplitKV(glob, local)
         if first == start:  # the local K/V run on from the past's
-            local = backend.concatenate([past.local_kv, local], axis=3)[:, :, :, -self.runner.layout.local_width :]
+            window = self.runner.layout.local
+            assert window is not None, "a split cache comes from a split layout"
+            local = backend.concatenate([past.local_kv, local], axis=3)[:, :, :, -window.width :]
         return SplitKV(backend.concatenate([past.global_kv, glob], axis=3), local)
 
     def _placed(self, kv: Array, offset: int) -> Array:
@@ -92,9 +94,10 @@ class SegmentAssembly:
             return kv
         if isinstance(kv, SplitKV):
             layout = self.runner.layout
+            assert layout.local is not None, "a split cache comes from a split layout"
             return SplitKV(
-                self._rotated(kv.global_kv, offset, layout.global_layers),
-                self._rotated(kv.local_kv, offset, layout.local_layers),
+                self._rotated(kv.global_kv, offset, layout.full.layers),
+                self._rotated(kv.local_kv, offset, layout.local.layers),
             )
         return self._rotated(kv, offset, tuple(range(kv.shape[0] // self.runner.layout.per_layer)))
 
@@ -107,7 +110,7 @@ class SegmentAssembly:
         rows = [layout.per_layer * index for index, layer in enumerate(layers) if rotated is None or layer in rotated]
         if not rows:
             return kv
-        columns = layout.rotated_columns or (0, kv.shape[-1])
+        columns = layout.rotated_columns
         return keys_moved(self.runner.backend, kv, rows, columns, offset, self.reuse.rotary_inv_freq, self.runner.dtype)
 
     def run(
@@ -117,11 +120,15 @@ class SegmentAssembly:
         spans: tuple[tuple[int, int], ...],
         cached: list[Array | None],
         repair: int,
-        past: Array | None,
+        hit: CachedPast | None,
     ) -> SegmentedPrompt:
         """The prompt's K/V and last logits: text in context, reused segments placed (the first `repair`
-        tokens of each recomputed in context); `past`: the prefix cache's hit (before the first span)."""
-        done = 0 if past is None else int(past.shape[3])
+        tokens of each recomputed in context); `hit`: the prefix cache's, ending before the first span
+        starts (SegmentReuser.hit_tokens), so the text before it computes after the hit as any prompt
+        does and no one-row copy of the hit is made here."""
+        past: Array | CachedPast | None = hit
+        done = 0 if hit is None else hit.tokens
+        assert hit is None or not spans or spans[0][0] > done, "a hit ends before the first reused segment"
         last = len(token_ids) - 1  # always computed
         prompt: PrefilledPrompt | None = None
         computed: list[tuple[tuple[int, ...], Array]] = []
@@ -139,6 +146,7 @@ class SegmentAssembly:
                 prompt = self._compute(request_id, token_ids[: min(start + repair, stop)], past)
                 past, done = _batched(prompt.cache), min(start + repair, stop)
             if done < stop:
+                assert not isinstance(past, CachedPast), "the text before a span computes after the hit"
                 past = self._append(past, self._placed(kv, start), done - start, stop - start)
                 reused += stop - done
                 done = stop
@@ -170,6 +178,13 @@ class SegmentReuser:
         """Leading tokens whose K/V equal a fresh prefill's (before the first reused segment); None: all."""
         return request.segments[0][0] if self.applies(request) else None
 
+    def hit_tokens(self, request: Request) -> int | None:
+        """The most leading tokens a prefix-cache hit may bring: one fewer than `exact_tokens`, so the
+        text before the first segment always has a token to compute after the hit, and the hit joins the
+        prompt through the runner's one way in (ModelRunner.prefill) whatever the layout."""
+        exact = self.exact_tokens(request)
+        return None if exact is None else max(0, exact - 1)
+
     def _key(self, request: Request, tokens: tuple[int, ...]) -> int:
         return hash(("segment", self.model, request.cache_policy.form, request.cache_salt, tokens))
 
@@ -181,11 +196,7 @@ class SegmentReuser:
         segments = [tuple(token_ids[start:end]) for start, end in spans]
         cached = [self.store.cached_segment(self._key(request, tokens), tokens) for tokens in segments]
         repair = request.segment_repair_tokens
-        runner = self.assembly.runner
-        return lambda: self.assembly.run(
-            request.request_id, token_ids, spans, cached, repair,
-            None if past is None else runner.one_row_past(past, token_ids),
-        )  # fmt: skip
+        return lambda: self.assembly.run(request.request_id, token_ids, spans, cached, repair, past)
 
     def keep(self, request: Request, prompt: PrefilledPrompt) -> None:
         """Segments computed for this prompt are kept; the usage learns how many tokens were reused."""

@@ -20,7 +20,6 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
-from contract.cache_policy import kind_variant
 from contract.graph import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -41,7 +40,8 @@ from contract.manifest import (
     Manifest,
     serving_variant,
 )
-from service.engine.kv import INT8, INT8_CHANNEL, Array, Backend, KVLayout, local_width
+from service.engine.kv import INT8, INT8_CHANNEL, Array, Backend, KVLayout, serving_layout
+from service.engine.kv.spec import fused_float
 from service.engine.worker import denormals
 from service.engine.worker.denormals import flush_denormals_on_this_thread
 
@@ -148,17 +148,20 @@ class CacheGraph:
     cache_names: list[list[str]]  # input names per cache array of the class (K/V; INT8: also scales)
 
 
-def cache_graphs(
-    manifest: Manifest, dtype: str, int8_channel: bool = False, int8: bool = True
-) -> dict[str, CacheGraph]:
-    """The graph of each storage kind: the `dtype` serving graph, serving-int8 when exported (and
-    `int8`), and with `int8_channel` serving-fused-int8 (its rows are bound in place, past and present alike)."""
-    entries = manifest.kv_spec.entries
-    graphs = {dtype: CacheGraph(kind_variant(dtype), dtype, cache_input_names(manifest.n_layers, entries=entries))}
+def cache_graphs(manifest: Manifest, layout: KVLayout, int8: bool = True) -> dict[str, CacheGraph]:
+    """The graph of each storage kind the layout's rows may have (StorageSpec: its variant, activations
+    and cache inputs): the float serving graph, serving-int8 when exported (and `int8`), and where the
+    layout has channel scales serving-fused-int8 (its rows are bound in place, past and present alike)."""
+    kinds = [layout.dtype]
     if manifest.has_int8_cache and int8:
-        graphs[INT8] = CacheGraph(kind_variant(INT8), "float32", cache_input_names(manifest.n_layers, int8=True))
-    if int8_channel:
-        graphs[INT8_CHANNEL] = CacheGraph(kind_variant(INT8_CHANNEL), "float32", cache_input_names(manifest.n_layers))
+        kinds.append(INT8)
+    if layout.channel_scales is not None:
+        kinds.append(INT8_CHANNEL)
+    graphs = {}
+    for kind in kinds:
+        rows = layout.storage(kind)
+        names = cache_input_names(manifest.n_layers, int8=rows.scaled, entries=layout.entries)
+        graphs[kind] = CacheGraph(rows.variant, rows.activations, names)
     return graphs
 
 
@@ -166,7 +169,7 @@ def int8_channel_scales(manifest: Manifest, dtype: str, attention: str, on_gpu: 
     """The model's per-channel int8 scales where its unbounded int8 rows are read inside the fused
     kernel: exported, float32 serving on the CPU (the kernel this was measured and tested with; CUDA's
     quantized-cache path is not yet), and `attention` not `explicit` (None: they are INT8 rows)."""
-    if dtype != "float32" or attention == "explicit" or on_gpu:
+    if not fused_float(dtype) or attention == "explicit" or on_gpu:
         return None
     return manifest.int8_channel_scales
 
@@ -179,19 +182,6 @@ def split_cache(manifest: Manifest, fused: FusedAttention | None, prompt_variant
     if local is None or fused is None or prompt_variant is None:
         return None
     return local if {fused.variant, prompt_variant} <= set(local.variants) else None
-
-
-def split_layout(
-    manifest: Manifest, dtype: str, channel_scales: np.ndarray | None, local: LocalCache | None, block_size: int
-) -> KVLayout:
-    """The store's layout: every layer's K/V per token, or with `local` the global layers' per token
-    and the local layers' in a window's columns per row."""
-    spec = manifest.kv_spec
-    shape = (manifest.n_layers, spec.heads, spec.width, dtype, channel_scales)
-    typed = {"entries": spec.entries, "rotated_columns": spec.rotated_columns, "positions": manifest.cache_eviction}
-    if local is None:
-        return KVLayout(*shape, **typed)  # type: ignore[arg-type]
-    return KVLayout(*shape, local.layers, local.window, local_width(local.window, block_size), **typed)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -224,7 +214,7 @@ def serving_plan(manifest: Manifest, device: str, attention: str, block_size: in
     local = split_cache(manifest, fused, prompt_variant)
     # Split rows are float rows the fused graphs read: no int8-channel rows beside them.
     scales = None if local else int8_channel_scales(manifest, dtype, attention, on_gpu)
-    layout = split_layout(manifest, dtype, scales, local, block_size)
+    layout = serving_layout(manifest, dtype, scales, local, block_size)
     return ServingPlan(providers, dtype, fused, prompt_variant, local, scales, layout)
 
 
@@ -243,7 +233,7 @@ def prompt_graph(manifest: Manifest, dtype: str, attention: str) -> str | None:
     """The fused prompt graph's variant for `dtype` prompts, where exported and `attention` allows it
     (it is float32, and `explicit` keeps every call on the explicit serving graph)."""
     exported = PREFILL_FUSED in manifest.data["variants"]  # type: ignore[operator]
-    return PREFILL_FUSED if exported and dtype == "float32" and attention != "explicit" else None
+    return PREFILL_FUSED if exported and fused_float(dtype) and attention != "explicit" else None
 
 
 def serving_prompt_graph(manifest: Manifest, dtype: str) -> str:
@@ -251,7 +241,7 @@ def serving_prompt_graph(manifest: Manifest, dtype: str) -> str:
     them: the attention's own prompt form where it has one (latent attention's up-projected
     prefill-up-projected, float32), else the serving graph of `dtype`."""
     up_projected = PREFILL_UP_PROJECTED in manifest.data["variants"]  # type: ignore[operator]
-    return PREFILL_UP_PROJECTED if up_projected and dtype == "float32" else serving_variant(dtype)
+    return PREFILL_UP_PROJECTED if up_projected and fused_float(dtype) else serving_variant(dtype)
 
 
 class GraphBinder:
@@ -266,8 +256,9 @@ class GraphBinder:
         past, present = cache_input_names(layout.n_layers, entries=entries)[0], present_names(layout.n_layers, entries)
         self.fused_cache_names = layer_kv_names(past, layout.global_layers, n)
         self.present_names = layer_kv_names(present, layout.global_layers, n)
-        self.local_cache_names = layer_kv_names(past, layout.local_layers, n)
-        self.local_present_names = layer_kv_names(present, layout.local_layers, n)
+        local_layers = layout.local.layers if layout.local else ()
+        self.local_cache_names = layer_kv_names(past, local_layers, n)
+        self.local_present_names = layer_kv_names(present, local_layers, n)
 
     def _local(self, inputs: dict[str, Array], outputs: dict[str, Array], local: LocalPast | None) -> None:
         """A split layout's local past (and present: the same buffer, or `local.present`) and mask."""

@@ -108,15 +108,17 @@ class ModelRunner:
         self.backend = make_backend(self.on_gpu, backend)
         # The fused graphs, where exported and `attention` allows them: decode of full float rows, prompts.
         self.fused, self.prompt_variant, self.local_cache = plan.fused, plan.prompt_variant, plan.local_cache
-        channel_scales = plan.channel_scales
         self.layout = plan.layout
         self.eviction = manifest.cache_eviction
         rotary = None if self.eviction is None else self.eviction.rotary_inv_freq
         self.store = KVStore(self.layout, store.budget_bytes, store.block_size, store.max_tokens, self.backend, rotary)
-        # A split layout's prompt path (KVLayout.split: the local layers' window kept apart); no other layout uses it.
-        self.split_prompts = SplitPrompts(self.layout, self.backend, self.dtype, self._prompt_in_place)
+        # A split layout's prompt path (KVLayout.local: the local layers' window kept apart); None for any other.
+        window, in_place = self.layout.local, self._prompt_in_place
+        self.split_prompts = (
+            None if window is None else SplitPrompts(self.layout, window, self.backend, self.dtype, in_place)
+        )
         # By storage kind; split rows are float rows only (their int8 policies are refused: CachePolicy.missing).
-        self.graphs = cache_graphs(manifest, self.dtype, channel_scales is not None, int8=self.local_cache is None)
+        self.graphs = cache_graphs(manifest, self.layout, int8=self.local_cache is None)
         self.binder = GraphBinder(self.backend, self.layout, manifest.vocab_size, self.graphs)
         self.threads = threads or default_threads()
         self.prefill_threads = threads or os.cpu_count() or 1
@@ -198,7 +200,8 @@ class ModelRunner:
             cache = new_kv if past.shape[3] == 0 else backend.concatenate([past, new_kv], axis=3)
             host_logits = backend.download(logits[:, -1:] if last_only else logits)
             return host_logits.astype(np.float32), cache
-        local = self.split_prompts.fresh_local(inputs[1], ids.shape[1], past) if self.layout.split else None
+        split = self.split_prompts
+        local = None if split is None else split.fresh_local(inputs[1], ids.shape[1], past)
         binding, logits, cache = self.binder.bind_prompt(session, *inputs, past, local)
         session.run(binding, release_arena=release)
         if local is not None:
@@ -214,6 +217,7 @@ class ModelRunner:
         """One row's cache of a batched prompt call: its columns (a split layout's: SplitPrompts.row_cache)."""
         if not isinstance(cache, SplitKV):
             return cache[:, row, :, columns]
+        assert self.split_prompts is not None, "a split cache comes from a split layout's prompt call"
         return self.split_prompts.row_cache(cache, row, columns)
 
     def _pad_batch(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[slice]]:
@@ -285,7 +289,7 @@ class ModelRunner:
         mode takes a buffer longer than the call's tokens; the mask says how many count). No chunk
         copies the past into a new array, and no call allocates a cache. `lane.scratch`: the calling
         thread's kept host memory to assemble a cached past into (the tail worker's)."""
-        if self.layout.split:
+        if self.split_prompts is not None:
             yield from self.split_prompts.chunks(run, chunk_tokens, lane)
             return
         token_ids, done, past = run.token_ids, run.done, run.past
@@ -301,13 +305,6 @@ class ModelRunner:
         for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
             logits, cache = self._prompt_in_place(ids, mask, positions, cache, lane.session)
             yield PrefilledPrompt(run.request_id, logits[0, -1], cache[:, 0], end) if end == len(token_ids) else None
-
-    def one_row_past(self, past: CachedPast, token_ids: list[int]) -> Array:
-        """A prefix-cache hit of `token_ids` as a one-row past, (2 x layers, 1, heads, P, head_dim); a split
-        layout's `SplitKV`, with the local window before it (kept by the cache, or recomputed)."""
-        if self.layout.split:
-            return self.split_prompts.one_row_past(past, token_ids)
-        return past.assemble()
 
     def _prompt_in_place(
         self,
@@ -352,7 +349,7 @@ class ModelRunner:
             *_, streamed = self._stream_through_policy("score", inputs, policy, len(inputs), True, head)
             assert streamed is not None and streamed.all_logits is not None
             logits = streamed.all_logits
-        elif self.layout.split:  # in chunks: the local layers never hold more than a window and a chunk
+        elif self.split_prompts is not None:  # in chunks: the local layers never hold more than a window and a chunk
             logits = self.split_prompts.logits(PromptRun("score", inputs), SCORE_CHUNK_TOKENS)
         else:
             ids = np.asarray([inputs], dtype=np.int64)
@@ -369,7 +366,7 @@ class ModelRunner:
         of `chunk_tokens`: what follows a computed prompt, scored without a row of the store."""
         run = PromptRun("score", token_ids, past)
         assert run.done == done, f"a past of {run.done} tokens continued after {done}"
-        if self.layout.split:
+        if self.split_prompts is not None:
             return self.split_prompts.logits(run, chunk_tokens)
         kept: list[np.ndarray] = []
         for _, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):

@@ -1,10 +1,10 @@
-"""Prompts and scoring on a split KV layout (KVLayout.split: a hybrid's local layers' K/V kept apart
+"""Prompts and scoring on a split KV layout (KVLayout.local: a hybrid's local layers' K/V kept apart
 from its global layers'), through the fused prompt graph.
 
 A split row keeps its global layers' K/V of every token but its local layers' of the last window only,
 so its prompts need their own bookkeeping: a local buffer that never holds more than a window and a
 chunk, and the window before a prefix-cache hit, kept or recomputed. It lives here, apart from the
-runner's other paths (runner.py), which calls it where its layout is split.
+runner's other paths (runner.py), which makes one where its layout keeps a sliding-window group apart.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from service.engine.kv import Array, Backend, KVLayout, SplitKV
+from service.engine.kv import Array, Backend, KVLayout, SlidingWindowSpec, SplitKV
 from service.engine.kv.prefix import CachedPast
 from service.engine.prompts.prompt import PrefilledPrompt, PromptRun, chunk_inputs
 from service.engine.worker.model_session import LocalPast, ModelSession
@@ -27,32 +27,26 @@ class SplitPrompts:
     """A split layout's prompt calls: chunked prompts, prefix-cache hits' local windows and every
     token's logits of a text, each through `prompt_in_place` (the runner's fused prompt call)."""
 
-    def __init__(self, layout: KVLayout, backend: Backend, dtype: str, prompt_in_place: PromptInPlace) -> None:
-        self.layout, self.backend, self.dtype = layout, backend, dtype
+    def __init__(
+        self, layout: KVLayout, window: SlidingWindowSpec, backend: Backend, dtype: str, prompt_in_place: PromptInPlace
+    ) -> None:
+        self.layout, self.window, self.backend, self.dtype = layout, window, backend, dtype
         self.prompt_in_place = prompt_in_place
 
     def fresh_local(self, mask: Array, width: int, past: Array) -> LocalPast:
         """The local inputs for a prompt call with no past (every caller's with a split layout): its
         mask is the call's, and a new array takes its local layers' K/V of every token."""
         assert past.shape[3] == 0, "a split layout's prompts with a past run in place (SplitPrompts.chunks)"
-        layout, batch = self.layout, past.shape[1]
-        empty = self.backend.zeros((layout.local_tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
-        present = self.backend.zeros((layout.local_tensors, batch, layout.n_heads, width, layout.head_dim), self.dtype)
+        layout, batch, tensors = self.layout, past.shape[1], self.window.tensors
+        empty = self.backend.zeros((tensors, batch, layout.n_heads, 0, layout.head_dim), self.dtype)
+        present = self.backend.zeros((tensors, batch, layout.n_heads, width, layout.head_dim), self.dtype)
         return LocalPast(mask, empty, present)
 
     def row_cache(self, cache: SplitKV, row: int, columns: slice) -> SplitKV:
         """One row's cache of a batched prompt call: its columns, the local K/V's last `local_width` of
         them at most (all a row keeps)."""
         local = cache.local_kv[:, row, :, columns]
-        return SplitKV(cache.global_kv[:, row, :, columns], local[:, :, -self.layout.local_width :])
-
-    def one_row_past(self, past: CachedPast, token_ids: list[int]) -> SplitKV:
-        """A prefix-cache hit of `token_ids` as a one-row past, with the local window before it (kept by
-        the cache, or recomputed)."""
-        cache = past.assemble()
-        if past.repair:
-            return SplitKV(cache, self.repair_window(token_ids, past.tokens, past.repair, cache, None))
-        return SplitKV(cache, past.assemble_local())
+        return SplitKV(cache.global_kv[:, row, :, columns], local[:, :, -self.window.width :])
 
     def logits(self, run: PromptRun, chunk_tokens: int) -> np.ndarray:
         """Every logit (len(token_ids) - done, vocab) of the run's tokens after its past (a one-row
@@ -73,14 +67,14 @@ class SplitPrompts:
         request_id, token_ids, done, past = run.request_id, run.token_ids, run.done, run.past
         session, scratch = lane.session, lane.scratch
         layout, room = self.layout, len(token_ids) - done
-        keep = layout.window - 1
+        keep = self.window.keep_tokens
         if isinstance(past, CachedPast) and past.repair:  # the cache kept no local window before the hit
             cache = past.assemble(room, scratch)
             local = self.repair_window(token_ids, done, past.repair, cache, session)
             held = int(local.shape[3])
         elif isinstance(past, CachedPast):
             cache, local, held = past.assemble(room, scratch), past.assemble_local(), past.local_tokens
-        else:  # none, or a past assembled by the caller (reused segments): SplitKV (2 x layers, 1, heads, P, hd)
+        else:  # none, or a past computed by the caller (reused segments): SplitKV (2 x layers, 1, heads, P, hd)
             assert past is None or isinstance(past, SplitKV), "a split layout's past carries its local window"
             cache = self.backend.zeros((layout.tensors, 1, layout.n_heads, len(token_ids), layout.head_dim), self.dtype)
             local, held = None, 0
@@ -89,7 +83,7 @@ class SplitPrompts:
                 local = past.local_kv[:, :, :, -keep:]
                 held = int(local.shape[3])
         columns = keep + min(chunk_tokens, room)
-        buffer = self.backend.zeros((layout.local_tensors, 1, layout.n_heads, columns, layout.head_dim), self.dtype)
+        buffer = self.backend.zeros((self.window.tensors, 1, layout.n_heads, columns, layout.head_dim), self.dtype)
         if local is not None:
             buffer[:, :, :, :held] = local
         for end, ids, mask, positions in chunk_inputs(token_ids, done, chunk_tokens):
@@ -100,7 +94,7 @@ class SplitPrompts:
                 all_logits.append(logits[0])
             held += ids.shape[1]
             if end == len(token_ids):
-                start = max(0, held - layout.local_width)
+                start = max(0, held - self.window.width)
                 kv = SplitKV(cache[:, 0], buffer[:, 0, :, start:held])
                 yield PrefilledPrompt(request_id, logits[0, -1], kv, end)
                 return
@@ -118,11 +112,11 @@ class SplitPrompts:
         are put back as cached. Returns (2 x local layers, 1, heads, window - 1 at most, head_dim)."""
         layout, start = self.layout, max(0, end - repair)
         cached = self.backend.copy(cache[:, :, :, start:end])
-        shape = (layout.local_tensors, 1, layout.n_heads, end - start, layout.head_dim)
+        shape = (self.window.tensors, 1, layout.n_heads, end - start, layout.head_dim)
         buffer = self.backend.zeros(shape, self.dtype)
         ids = np.asarray([token_ids[start:end]], dtype=np.int64)
         positions = np.arange(start, end, dtype=np.int64)[None]
         local_mask = np.ones((1, end - start), dtype=np.int64)
         self.prompt_in_place(ids, np.ones((1, end), dtype=np.int64), positions, cache, session, (local_mask, buffer))
         cache[:, :, :, start:end] = cached
-        return buffer[:, :, :, max(0, end - start - (layout.window - 1)) :]
+        return buffer[:, :, :, max(0, end - start - self.window.keep_tokens) :]

@@ -118,7 +118,7 @@ def test_an_int8_row_costs_its_real_bytes_in_a_class_of_its_own() -> None:
     )
     assert store.physical_bytes == float_class.nbytes + int8_class.nbytes
     assert store.stats().classes == 2
-    assert store.stats().used_bytes == 16 * LAYOUT.token_bytes + 16 * LAYOUT.kind_token_bytes(INT8)
+    assert store.stats().used_bytes == 16 * LAYOUT.token_bytes + 16 * LAYOUT.storage(INT8).token_bytes
     store.free("q")
     assert INT8 not in {klass.kind for klass in store.all_classes()}
     assert store.physical_bytes == float_class.nbytes

@@ -73,7 +73,7 @@ def test_an_unbounded_int8_row_is_a_channel_row_of_a_quarter_of_the_bytes() -> N
     assert store.reserve("b", 10, parse_cache_policy("window:16+int8"))
     float_class, channel, per_token = store.classes[64], store.kinds[INT8_CHANNEL][64], store.kinds[INT8][64]
     assert channel.kind == INT8_CHANNEL and channel.arrays == [channel.cache] and channel.cache.dtype == np.int8
-    assert LAYOUT.kind_token_bytes(INT8_CHANNEL) * 4 == LAYOUT.token_bytes
+    assert LAYOUT.storage(INT8_CHANNEL).token_bytes * 4 == LAYOUT.token_bytes
     assert channel.nbytes == channel.cache.nbytes  # no scales travel with the rows
     assert store.physical_bytes == float_class.nbytes + channel.nbytes + per_token.nbytes
     assert KVLayout(1, 2, 8, "float32").kind_of(parse_cache_policy("int8")) == INT8  # no channel scales: per-token rows

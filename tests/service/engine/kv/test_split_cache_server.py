@@ -13,13 +13,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from contract.kv_spec import LayerCacheSpec
 from contract.manifest import Manifest
 from models.checkpoints import WEIGHTS_DIR
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
 from service.engine.engine import Engine
-from service.engine.kv import KVLayout, KVStore
+from service.engine.kv import KVLayout, KVStore, sliding_window
 from service.engine.messages import EngineConfig, GenerateInput
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess
@@ -173,7 +174,8 @@ def test_a_budget_between_the_hybrid_and_rope_minimum_starts_only_the_hybrid(rep
     hybrid = Manifest.load(repository / "rnope-swa").local_cache
     if hybrid is None:
         pytest.skip("an export from before per-group caches")
-    split = KVLayout(4, 4, 32, "float32", None, tuple(hybrid.layers), hybrid.window, 2 * hybrid.window + 16)
+    local = sliding_window(tuple(hybrid.layers), hybrid.window, 16, LayerCacheSpec.full(4, 32), "float32")
+    split = KVLayout(4, 4, 32, "float32", local=local)
     low, high = (KVStore.minimum_budget(layout, 4096, 16) for layout in (split, KVLayout(4, 4, 32, "float32")))
     budget = (low + high) // 2
     assert (low, high) == (8880128, 31981568)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine.kv import KVLayout, KVStore, SplitKV, local_width
+from contract.kv_spec import LayerCacheSpec
+from service.engine.kv import KVLayout, KVStore, SplitKV, sliding_window
 from service.engine.kv.prefix import block_hashes
 from service.engine.request import Request, SamplingParams
 from service.engine.sched.scheduler import Scheduler
@@ -14,7 +15,16 @@ BLOCK = 16
 WINDOW = 64
 # The shipped models' shape: 4 layers of 4 heads of 32, layers 0-2 local.
 ROPE = KVLayout(n_layers=4, n_heads=4, head_dim=32, dtype="float32")
-HYBRID = KVLayout(4, 4, 32, "float32", local_layers=(0, 1, 2), window=WINDOW, local_width=local_width(WINDOW, BLOCK))
+CACHE = LayerCacheSpec.full(4, 32)
+
+
+def hybrid(local_layers: tuple[int, ...], block: int = BLOCK) -> KVLayout:
+    """The shipped shape with `local_layers` kept apart, a window of WINDOW."""
+    return KVLayout(4, 4, 32, "float32", local=sliding_window(local_layers, WINDOW, block, CACHE, "float32"))
+
+
+HYBRID = hybrid((0, 1, 2))
+LOCAL_WIDTH = HYBRID.local.width if HYBRID.local else 0
 
 
 def allocated(store: KVStore) -> int:
@@ -71,7 +81,7 @@ def test_a_split_row_keeps_the_last_window_and_moves_with_its_local_columns() ->
     np.testing.assert_array_equal(moved.local.cache[:, 0, :, :60], kept)
     # A prompt longer than the local columns keeps its last window - 1 tokens.
     assert store.reserve("b", 300)
-    kv = split_kv(300, HYBRID.local_width)
+    kv = split_kv(300, LOCAL_WIDTH)
     store.write("b", kv, 300)
     klass = next(klass for klass in store.batches() if "b" in klass.members)
     row = klass.members.index("b")
@@ -82,11 +92,11 @@ def test_a_split_row_keeps_the_last_window_and_moves_with_its_local_columns() ->
 def test_full_local_columns_shift_back_to_the_window_after_a_step() -> None:
     store = KVStore(HYBRID, 1 << 26, BLOCK, 4096)
     assert store.reserve("a", 400)
-    store.write("a", split_kv(300, HYBRID.local_width - 1), 300)
+    store.write("a", split_kv(300, LOCAL_WIDTH - 1), 300)
     klass = next(store.batches())
     assert klass.local is not None
-    before = klass.local.cache[:, 0, :, HYBRID.local_width - WINDOW + 1 :].copy()
-    klass.local.cache[:, 0, :, HYBRID.local_width - 1] = -1.0  # what the fused kernel writes at the row's length
+    before = klass.local.cache[:, 0, :, LOCAL_WIDTH - WINDOW + 1 :].copy()
+    klass.local.cache[:, 0, :, LOCAL_WIDTH - 1] = -1.0  # what the fused kernel writes at the row's length
     klass.append_step(None)
     assert int(klass.lengths[0]) == 301 and int(klass.local.lengths[0]) == WINDOW - 1
     np.testing.assert_array_equal(klass.local.cache[:, 0, :, : WINDOW - 2], before[:, :, : WINDOW - 2])
@@ -114,7 +124,7 @@ def test_a_prefix_hit_carries_the_local_window_before_it_and_its_blocks_count_gl
     kv = split_kv(1000, 144)
     assert store.cache_prompt(tokens, hashes, extra, kv, "full") == len(hashes)
     local_blocks = sum(block.local is not None for block in store.prefix.blocks.values())
-    assert 0 < local_blocks <= HYBRID.local_width // BLOCK
+    assert 0 < local_blocks <= LOCAL_WIDTH // BLOCK
     global_bytes = len(hashes) * BLOCK * HYBRID.token_bytes
     assert store.prefix.nbytes == global_bytes + local_blocks * BLOCK * 6 * 4 * 32 * 4
     past = store.cached_past(tokens, hashes, extra, 999)
@@ -130,7 +140,7 @@ def test_a_prefix_hit_carries_the_local_window_before_it_and_its_blocks_count_gl
     assert past is not None and past.tokens == 496 and past.local_parts is None and past.repair == 189
     assert store.peek_cached(other, other_hashes, extra) == 496
     # Without that rule (a global layer below a local one) the hit steps back to a held window: none here.
-    interleaved = KVLayout(4, 4, 32, "float32", local_layers=(0, 2, 3), window=WINDOW, local_width=HYBRID.local_width)
+    interleaved = hybrid((0, 2, 3))
     assert interleaved.repair_tokens == 0 and HYBRID.repair_tokens == 189
     store = KVStore(interleaved, 1 << 26, BLOCK, 4096)
     store.cache_prompt(tokens, hashes, extra, kv, "full")
@@ -183,7 +193,7 @@ def test_a_short_row_never_holds_more_local_columns_than_tokens() -> None:
 def test_rows_narrower_than_the_window_keep_every_token_s_local_k_v_across_moves() -> None:
     """Classes narrower than the window never shift: a full row moves up with all its local K/V, and
     decoding on through wider classes (where it shifts) keeps exactly the last tokens, in order."""
-    layout = KVLayout(4, 4, 32, "float32", local_layers=(0, 1, 2), window=WINDOW, local_width=local_width(WINDOW, 4))
+    layout = hybrid((0, 1, 2), block=4)
     store = KVStore(layout, 1 << 28, 4, 4096)
     assert store.ladder[0] == 16  # narrower than the window
 

@@ -267,7 +267,7 @@ def test_after_rejected_guesses_the_store_equals_a_plain_runs_at_the_same_token(
     assert in_place == (attention == "auto" and policy == "full"), (attention, policy)
     assert spec.kind == plain.kind
     # Bytes: what each holds is its tokens in whole blocks; the speculative one had room for its guesses.
-    token_bytes = plain_store.layout.kind_token_bytes(plain.kind)
+    token_bytes = plain_store.layout.storage(plain.kind).token_bytes
     assert 0 <= spec_store.tokens["r"] - plain_store.tokens["r"] <= k
     assert spec.nbytes == spec.capacity * token_bytes * spec.rows
 

@@ -14,7 +14,7 @@ from contract.manifest import Manifest
 from models.checkpoints import WEIGHTS_DIR
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
-from service.engine.kv import SplitKV
+from service.engine.kv import SlidingWindowSpec, SplitKV
 from service.engine.kv.prefix import block_hashes
 from service.engine.prompts.prompt import PromptRun
 from service.engine.worker.runner import ModelRunner, StoreConfig
@@ -60,7 +60,8 @@ def greedy(runner: ModelRunner, rid: str, first: np.ndarray, steps: int) -> tupl
 
 def test_hybrids_split_their_rows_where_the_fused_graphs_serve(repository: Path) -> None:
     runner = runner_for(repository, "rope-swa")
-    assert runner.layout.split and runner.layout.local_layers == (0, 1, 2) and runner.layout.window == 64
+    local = runner.layout.local
+    assert isinstance(local, SlidingWindowSpec) and local.layers == (0, 1, 2) and local.window == 64
     assert runner.layout.token_bytes * 4 == runner_for(repository, "rope-swa", "explicit").layout.token_bytes
 
 
@@ -73,7 +74,7 @@ def test_greedy_tokens_and_logits_equal_pytorch_past_the_window(repository: Path
     prompt = prompt_of(length)
     computed = chunked(runner, "r", prompt, chunk_tokens=128)
     assert computed is not None and isinstance(computed.cache, SplitKV)
-    assert computed.cache.local_kv.shape[2] <= runner.layout.local_width
+    assert runner.layout.local is not None and computed.cache.local_kv.shape[2] <= runner.layout.local.width
     assert runner.store.reserve("r", length + 1)
     runner.join([computed])
     tokens, seen = greedy(runner, "r", computed.logits, 200)
