@@ -43,21 +43,40 @@ def prompt_text(size: int, salt: int) -> str:
     return (head + _LINE * (size // len(_LINE) + 1))[:size]
 
 
+def _attention_widths(manifest: Manifest) -> tuple[int, int, int]:
+    """(the query and key width, the value width, the latent width) of a layer's attention, all heads:
+    d_model twice and no latent for K/V attention; for latent attention (contract.kv_spec) each head's
+    query and key carry the shared rotated part beside the no-position part, its value the head width."""
+    d, spec = int(manifest.data["d_model"]), manifest.kv_spec  # type: ignore[call-overload]
+    if spec.key_value:
+        return d, d, 0
+    latent, rotated = spec.rotated_columns[0], spec.width - spec.rotated_columns[0]
+    return manifest.n_heads * (manifest.head_dim + rotated), d, latent
+
+
 def linear_shapes(manifest: Manifest, rows: int) -> list[tuple[int, int, int]]:
-    """(m, k, n) of every linear layer of a call over `rows` tokens, in graph order: each block's QKV,
-    output projection, MLP up and down, then the LM head."""
+    """(m, k, n) of every linear layer of a call over `rows` tokens, in graph order: each block's QKV
+    (latent attention: the query, the down-projection to [latent; rotated key] and the key and value
+    up-projections), output projection, MLP up and down, then the LM head."""
     d, vocab = int(manifest.data["d_model"]), manifest.vocab_size  # type: ignore[call-overload]
     width = int(manifest.data.get("d_ff", 4 * d))  # type: ignore[call-overload]
-    block = [(rows, d, 3 * d), (rows, d, d), (rows, d, width), (rows, width, d)]
+    query, value, latent = _attention_widths(manifest)
+    if latent:
+        spec = manifest.kv_spec
+        rotated = spec.width - latent
+        attention = [(rows, d, query), (rows, d, latent + rotated), (rows, latent, d), (rows, latent, value)]
+    else:
+        attention = [(rows, d, 3 * d)]
+    block = [*attention, (rows, d, d), (rows, d, width), (rows, width, d)]
     return block * manifest.n_layers + [(rows, d, vocab)]
 
 
 def prefill_flops(manifest: Manifest, tokens: int) -> float:
     """FLOPs of one causal prompt of `tokens` tokens: the linear layers (linear_shapes) at 2 per
     multiply-add, and causal attention (Q K^T and weights x V over the lower triangle, T^2/2 pairs each)."""
-    d = int(manifest.data["d_model"])  # type: ignore[call-overload]
+    query, value, _ = _attention_widths(manifest)
     linear = sum(2 * m * k * n for m, k, n in linear_shapes(manifest, tokens))
-    attention = manifest.n_layers * 2 * 2 * d * tokens * tokens / 2
+    attention = manifest.n_layers * 2 * (query + value) * tokens * tokens / 2
     return float(linear + attention)
 
 

@@ -29,7 +29,7 @@ from bench.layers import decode_tokens_per_second_genai, decode_tokens_per_secon
 from bench.long_context import BASELINE, LONG_CONTEXTS
 from bench.prefill import gemm_gflops, grpc_ttft, linear_shapes, prefill_flops, prompt_text
 from bench.runners import batch_runner, step_seconds
-from contract.manifest import SERVING_FUSED, Manifest
+from contract.manifest import Manifest, serving_variant
 from export.fused import IR_VERSION
 from models.sizes import RANDOM_SCHEMES
 from service.api import generation_pb2 as pb
@@ -43,7 +43,7 @@ BUDGET = 1 << 30  # the cache memory the capacity column fills: 1 GiB
 LONG = LONG_CONTEXTS[-1]  # the context of the decode@4096 and ITL@4096 lines
 PROMPT_BYTES = 2048
 STREAMS = (16, 64)
-# The schemes measured, the baseline first (mla joins RANDOM_SCHEMES once export has its graphs).
+# The schemes measured, the baseline first.
 SCHEMES = RANDOM_SCHEMES
 
 
@@ -66,10 +66,12 @@ class Bandwidth:
 
 
 def weight_bytes(manifest: Manifest) -> int:
-    """Bytes of weights a decode step reads: the served decode graph's file, which is its weights
-    (and a weight-only model's scales, export/weight_only.py) and a few KB of graph; the embedding's
-    one row a step is the exception, 0.2% of the model at 259 x 768."""
-    return manifest.onnx_path(SERVING_FUSED).stat().st_size
+    """Bytes of weights a decode step reads: the served decode graph's file (the fused one, or the
+    serving graph where there is none: latent attention's), which is its weights (and a weight-only
+    model's scales, export/weight_only.py) and a few KB of graph; the embedding's one row a step is
+    the exception, 0.2% of the model at 259 x 768."""
+    plan = serving_plan(manifest, "cpu", "auto", EngineConfig().block_size)
+    return manifest.onnx_path(plan.fused.variant if plan.fused else serving_variant(plan.dtype)).stat().st_size
 
 
 def kv_read_bytes(manifest: Manifest, context: int) -> int:
@@ -266,14 +268,15 @@ def print_width(args: argparse.Namespace, repository: Path, server_threads: int)
     print(f"gRPC/genai {figures['genai_ratio']:.2f}")
     rate = prefill_flops(base, PROMPT_BYTES + 1) / figures["ttft"] / 1e9
     print(f"prefill/sgemm {rate / figures['sgemm']:.2f}")
-    for name, manifest in manifests.items():  # the hybrids, and weight-only forms (export/weight_only.py)
-        if name.endswith("-swa") or "weight_only" in manifest.data:
+    for name in manifests:  # every scheme, and weight-only forms (export/weight_only.py), over rope
+        if name != BASELINE:
             print(f"{name} / {BASELINE} ITL@{LONG} {itl[name][LONG]['vs_baseline']:.2f}")
-    hybrids = [(name, m) for name, m in manifests.items() if name.endswith("-swa")]
+    # The schemes that cut the cache (the hybrids' windows, latent attention's latent).
+    hybrids = [(name, m) for name, m in manifests.items() if kv_read_bytes(m, LONG) < kv_read_bytes(base, LONG)]
     if hybrids:
         shares = ", ".join(f"{name} {batch_step_bytes(m, 16) / batch_step_bytes(base, 16):.2f}" for name, m in hybrids)
         print(f"\n(at 16 streams of {LONG} tokens a step reads the weights once and 16 rows of K/V: by the roofline "
-              f"a hybrid's step is then {shares} of {BASELINE}'s)")  # fmt: skip
+              f"the step of a scheme that cuts the cache is then {shares} of {BASELINE}'s)")  # fmt: skip
 
 
 def batch_step_bytes(manifest: Manifest, rows: int) -> int:

@@ -25,8 +25,8 @@ SIZES: dict[str, dict[str, int]] = {
 # The sizes served with random weights (no training run behind them), and the seed they are drawn with.
 RANDOM_SIZES = ("small",)
 RANDOM_SEED = 1234
-# The schemes a random size is exported and benchmarked for by default (mla joins when export has it).
-RANDOM_SCHEMES = ("rope", "alibi", "relative", "rnope-swa", "rope-swa")
+# The schemes a random size is exported and benchmarked for by default.
+RANDOM_SCHEMES = ("rope", "alibi", "relative", "rnope-swa", "rope-swa", "mla")
 
 
 def size_config(scheme: str, size: str, **overrides: int) -> ModelConfig:
