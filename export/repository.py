@@ -228,7 +228,7 @@ def export_model(
     started = time.time()
     variants: dict[str, Path] = {}
     extra: dict[str, object] = {}
-    for variant in graphs or options.graph_variants():
+    for variant in graphs or graphs_for(model.config.scheme, options.graph_variants()):
         variants[variant] = folder / GRAPH_FILES[variant]
         # A copy each time: export casts the model and the serving layout rewires its layers.
         if variant == SERVING_INT8:
@@ -416,7 +416,7 @@ def run(options: ExportOptions) -> list[ExportResult]:
         if scaled and ROPE_SCHEME not in specs and not (rope_base / MANIFEST).is_file():
             rope_base = Path(scratch) / ROPE_SCHEME
             base = ModelSpec(ROPE_SCHEME, ROPE_SCHEME, options.weights / ROPE_SCHEME)
-            jobs.append(_Job(base, replace(options, out=Path(scratch)), graphs))
+            jobs.append(_Job(base, replace(options, out=Path(scratch)), graphs_for(ROPE_SCHEME, graphs)))
         workers = options.workers or min(len(jobs), available_cores())
         files = {spec.name: graphs_for(spec.scheme, graphs) for spec in variants}
         progress = export_progress(options.out, files, options.verify)
@@ -435,7 +435,8 @@ def run(options: ExportOptions) -> list[ExportResult]:
             def derive_all() -> None:
                 for spec in scaled:
                     assert spec.scaling is not None
-                    written(spec.name, derive_scaled(rope_base, options, spec.name, spec.scaling, graphs))
+                    derived = graphs_for(ROPE_SCHEME, graphs)
+                    written(spec.name, derive_scaled(rope_base, options, spec.name, spec.scaling, derived))
 
             if scaled and not any(job.options.out / job.spec.name == rope_base for job in jobs):
                 derive_all()  # from the rope model already in the repository

@@ -15,7 +15,7 @@ import pytest
 from contract.manifest import Manifest
 from contract.paths import REPOSITORY_ROOT, sized_repository
 from export.__main__ import parse_args
-from export.repository import GRAPH_FILES, RANDOM_GRAPHS, ExportOptions, model_variants, run
+from export.repository import GRAPH_FILES, RANDOM_GRAPHS, ExportOptions, graphs_for, model_variants, run
 from models.sizes import RANDOM_SCHEMES
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
@@ -48,7 +48,7 @@ def test_the_stand_in_is_exported_at_the_small_width_and_says_its_weights_are_ra
         assert (manifest.size, manifest.random_weights, manifest.n_layers, manifest.n_heads) == ("small", True, 2, 12)
         assert manifest.data["d_model"] == 768
         files = {path.name for path in (small_repository / scheme).glob("*.onnx")}
-        assert files == {GRAPH_FILES[variant] for variant in ("float32", *RANDOM_GRAPHS)}
+        assert files == {GRAPH_FILES[variant] for variant in graphs_for(scheme, ("float32", *RANDOM_GRAPHS))}
 
 
 @pytest.mark.server  # the stand-in's export, servers
