@@ -19,21 +19,18 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import pickle
 import subprocess
-import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+from service.core_process import RestartWindow, end_process, exit_cause, spawn_core
 from service.engine.messages import (
     Add,
     Cancel,
-    CoreConfig,
     DrainReport,
     EngineConfig,
     ErrorKind,
@@ -65,8 +62,6 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_SECONDS = 600.0  # loading every model (sessions, budgets) on a slow machine
 CALL_TIMEOUT_SECONDS = 60.0  # a reply to ADD or METRICS; SCORE waits as long as the RPC may
-RESTARTS_ALLOWED = 3  # unexpected core exits within RESTART_WINDOW_SECONDS before the server gives up
-RESTART_WINDOW_SECONDS = 300.0
 RESUMES_ALLOWED = 2  # core deaths one request survives; at the next it ends with UNAVAILABLE
 
 
@@ -105,7 +100,7 @@ class EngineClient:
         self._serving = False
         self._stopping = False
         self._taken_while_stopping: list[RequestHandle] = []  # the drain's report counts them too
-        self._exits: deque[float] = deque()
+        self._restarts = RestartWindow()
         self.restarts = 0
         self._reader: threading.Thread | None = None
 
@@ -125,35 +120,15 @@ class EngineClient:
 
     def _spawn(self) -> None:
         """A new core with a new pair of pipes, and a reader thread for its events."""
-        commands_read, commands_write = os.pipe()
-        events_read, events_write = os.pipe()
-        config = CoreConfig(
-            self.repository,
-            self.config,
-            self.names,
-            commands_read,
-            events_write,
-            logging.getLogger().getEffectiveLevel(),
-        )
-        # A fresh interpreter (`python -m service.engine.core`), not fork: this process already runs
-        # gRPC's threads. Its configuration comes on stdin; its log goes where ours does.
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service.engine.core"], stdin=subprocess.PIPE, pass_fds=(commands_read, events_write)
-        )
-        os.close(commands_read)  # ours are the other ends: EOF on events when the core dies
-        os.close(events_write)
-        assert process.stdin is not None
-        process.stdin.write(pickle.dumps(config))
-        process.stdin.close()
-        old, self._commands = self._commands, MessageWriter(commands_write)
+        core = spawn_core(self.repository, self.config, self.names)
+        old, self._commands = self._commands, core.commands
         if old is not None:
             os.close(old.fd)
-        self._process = process
+        self._process = core.process
         self._reader = threading.Thread(
-            target=self._read_events, args=(events_read,), name="engine-events", daemon=True
+            target=self._read_events, args=(core.events_fd,), name="engine-events", daemon=True
         )
         self._reader.start()
-        logger.info("engine core started (pid %d)", process.pid)
 
     def _await_ready(self, timeout: float) -> None:
         assert self._process is not None
@@ -186,19 +161,11 @@ class EngineClient:
             self.on_serving(False)
             if self._reader is not None:
                 self._reader.join(5)  # every event it sent before dying is applied (its pipe ends at its exit)
-            cause = (
-                f"engine process exited unexpectedly (exit code {code})"
-                if code is not None and code >= 0
-                else f"engine process was killed (signal {-(code or 0)})"
-            )
+            cause = exit_cause(code)
             kept = self._keep_for_resume(cause, died)
             logger.error("%s; %d request(s) in flight will resume on a new core", cause, len(kept))
-            now = time.monotonic()
-            self._exits.append(now)
-            while self._exits and now - self._exits[0] > RESTART_WINDOW_SECONDS:
-                self._exits.popleft()
-            if len(self._exits) > RESTARTS_ALLOWED:
-                reason = f"the engine core died {len(self._exits)} times within {RESTART_WINDOW_SECONDS:.0f} s"
+            reason = self._restarts.give_up(time.monotonic())
+            if reason is not None:
                 self._not_resumed(kept, f"{cause}; {reason}: not resumed, retry it")
                 self.on_give_up(reason)
                 return
@@ -304,11 +271,7 @@ class EngineClient:
                 pass  # it is not there to hear it
             except FutureTimeout:
                 logger.error("engine core did not stop within %.0f s; killing it", timeout + 30)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+            end_process(process)
         self._fail_everything("server shut down")
         if self._reader is not None:
             self._reader.join(2)  # ends at the core's exit (end of its events pipe)

@@ -30,7 +30,7 @@ from service.engine.processing.output_processor import Finished, OutputBatch, Ou
 from service.engine.request import Request, SamplingParams
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
-from service.server import parse_config
+from service.server_config import parse_config
 from tests.service.engine.prompts.test_segments import DOCUMENT, segmented
 from tests.service.test_service import offline_greedy_text
 

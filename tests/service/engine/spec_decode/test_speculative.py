@@ -30,7 +30,7 @@ from service.engine.spec_decode.speculator import accepted_prefix
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.metrics import ServiceMetrics
 from service.process import ServerProcess, wait_for
-from service.server import parse_config
+from service.server_config import parse_config
 from tests.service.engine.prompt_calls import chunked
 
 SCHEMES = ["alibi", "learned", "none", "relative", "rope", "sinusoidal"]
