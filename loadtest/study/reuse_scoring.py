@@ -43,11 +43,10 @@ from loadtest.study.results import Cell
 from loadtest.workloads import DocumentPrompt
 from models.tokenizer import TOKENIZER
 from service.engine.kv import Array, SplitKV
-from service.engine.kv.classes import rotate_keys
 from service.engine.messages import PromptSegment
 from service.engine.processing.input_processor import segment_spans
 from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
-from service.engine.prompts.segments import SegmentAssembly
+from service.engine.prompts.segments import SegmentAssembly, keys_moved
 from service.engine.worker.runner import ModelRunner, StoreConfig
 
 CHUNK_TOKENS = 512
@@ -117,10 +116,10 @@ class AnswerScorer:
             kv = computed.cache[:, :, 1:]
             if self.declared.mode == REUSE_ROTATE:
                 assert self.declared.rotary_inv_freq is not None
-                kv = self.runner.backend.copy(kv)
-                rows = self.declared.rotated_key_rows(kv.shape[0] // 2)
-                kv[rows] = rotate_keys(self.runner.backend, kv[rows], -1, self.declared.rotary_inv_freq,
-                                       self.runner.dtype)  # fmt: skip
+                layout = self.runner.layout
+                rows = self.declared.rotated_key_rows(kv.shape[0] // layout.per_layer, layout.per_layer)
+                kv = keys_moved(self.runner.backend, kv, rows, layout.rotated_columns, -1,
+                                self.declared.rotary_inv_freq, self.runner.dtype)  # fmt: skip
             kept.append(kv)
         return kept
 
