@@ -80,6 +80,38 @@ def prefill_flops(manifest: Manifest, tokens: int) -> float:
     return float(linear + attention)
 
 
+def attended_tokens(manifest: Manifest, context: int) -> list[int]:
+    """Per layer, the tokens a decode step's one new query attends to over `context` cached ones, its
+    own included: all of them in a global layer, the last `window` in a local one (layer_groups)."""
+    windows = {layer: group.window for group in manifest.layer_groups for layer in group.layers}
+    return [min(context + 1, windows.get(layer) or context + 1) for layer in range(manifest.n_layers)]
+
+
+def decode_attention_products(manifest: Manifest, attended: int) -> list[tuple[int, int, int, int]]:
+    """(batch, m, k, n) of one layer's attention products in a decode step over `attended` tokens: the
+    scores, then the weights mixing the values, per cached head (contract.kv_spec) over the query
+    heads it serves. Full and windowed attention: per head one query row against head_dim-wide keys,
+    then values. Latent attention in the absorbed form the serving graph runs: every head's folded
+    query a row against the whole cached entry [latent; rotated key], and the weights mixing whole
+    entries (the graph drops the rotated columns after the mix)."""
+    spec = manifest.kv_spec
+    rows = manifest.n_heads // spec.heads
+    return [(spec.heads, rows, spec.width, attended), (spec.heads, rows, attended, spec.width)]
+
+
+def decode_flops(manifest: Manifest, context: int) -> float:
+    """FLOPs of one decode step (batch 1) over `context` cached tokens, 2 per multiply-add: the linear
+    layers at one row (linear_shapes; for latent attention its key and value up-projections are the
+    absorbed query and value folds a step does, the same multiply-adds), and every layer's attention
+    products (decode_attention_products) over its attended tokens."""
+    linear = sum(2 * m * k * n for m, k, n in linear_shapes(manifest, 1))
+    attention = sum(
+        2 * b * m * k * n for tokens in attended_tokens(manifest, context)
+        for b, m, k, n in decode_attention_products(manifest, tokens)
+    )  # fmt: skip
+    return float(linear + attention)
+
+
 def sgemm_gflops(size: int = 1024, runs: int = 5) -> float:
     """numpy's float32 matrix product rate (GFLOP/s, best of `runs`), with its BLAS's own threads."""
     return gemm_gflops([(size, size, size)], runs)

@@ -1,7 +1,9 @@
 """`python -m bench --size small`: every scheme at a realistic width, held against the physical limit.
 
 A decode step at GPT-2 small's width reads every weight and the cached K/V it attends to once, so
-one stream cannot decode faster than memory bandwidth over those bytes (the roofline). This run
+one stream cannot decode faster than memory bandwidth over those bytes (the roofline), nor, where its
+attention's arithmetic outgrows its reads (latent attention at long context), than its FLOPs at the
+one-thread MatMul rate of its shapes (the compute roof, printed at 4,096 tokens beside the other). This run
 measures the bandwidth itself (a read of a buffer larger than the last-level cache, in this
 process, on as many threads as decoding uses) and holds each figure against a limit measured in
 the same run: decode through gRPC against the roofline and against onnxruntime-genai, decode at
@@ -27,7 +29,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench.layers import decode_tokens_per_second_genai, decode_tokens_per_second_grpc_counted
 from bench.long_context import BASELINE, LONG_CONTEXTS
-from bench.prefill import gemm_gflops, grpc_ttft, linear_shapes, prefill_flops, prompt_text
+from bench.prefill import (
+    attended_tokens,
+    decode_attention_products,
+    decode_flops,
+    gemm_gflops,
+    grpc_ttft,
+    linear_shapes,
+    prefill_flops,
+    prompt_text,
+)
 from bench.runners import batch_runner, step_seconds
 from contract.manifest import Manifest, serving_variant
 from export.fused import IR_VERSION
@@ -45,6 +56,9 @@ PROMPT_BYTES = 2048
 STREAMS = (16, 64)
 # The schemes measured, the baseline first.
 SCHEMES = RANDOM_SCHEMES
+# A MatMul's operands: the left's shape, the right's name (products naming one share it), its shape as
+# stored, and whether the node transposes its last two axes.
+Product = tuple[tuple[int, ...], str, tuple[int, ...], bool]
 
 
 class Bandwidth:
@@ -81,32 +95,81 @@ def kv_read_bytes(manifest: Manifest, context: int) -> int:
     return layout.token_bytes * context + layout.local_row_bytes
 
 
-def roofline(bandwidth: float, manifest: Manifest, context: int) -> float:
-    """Tokens/s one stream can reach at `context`: bandwidth over the bytes a step reads."""
-    return bandwidth / (weight_bytes(manifest) + kv_read_bytes(manifest, context))
+def roofline(bandwidth: float, manifest: Manifest, context: int, flops_rate: float = math.inf) -> float:
+    """Tokens/s one stream can reach at `context`: one over the step's floor (step_floor) of the bytes
+    it reads at `bandwidth` and its FLOPs (bench.prefill.decode_flops) at `flops_rate` a second; the
+    default, no rate, is the bandwidth roof alone."""
+    return 1 / step_floor(manifest, context, bandwidth, flops_rate)[0]
+
+
+def step_floor(manifest: Manifest, context: int, bandwidth: float, flops_rate: float) -> tuple[float, str]:
+    """(seconds, the roof that sets them) of a decode step at `context`: its bytes over the bandwidth
+    or its FLOPs over the rate, whichever takes longer (the two roofs of a roofline)."""
+    return binding_roof(weight_bytes(manifest) + kv_read_bytes(manifest, context), bandwidth,
+                        decode_flops(manifest, context), flops_rate)  # fmt: skip
+
+
+def binding_roof(bytes_read: float, bandwidth: float, flops: float, flops_rate: float) -> tuple[float, str]:
+    """(seconds, "bandwidth" or "compute"): the larger of bytes_read / bandwidth and flops / flops_rate."""
+    memory, compute = bytes_read / bandwidth, flops / flops_rate
+    return (compute, "compute") if compute > memory else (memory, "bandwidth")
 
 
 def gemm_ceiling(manifest: Manifest, rows: int, threads: int, runs: int = 5) -> float:
     """Tokens/s of a decode step's matrix products alone at `rows` streams, by ONNX Runtime's own
     MatMul kernels on `threads` threads with the model's weight shapes (random, so they stream from
     memory as the model's do): what aggregate decode at that batch cannot beat."""
-    shapes = linear_shapes(manifest, rows)
+    products = [((m, k), f"w{i}", (k, n), False) for i, (m, k, n) in enumerate(linear_shapes(manifest, rows))]
+    return rows / matmul_seconds(products, threads, runs, weights=True)
+
+
+def attention_flops_rate(manifest: Manifest, context: int, threads: int, runs: int = 5) -> float:
+    """FLOPs/s of ONNX Runtime's MatMul on `threads` threads at a global layer's attention products of
+    a decode step at `context` (bench.prefill.decode_attention_products), each right-hand operand laid
+    out as a cache lies, tokens by width (the scores' transposed by the graph, as the latent serving
+    graph does), fed as an input as the cache is: the rate of the step's arithmetic at its shapes,
+    its operands held in cache between runs, so a rate of arithmetic, not of memory (latent attention's
+    12 query rows a product; full attention's one row a head makes matrix-vector products, whose rate
+    is nearer a cached read's). Latent attention's one cached entry is both products' right-hand
+    operand, as in its graph; full attention's K and V are two. The step's linear layers' FLOPs are
+    held to the same rate (step_floor): their one-row products are their bytes' anyway."""
+    shapes = decode_attention_products(manifest, max(attended_tokens(manifest, context)))
+    (batch, rows, width, tokens), _ = shapes
+    keys, values = manifest.kv_spec.entries[0], manifest.kv_spec.entries[-1]
+    cache = (batch, tokens, width)
+    products = [((batch, rows, width), keys, cache, True), ((batch, rows, tokens), values, cache, False)]
+    flops = sum(2 * b * m * k * n for b, m, k, n in shapes)
+    return flops / matmul_seconds(products, threads, runs, weights=False)
+
+
+def matmul_seconds(products: list[Product], threads: int, runs: int, weights: bool) -> float:
+    """Best seconds of `runs` runs of one ONNX Runtime graph of a MatMul node per product (Product), on
+    `threads` threads; each right-hand operand a random array of its own name, an initializer
+    (`weights`) or an input."""
     rng = np.random.default_rng(0)
-    nodes, inputs, outputs, weights = [], [], [], []
-    for i, (m, k, n) in enumerate(shapes):
-        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [m, k]))
-        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [m, n]))
-        weights.append(numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), f"w{i}"))
-        nodes.append(helper.make_node("MatMul", [f"x{i}", f"w{i}"], [f"y{i}"]))
-    graph = helper.make_graph(nodes, "gemm_ceiling", inputs, outputs, weights)
+    nodes, outputs = [], []
+    feeds: dict[str, np.ndarray] = {}
+    rights: dict[str, np.ndarray] = {}
+    for i, (left, operand, right, transposed) in enumerate(products):
+        feeds[f"x{i}"] = rng.standard_normal(left).astype(np.float32)
+        if operand not in rights:
+            rights[operand] = rng.standard_normal(right).astype(np.float32)
+        if transposed:
+            axes = list(range(len(right)))
+            nodes.append(helper.make_node("Transpose", [operand], [f"t{i}"], perm=axes[:-2] + axes[:-3:-1]))
+            operand = f"t{i}"
+        nodes.append(helper.make_node("MatMul", [f"x{i}", operand], [f"y{i}"]))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
+    initializers = [numpy_helper.from_array(matrix, name) for name, matrix in rights.items()] if weights else []
+    feeds |= {} if weights else rights
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(a.shape)) for name, a in feeds.items()]
+    graph = helper.make_graph(nodes, "matmuls", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {f"x{i}": rng.standard_normal((m, k)).astype(np.float32) for i, (m, k, _) in enumerate(shapes)}
     session.run(None, feeds)  # warm-up
-    best = min(_seconds(lambda: session.run(None, feeds)) for _ in range(runs))
-    return rows / best
+    return min(_seconds(lambda: session.run(None, feeds)) for _ in range(runs))
 
 
 def _seconds(call: object) -> float:
@@ -219,23 +282,50 @@ def context_steps(
     """Per context of LONG_CONTEXTS (batch 1, random K/V): the median decode step seconds, the median
     of each step timing's ratio to the roofline of a bandwidth read beside it, and (at LONG) the
     median ratio to the baseline's step at LONG timed right after it (`baseline`, held for the whole
-    run). One model's runners at a time: at this width every model's do not fit side by side."""
+    run) and the roofline with both roofs: the MatMul rate at the step's attention shapes is measured
+    right after the reads (attention_flops_rate), and each round's ratio is to its own floor
+    (step_floor). One model's runners at a time: at this width every model's do not fit side by side."""
     steps, manifest = 5 if args.quick else 20, Manifest.load(folder)
     runners = {context: batch_runner(folder, 1, context, args.threads, args.device) for context in LONG_CONTEXTS}
     samples: dict[int, list[tuple[float, float]]] = {context: [] for context in LONG_CONTEXTS}
     against: list[float] = []
+    roofs: list[tuple[float, bool, float, float]] = []  # (ratio, compute binds, bandwidth, FLOPs/s) at LONG
     for _ in range(rounds_of(args)):
         for context, runner in runners.items():
             read = bandwidth()
             seconds = step_seconds(runner, steps)
-            samples[context].append((seconds, 1 / seconds / roofline((read + bandwidth()) / 2, manifest, context)))
+            read = (read + bandwidth()) / 2
+            samples[context].append((seconds, 1 / seconds / roofline(read, manifest, context)))
+            if context == LONG:
+                rate = attention_flops_rate(manifest, LONG, args.threads)
+                floor, roof = step_floor(manifest, LONG, read, rate)
+                roofs.append((floor / seconds, roof == "compute", read, rate))
         against.append(samples[LONG][-1][0] / step_seconds(baseline, steps))
     figures = {
         context: {"seconds": statistics.median(t for t, _ in rows), "ratio": statistics.median(r for _, r in rows)}
         for context, rows in samples.items()
     }
     figures[LONG]["vs_baseline"] = statistics.median(against)
+    ratios, computes, reads, rates = zip(*roofs, strict=True)
+    figures[LONG] |= {
+        "roof_ratio": statistics.median(ratios), "compute_rounds": sum(computes), "rounds": len(roofs),
+        "bandwidth": statistics.median(reads), "flops_rate": statistics.median(rates),
+    }  # fmt: skip
     return figures
+
+
+def roof_line(name: str, manifest: Manifest, figures: dict[str, float], threads: int) -> str:
+    """A scheme's step at LONG against the roofline with both roofs: the median of the rounds' ratios,
+    the roof that bound most rounds, and both floors at the rounds' median bandwidth and FLOP rate."""
+    compute = figures["compute_rounds"] > figures["rounds"] / 2
+    step_bytes, flops = weight_bytes(manifest) + kv_read_bytes(manifest, LONG), decode_flops(manifest, LONG)
+    return (
+        f"{name} decode@{LONG}/two-roof roofline {figures['roof_ratio']:.2f}, {'compute' if compute else 'bandwidth'} "
+        f"binds ({int(figures['compute_rounds'])} of {int(figures['rounds'])} rounds compute; {flops / 1e9:.2f} GFLOP "
+        f"at {figures['flops_rate'] / 1e9:.1f} GFLOP/s on {threads} thread(s): "
+        f"{flops / figures['flops_rate'] * 1000:.1f} ms; {step_bytes / 1e6:.0f} MB at "
+        f"{figures['bandwidth'] / 1e9:.1f} GB/s: {step_bytes / figures['bandwidth'] * 1000:.1f} ms)"
+    )
 
 
 def print_width(args: argparse.Namespace, repository: Path, server_threads: int) -> None:
@@ -265,6 +355,8 @@ def print_width(args: argparse.Namespace, repository: Path, server_threads: int)
         print(f"{name} decode/roofline {serving[name]['ratio']:.2f}")
     for name in manifests:
         print(f"{name} decode@{LONG}/roofline {itl[name][LONG]['ratio']:.2f}")
+    for name, manifest in manifests.items():  # the same steps against both roofs
+        print(roof_line(name, manifest, itl[name][LONG], args.threads))
     print(f"gRPC/genai {figures['genai_ratio']:.2f}")
     rate = prefill_flops(base, PROMPT_BYTES + 1) / figures["ttft"] / 1e9
     print(f"prefill/sgemm {rate / figures['sgemm']:.2f}")

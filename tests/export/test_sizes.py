@@ -82,3 +82,6 @@ def test_bench_size_prints_the_lines_scripts_look_for(small_repository: Path) ->
     lines = [f"{scheme} {name}" for scheme in STANDIN for name in ("decode/roofline", "decode@4096/roofline")]
     for line in (*lines, "gRPC/genai", "prefill/sgemm", "rnope-swa / rope ITL@4096"):
         assert re.search("^" + re.escape(line) + value, out, re.MULTILINE), (line, out)
+    for scheme in STANDIN:  # the same steps against both roofs, bytes and FLOPs
+        roof = re.escape(f"{scheme} decode@4096/two-roof roofline") + r" [0-9]+\.[0-9]{2}, (bandwidth|compute) binds \("
+        assert re.search("^" + roof, out, re.MULTILINE), (scheme, out)
