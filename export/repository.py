@@ -254,7 +254,8 @@ def export_model(
         | {"seed": training_seed(training)},
     }
     write_json(folder / MANIFEST, build_manifest(name, model.config, variants, OPSET, versions, extra))
-    write_json(folder / GENAI_CONFIG, genai_config(model.config, variants["float32"].name))
+    if layer_cache_spec(model.config).key_value:  # onnxruntime-genai's decoder caches a key and a value a layer
+        write_json(folder / GENAI_CONFIG, genai_config(model.config, variants["float32"].name))
     write_tokenizer_json(folder)
     return ExportResult(
         name,

@@ -23,6 +23,7 @@ from contract.graph import (
 )
 from contract.manifest import (
     PREFILL_FUSED,
+    PREFILL_UP_PROJECTED,
     SERVING,
     SERVING_FP16,
     SERVING_FUSED,
@@ -34,7 +35,8 @@ from contract.manifest import (
 )
 from export.__main__ import main
 from export.evaluate import onnx_bits_per_byte
-from export.repository import GRAPH_FILES
+from export.manifest import layer_cache_spec
+from export.repository import GRAPH_FILES, graphs_for
 from export.runtime import OnnxCausalLM
 from export.verify import (
     FP16_TOLERANCE,
@@ -47,12 +49,18 @@ from export.verify import (
     torch_reference,
 )
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
+from models.config import ModelConfig
 from models.evaluation import evaluation_sequences
 from models.limits import PositionLimitError
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 
 TRAINED = trained_schemes()  # the schemes with shipped weights: what the repository fixture exports
+# Those that cache a K and a V a layer: the serving contract's names, int8, the fused kernels and
+# onnxruntime-genai are theirs (latent attention's graphs: tests/service/engine/test_latent_serving.py).
+KEY_VALUE = [s for s in TRAINED if layer_cache_spec(ModelConfig(scheme=s)).key_value]
+ALL_GRAPHS = ("float32", SERVING, "float16", SERVING_FP16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED,
+              SERVING_FUSED_INT8, PREFILL_UP_PROJECTED)  # fmt: skip
 
 
 @pytest.mark.parametrize("scheme", TRAINED)
@@ -87,12 +95,15 @@ def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
         "pad_token_id": 258,
         "add_bos": True,
     }
-    assert list(data["variants"]) == [
-        "float32", SERVING, "float16", SERVING_FP16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED, SERVING_FUSED_INT8,
-    ]  # fmt: skip
+    assert list(data["variants"]) == list(graphs_for(scheme, ALL_GRAPHS))
     for variant, entry in data["variants"].items():  # type: ignore[union-attr]
         assert entry["file"] == GRAPH_FILES[variant]
     manifest.verify_all()
+    if scheme not in KEY_VALUE:  # one [latent; rotated key] a token and layer, no genai_config
+        width = config.latent_width + config.latent_rope_width
+        assert manifest.kv_bytes_per_token() == config.n_layers * width * 4
+        assert not (repository / scheme / "genai_config.json").exists()
+        return
     assert manifest.kv_bytes_per_token() == 2 * config.n_layers * config.d_model * 4
     assert (
         manifest.kv_bytes_per_token(SERVING_FP16)
@@ -101,7 +112,7 @@ def test_manifest_describes_the_model(repository: Path, scheme: str) -> None:
     )
 
 
-@pytest.mark.parametrize("scheme", TRAINED)
+@pytest.mark.parametrize("scheme", KEY_VALUE)
 def test_graph_contract(repository: Path, scheme: str) -> None:
     proto = onnx.load(str(repository / scheme / "model.onnx"))
     onnx.checker.check_model(proto, full_check=True)
@@ -232,7 +243,7 @@ def test_tampered_or_missing_files_are_refused_by_name(repository: Path, tmp_pat
         Manifest.load(folder)
 
 
-@pytest.mark.parametrize("scheme", TRAINED)
+@pytest.mark.parametrize("scheme", KEY_VALUE)
 def test_onnxruntime_genai_greedy_equals_ours(repository: Path, scheme: str) -> None:
     og = pytest.importorskip("onnxruntime_genai")
     prompt = TOKENIZER.encode("def parse_args(argv):\n    ")
