@@ -67,7 +67,12 @@ def test_list_models_reports_limits_and_cache_cost(server: ServerProcess) -> Non
     assert models["learned"].max_positions == 256 and models["alibi"].max_positions == 0
     for model in models.values():
         whole = 2 * model.n_layers * model.n_heads * model.head_dim * 4  # K and V of every layer, float32
-        if model.kv_cache_bytes_per_sequence == 0:  # whole rows
+        if model.scheme == "mla":  # one [latent (d_model / 2); rotated key (head_dim / 2)] a layer
+            latent = model.n_heads * model.head_dim // 2 + model.head_dim // 2
+            assert (model.kv_cache_bytes_per_token, model.kv_cache_bytes_per_sequence) == (
+                model.n_layers * latent * 4, 0,
+            ), model.name  # fmt: skip
+        elif model.kv_cache_bytes_per_sequence == 0:  # whole rows
             assert model.kv_cache_bytes_per_token == whole, model.name
         else:  # split rows: the global layers' a token, the local layers' in fixed columns
             local = whole - model.kv_cache_bytes_per_token
