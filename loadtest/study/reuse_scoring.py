@@ -46,7 +46,7 @@ from service.engine.kv import Array, SplitKV
 from service.engine.messages import PromptSegment
 from service.engine.processing.input_processor import segment_spans
 from service.engine.prompts.prompt import PrefilledPrompt, PromptRun
-from service.engine.prompts.segments import SegmentAssembly, keys_moved
+from service.engine.prompts.segments import SegmentAssembly
 from service.engine.worker.runner import ModelRunner, StoreConfig
 
 CHUNK_TOKENS = 512
@@ -113,14 +113,8 @@ class AnswerScorer:
             document = PromptRun("score", token_ids[:1] + token_ids[start:end])
             *_, [computed] = self.runner.prefill([document], CHUNK_TOKENS)
             assert computed is not None
-            kv = computed.cache[:, :, 1:]
-            if self.declared.mode == REUSE_ROTATE:
-                assert self.declared.rotary_inv_freq is not None
-                layout = self.runner.layout
-                rows = self.declared.rotated_key_rows(kv.shape[0] // layout.per_layer, layout.per_layer)
-                kv = keys_moved(self.runner.backend, kv, rows, layout.rotated_columns, -1,
-                                self.declared.rotary_inv_freq, self.runner.dtype)  # fmt: skip
-            kept.append(kv)
+            # the engine's own placement turned back one (rotated keys only; as is where nothing rotates)
+            kept.append(self._assembly(self.declared.mode).placed(computed.cache[:, :, 1:], -1))
         return kept
 
     def _prompt(self, prompt: DocumentPrompt, mode: str, repair: int) -> PrefilledPrompt:

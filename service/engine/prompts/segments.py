@@ -87,7 +87,7 @@ class SegmentAssembly:
             local = backend.concatenate([past.local_kv, local], axis=3)[:, :, :, -window.width :]
         return SplitKV(backend.concatenate([past.global_kv, glob], axis=3), local)
 
-    def _placed(self, kv: Array, offset: int) -> Array:
+    def placed(self, kv: Array, offset: int) -> Array:
         """A segment's K/V computed from position 0, as it serves at `offset` (a split layout's: the
         rotated layers' keys in the global and the local K/V alike)."""
         if self.reuse.mode != REUSE_ROTATE or offset == 0:
@@ -147,7 +147,7 @@ class SegmentAssembly:
                 past, done = _batched(prompt.cache), min(start + repair, stop)
             if done < stop:
                 assert not isinstance(past, CachedPast), "the text before a span computes after the hit"
-                past = self._append(past, self._placed(kv, start), done - start, stop - start)
+                past = self._append(past, self.placed(kv, start), done - start, stop - start)
                 reused += stop - done
                 done = stop
         if done < len(token_ids):

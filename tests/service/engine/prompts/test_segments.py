@@ -57,7 +57,7 @@ def test_rope_keys_cached_at_zero_and_rotated_to_p_equal_a_fresh_prefill_at_p(re
     mask = np.ones_like(ids)
     _, at_zero = runner._prompt_call(ids, mask, np.arange(length)[None], None, last_only=True)
     _, at_offset = runner._prompt_call(ids, mask, np.arange(offset, offset + length)[None], None, last_only=True)
-    placed = SegmentAssembly(runner, manifest.segment_reuse, 512)._placed(at_zero[:, 0], offset)
+    placed = SegmentAssembly(runner, manifest.segment_reuse, 512).placed(at_zero[:, 0], offset)
     np.testing.assert_allclose(placed[0::2], at_offset[0::2, 0], rtol=0, atol=tolerance)  # keys, every layer
     np.testing.assert_allclose(placed[1::2], at_offset[1::2, 0], rtol=0, atol=tolerance)  # values: no position
     assert np.abs(at_zero[0::2] - at_offset[0::2]).max() > 1e-2  # the rotation mattered
