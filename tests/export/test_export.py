@@ -35,7 +35,6 @@ from contract.manifest import (
 )
 from export.__main__ import main
 from export.evaluate import onnx_bits_per_byte
-from export.manifest import layer_cache_spec
 from export.repository import GRAPH_FILES, graphs_for
 from export.runtime import OnnxCausalLM
 from export.verify import (
@@ -49,16 +48,16 @@ from export.verify import (
     torch_reference,
 )
 from models.checkpoints import WEIGHTS_DIR, trained_schemes
-from models.config import ModelConfig
 from models.evaluation import evaluation_sequences
 from models.limits import PositionLimitError
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
+from tests.schemes import trained_key_value_schemes
 
 TRAINED = trained_schemes()  # the schemes with shipped weights: what the repository fixture exports
 # Those that cache a K and a V a layer: the serving contract's names, int8, the fused kernels and
 # onnxruntime-genai are theirs (latent attention's graphs: tests/service/engine/test_latent_serving.py).
-KEY_VALUE = [s for s in TRAINED if layer_cache_spec(ModelConfig(scheme=s)).key_value]
+KEY_VALUE = trained_key_value_schemes()
 ALL_GRAPHS = ("float32", SERVING, "float16", SERVING_FP16, SERVING_INT8, SERVING_FUSED, PREFILL_FUSED,
               SERVING_FUSED_INT8, PREFILL_UP_PROJECTED)  # fmt: skip
 

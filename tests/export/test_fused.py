@@ -22,9 +22,10 @@ from models.config import ModelConfig
 from models.positional import SCHEMES
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
+from tests.schemes import trained_key_value_schemes
 
 # The trained schemes that cache a K and a V a layer: the ones with a fused graph (mla's is absorbed).
-KEY_VALUE = [s for s in trained_schemes() if layer_cache_spec(ModelConfig(scheme=s)).key_value]
+KEY_VALUE = trained_key_value_schemes()
 
 
 def test_every_scheme_that_caches_keys_and_values_has_a_fused_unit() -> None:

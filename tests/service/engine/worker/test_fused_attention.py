@@ -12,17 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from export.manifest import layer_cache_spec
-from models.checkpoints import WEIGHTS_DIR, trained_schemes
-from models.config import ModelConfig
+from models.checkpoints import WEIGHTS_DIR
 from models.tokenizer import TOKENIZER
 from models.transformer import Transformer
 from service.api import generation_pb2 as pb
 from service.process import ServerProcess
+from tests.schemes import trained_key_value_schemes
 
 # The schemes with shipped weights that cache a K and a V (GroupQueryAttention's input; latent
 # attention has no fused graph: `--attention fused` refuses it by name, as any export without one).
-TRAINED = [s for s in trained_schemes() if layer_cache_spec(ModelConfig(scheme=s)).key_value]
+TRAINED = trained_key_value_schemes()
 
 PROMPTS = ("def read_config(path):\n", "import os\nimport sys\n\nclass Loader(object):\n    def __init__(self, ")
 NEW_TOKENS = 64
