@@ -84,8 +84,8 @@ class ModelSession:
 
     def __init__(self, path: str, providers: list[str], threads: int, arena: bool, backend: Backend) -> None:
         options = ort.SessionOptions()
-        # arena=False for the serving graph's prompt calls: their intermediates grow with batch x
-        # length^2 and an arena would hold their all-time peak resident. The fused prompt session
+        # arena=False for the row-streaming prompt calls: their intermediates grow with batch x
+        # length^2 and an arena would hold their all-time peak resident. The prefill worker's session
         # keeps one and is released when idle (PromptSessions.release).
         options.enable_cpu_mem_arena = arena
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -1,10 +1,12 @@
 """The sessions prompts run through, apart from the decode sessions (runner.py): which exist, which
 thread opens them, and when their memory goes back. The runner's prompt calls pick one by lane.
 
-The fused prompt session keeps a memory arena (with glibc's mmap threshold pinned, service/malloc.py,
-an arena-less call maps every intermediate fresh and page-faults it in: 21,000 faults and about a
-quarter of a 2,048-token prompt's time here, docs/measurements.md); `release` gives the arena back
-to the system, which the prefill worker does once it has been idle a while.
+The prefill worker's own session (the fused prompt graph's, or latent attention's up-projected
+prompt graph) keeps a memory arena: with glibc's mmap threshold pinned (service/malloc.py) an
+arena-less call maps every intermediate fresh and page-faults it in (21,000 faults and about a
+quarter of a 2,048-token rope prompt's time, half of an mla prompt's: docs/measurements.md).
+`release` gives the arena back to the system, which the prefill worker does once it has been idle a
+while.
 """
 
 from __future__ import annotations
@@ -65,18 +67,18 @@ class PromptSessions:
         self.by_kind: dict[str, ModelSession] = {}  # open(): by storage kind, for prompts streaming through a row
         self.tail: ModelSession | None = None  # open_tail()
         self.idle_tail: ModelSession | None = None  # open_tail(): all the prefill threads
-        self.held = False  # the worker session's arena holds intermediates of past calls (fused prompt calls)
+        self.held = False  # the worker session's arena holds intermediates of past calls
+        self.worker_arena = False  # open(): whether the worker session keeps an arena (else it is shared)
 
     def open(self) -> None:
         """(Re)create the prompt sessions from the calling thread: ONNX Runtime's pool threads inherit
         that thread's OS priority."""
         self.by_kind = {kind: self._open(self._threads, False, graph.variant) for kind, graph in self._graphs.items()}
-        if self._prompt_variant is not None:
-            self.worker = self._open(self._threads, True, self._prompt_variant)
-        elif self._serving_prompt_variant != self._graphs[self._dtype].variant:
-            self.worker = self._open(self._threads, False, self._serving_prompt_variant)
-        else:
-            self.worker = self.by_kind[self._dtype]
+        own = self._prompt_variant or self._serving_prompt_variant
+        self.worker_arena = self._prompt_variant is not None or own != self._graphs[self._dtype].variant
+        # Sharing the row-streaming session (arena-less: those calls may come from any thread) where the
+        # worker's graph is the serving graph itself; else a session of its own, with an arena.
+        self.worker = self._open(self._threads, True, own) if self.worker_arena else self.by_kind[self._dtype]
 
     def open_tail(self) -> bool:
         """Fused prompt sessions for prefix-cache hits' short tails (service.engine.prompts.prefill.TailWorker):
@@ -94,7 +96,7 @@ class PromptSessions:
         """Give the fused prompt session's arena back to the system (ONNX Runtime frees every arena
         region no live tensor uses). The arena keeps a busy worker's calls from page-faulting their
         intermediates in; released, an idle server's resident memory returns to what its caches hold."""
-        if not self.held:  # set by fused prompt calls only
+        if not self.held:  # set by calls through the worker session when it keeps an arena
             return
         self.held = False
         self._release_call()

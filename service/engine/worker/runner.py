@@ -154,7 +154,7 @@ class ModelRunner:
         return self._session(self.threads, True, self.prompt_variant) if self.fused and self.prompt_variant else None
 
     def _release_arena(self) -> None:
-        """A one-token call whose run options shrink the fused prompt session's arena after it
+        """A one-token call whose run options shrink the prefill worker session's arena after it
         (PromptSessions.release)."""
         ids = np.full((1, 1), self.pad_token_id, dtype=np.int64)
         self._prompt_forward(ids, np.ones_like(ids), np.zeros_like(ids), None, last_only=True, release=True)
@@ -196,7 +196,8 @@ class ModelRunner:
         inputs = [backend.upload(ids), backend.upload(mask), backend.upload(positions)]
         if self.prompt_variant is None:
             binding, logits, new_kv = self.binder.bind(session, *inputs, [past], self.dtype)
-            session.run(binding)
+            session.run(binding, release_arena=release)
+            self.prompt_sessions.held = self.prompt_sessions.worker_arena and not release
             cache = new_kv if past.shape[3] == 0 else backend.concatenate([past, new_kv], axis=3)
             host_logits = backend.download(logits[:, -1:] if last_only else logits)
             return host_logits.astype(np.float32), cache
