@@ -76,8 +76,8 @@ class PromptSessions:
         self.by_kind = {kind: self._open(self._threads, False, graph.variant) for kind, graph in self._graphs.items()}
         own = self._prompt_variant or self._serving_prompt_variant
         self.worker_arena = self._prompt_variant is not None or own != self._graphs[self._dtype].variant
-        # Sharing the row-streaming session (arena-less: those calls may come from any thread) where the
-        # worker's graph is the serving graph itself; else a session of its own, with an arena.
+        # Where the worker's graph is the serving graph itself it shares the row-streaming session, which
+        # keeps no arena (see ModelSession); else it has a session of its own, with an arena.
         self.worker = self._open(self._threads, True, own) if self.worker_arena else self.by_kind[self._dtype]
 
     def open_tail(self) -> bool:
@@ -93,7 +93,7 @@ class PromptSessions:
         return self.tail is not None
 
     def release(self) -> None:
-        """Give the fused prompt session's arena back to the system (ONNX Runtime frees every arena
+        """Give the prefill worker session's arena back to the system (ONNX Runtime frees every arena
         region no live tensor uses). The arena keeps a busy worker's calls from page-faulting their
         intermediates in; released, an idle server's resident memory returns to what its caches hold."""
         if not self.held:  # set by calls through the worker session when it keeps an arena
