@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 
+from loadtest.haproxy import listening_socket
 from loadtest.report.routing_tables import routing_section
 from loadtest.study import routing
 from loadtest.study.budget import Budget
@@ -63,3 +65,12 @@ def test_the_tiny_section_fills_results_and_the_report(repository: Path, tmp_pat
     assert results.routing["kill"]["failed_before_start"] == 0  # retried by the proxy
     text = routing_section(results)
     assert "| prefix affinity |" in text and "| round robin |" in text
+
+
+def test_the_proxy_socket_is_ours_alone() -> None:
+    """haproxy gets sockets we bound: nothing else, SO_REUSEPORT or not, can share their port (a port
+    picked and then bound by haproxy once met another listener, and a gRPC call met the HTTP one)."""
+    with listening_socket() as ours, socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        with pytest.raises(OSError):
+            other.bind(ours.getsockname())
