@@ -119,7 +119,7 @@ class RunningServer:
             self.metrics.resumed_requests.inc, self.metrics.resume_failures.inc, self.metrics.resume_stall.observe
         )
         tenants = self.config.tenants
-        engine = dataclasses.replace(self.config.engine, tenant_weights=tenants.weights())
+        engine = dataclasses.replace(self.config.engine, tenant_weights=tenants.weights(), tenants=len(tenants.names))
         quota = TenantQuota(tenants.terms, self.config.tenant_limits, self.metrics)
         self.engine = EngineClient(
             self.config.model_repository, engine, self.config.models or None,

@@ -65,6 +65,12 @@ ENGINE_FLAGS = {
         "a prefix-cache hit with at most this many prompt tokens left to compute runs on a thread of its own "
         "at the decode thread's priority, not behind the prefill worker's lower one (0: off)",
     ),
+    "light_prefill_tokens": (
+        "--light-prefill-tokens",
+        int,
+        "fair scheduling: a whole prompt of at most this many tokens from a tenant with nothing else being "
+        "computed, while another tenant's prompts are, runs on that thread too (0: off)",
+    ),
     "stream_interval_ms": (
         "--stream-interval-ms",
         float,
@@ -257,6 +263,8 @@ def _check_engine(parser: argparse.ArgumentParser, engine: EngineConfig) -> None
         parser.error("--ngram-prompt-lookup-min must be >= 1 and at most --ngram-prompt-lookup-max")
     if engine.tail_prefill_tokens < 0:
         parser.error(f"--tail-prefill-tokens must be >= 0 (got {engine.tail_prefill_tokens})")
+    if engine.light_prefill_tokens < 0:
+        parser.error(f"--light-prefill-tokens must be >= 0 (got {engine.light_prefill_tokens})")
     if engine.scheduling not in SCHEDULING_POLICIES:
         parser.error(f"--scheduling must be one of {', '.join(SCHEDULING_POLICIES)} (got {engine.scheduling!r})")
     if not 0 <= engine.stream_interval_ms <= 1000:

@@ -58,6 +58,24 @@ def _solo_share(tenants: dict[str, Any]) -> float:
     return tenants["solo"]["quiet"]["tokens_per_s"] / noisy if noisy else float("nan")
 
 
+def _rows(setup: dict[str, Any]) -> str:
+    rows = setup.get("max_batch_size")
+    return f" and with a row for every stream (`--max-batch-size {rows}`)" if rows else ""
+
+
+def _pause(setup: dict[str, Any]) -> str:
+    think = setup.get("quiet_think_s", 0.0)
+    return f", each pausing {think:g} s on average (exponential) between its requests" if think else ", closed-loop too"
+
+
+def _closed_loop_note(setup: dict[str, Any]) -> str:
+    if setup.get("quiet_think_s", 0.0):
+        return ""
+    return (": its streams send their next request as soon as the last ends, so the faster it is served the more"
+            " it asks, and whatever share it takes beside the noisy tenant is the noisy one's loss unless the"
+            " policy wastes capacity (the verdicts give both)")  # fmt: skip
+
+
 def tenants_section(results: Results) -> str:
     """The section's markdown, or nothing where the run did not measure it."""
     tenants = results.tenants
@@ -70,17 +88,15 @@ def tenants_section(results: Results) -> str:
     verdicts = "\n".join(f"- {verdict(results, policy)}" for policy in POLICIES)
     return f"""## Tenants: a noisy tenant beside a quiet one
 
-One `{setup["model"]}` server without a prefix cache, two tenants of `--auth-tokens-file`: the noisy
-one holds {setup["users"]["noisy"]} closed-loop streams, the quiet one {setup["users"]["quiet"]}, each request
-a {setup["prompt_bytes"]}-byte held-out prompt and {setup["new_tokens"]} new tokens, {setup["seconds"]:g} s a
-measurement; each tenant alone, then both under `--scheduling fcfs` and `--scheduling fair`
-(deficit round robin over tokens, docs/engine.md), {setup["rounds"]} rounds, medians [min-max].
-Goodput: requests a second within the load sections' TTFT and ITL targets. The quiet tenant's
-streams send their next request as soon as the last ends, so the faster it is served the more it
-asks: alone its {setup["users"]["quiet"]} streams use {tenants["solo"]["quiet"]["tokens_per_s"]:.0f} tokens/s,
-{_solo_share(tenants):.2f}x what the noisy tenant's {setup["users"]["noisy"]} use, and whatever share it
-takes beside the noisy tenant is the noisy one's loss unless the policy wastes capacity (the
-verdicts give both).
+One `{setup["model"]}` server without a prefix cache{_rows(setup)}, two tenants of
+`--auth-tokens-file`: the noisy one holds {setup["users"]["noisy"]} closed-loop streams, the quiet one
+{setup["users"]["quiet"]}{_pause(setup)}, each request a {setup["prompt_bytes"]}-byte held-out
+prompt and {setup["new_tokens"]} new tokens, {setup["seconds"]:g} s a measurement; each tenant alone,
+then both under `--scheduling fcfs` and `--scheduling fair` (deficit round robin over tokens,
+docs/engine.md), {setup["rounds"]} rounds, medians [min-max].
+Goodput: requests a second within the load sections' TTFT and ITL targets. Alone the quiet
+tenant's {setup["users"]["quiet"]} streams use {tenants["solo"]["quiet"]["tokens_per_s"]:.0f} tokens/s,
+{_solo_share(tenants):.2f}x what the noisy tenant's {setup["users"]["noisy"]} use{_closed_loop_note(setup)}.
 
 | scheduling | tenant | TTFT p50 ms | TTFT p99 ms | tokens/s | goodput req/s |
 |---|---|---|---|---|---|

@@ -61,11 +61,14 @@ class Budget:
     routing_uses: int = 16
     routing_prefix_bytes: int = 512
     routing_users: int = 8
-    # Tenants (loadtest/study/tenants.py): the noisy and the quiet tenant's closed-loop streams, seconds a
+    # Tenants (loadtest/study/tenants.py): the noisy tenant's closed-loop streams, the quiet tenant's
+    # streams and the mean pause between each one's requests (exponential; 0: closed loop too), seconds a
     # measurement, each request's held-out prompt bytes and new tokens (rounds: load_rounds).
     tenants_noisy_users: int = 48
     tenants_quiet_users: int = 4
-    tenants_seconds: float = 10.0
+    tenants_quiet_think_s: float = 1.0
+    tenants_max_batch_size: int = 64  # a row for every stream: the study measures prompts' scheduling
+    tenants_seconds: float = 20.0
     tenants_prompt_bytes: int = 128
     tenants_new_tokens: int = 32
     # The scored sections (quality, retrieval, cache, reuse's answers) and speculation on every further
@@ -116,6 +119,7 @@ class Budget:
             cache_passkey_context=1.0, int8_multiples=(1.0,), reuse_users=(1, 2), reuse_seconds=0.5, reuse_trials=2,
             reuse_repairs=(4,), speculative_prompts=2, speculative_new_tokens=16,
             evaluation_choices=4, routing_prefixes=4, routing_uses=3, routing_prefix_bytes=272, routing_users=2,
-            tenants_noisy_users=4, tenants_quiet_users=1, tenants_seconds=1.0, tenants_new_tokens=8,
+            tenants_noisy_users=4, tenants_quiet_users=1, tenants_quiet_think_s=0.1, tenants_seconds=1.0,
+            tenants_new_tokens=8,
             extra_seeds=False,
         )  # fmt: skip

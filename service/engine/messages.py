@@ -193,6 +193,10 @@ class EngineConfig:
     # A prefix-cache hit with at most this many prompt tokens left to compute goes to a thread of
     # its own at normal priority (service.engine.prompts.prefill.TailWorker), not the prefill worker (0: never).
     tail_prefill_tokens: int = 128
+    # Under fair scheduling, a whole prompt of at most this many tokens from a tenant with no other
+    # prompt being computed, while the prefill worker computes another tenant's, goes to that thread
+    # too: a quiet tenant's first token then does not wait for a noisy tenant's prompt call (0: never).
+    light_prefill_tokens: int = 256
     # The engine core sends a stream's continuing tokens at most this often (first tokens and
     # finishes at once): each message wakes threads on the other core, which slows the decode step.
     stream_interval_ms: float = 4.0
@@ -212,9 +216,11 @@ class EngineConfig:
     ngram_prompt_lookup_max: int = 12
     speculative_max_batch: int = 1
     # Who is admitted next (service.engine.sched.fair): "fair" (deficit round robin over tokens across
-    # tenants) or "fcfs" (arrival order); tenants' weights by name (absent: 1).
+    # tenants) or "fcfs" (arrival order); tenants' weights by name (absent: 1); how many tenants
+    # the tokens file names (with one, no prompt takes the light lane, so none is opened for it).
     scheduling: str = "fair"
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    tenants: int = 1
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,13 @@ class PromptDispatch:
             runner, config.prefill_tokens, deliver, observe, name, config.prefill_nice,
             fair=config.scheduling == "fair",
         )  # fmt: skip
-        # Prefix-cache hits with a short tail left go to a thread of their own (TailWorker).
-        tails = config.tail_prefill_tokens > 0 and config.prefix_cache and runner.prompt_sessions.open_tail()
-        self._tail_tokens = config.tail_prefill_tokens if tails else 0
+        # Prefix-cache hits with a short tail left, and light tenants' short prompts, go to a thread of
+        # their own (TailWorker).
+        light = config.light_prefill_tokens if config.scheduling == "fair" and config.tenants > 1 else 0
+        wanted = (config.tail_prefill_tokens > 0 and config.prefix_cache) or light > 0
+        tails = wanted and runner.prompt_sessions.open_tail()
+        self._tail_tokens = config.tail_prefill_tokens if tails and config.prefix_cache else 0
+        self._light_tokens = light if tails else 0
         self.tail_worker = TailWorker(runner, deliver, observe, name, nothing_decodes)
 
     def start(self) -> None:
@@ -61,7 +65,8 @@ class PromptDispatch:
         tails: list[PrefillJob] = []
         queued: list[PrefillJob] = []
         for job in (self._job(request) for request in admitted):
-            (tails if self._short_tail(job) else queued).append(job)
+            light = self._light(job, {j.request.tenant for j in (*tails, *queued)})
+            (tails if light or self._short_tail(job) else queued).append(job)
         for worker, jobs in ((self.tail_worker, tails), (self.prefill_worker, queued)):
             if jobs:
                 worker.submit(jobs)
@@ -76,6 +81,21 @@ class PromptDispatch:
     def _short_tail(self, job: PrefillJob) -> bool:
         """A prefix-cache hit with at most `tail_prefill_tokens` left to compute (TailWorker's)."""
         return job.past is not None and job.compute is None and 0 < job.computed_tokens <= self._tail_tokens
+
+    def _light(self, job: PrefillJob, submitting: set[str]) -> bool:
+        """A light tenant's short prompt (fair scheduling, TailWorker's): a whole prompt of at most
+        `light_prefill_tokens` from a tenant with no other prompt submitted or being computed, while the
+        prefill worker holds another tenant's. Behind that worker's call in flight and its batch the
+        prompt waited 5x its solo first token beside a noisy tenant's 48 streams; here it waits for
+        nothing, and a tenant sending many prompts at once never has them all taken here."""
+        tenant = job.request.tenant
+        return (
+            0 < len(job.token_ids) <= self._light_tokens
+            and job.past is None and job.compute is None and not job.run.streams
+            and tenant not in submitting
+            and not self.tail_worker.holds(tenant) and not self.prefill_worker.holds(tenant)
+            and self.prefill_worker.holds()
+        )  # fmt: skip
 
     def _job(self, request: Request) -> PrefillJob:
         """Its prompt, with what the prefix cache holds of it and its reused segments."""

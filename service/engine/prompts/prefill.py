@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -69,13 +69,16 @@ class PrefillResult:
 
 
 class _JobThread:
-    """A thread that takes jobs from a queue: submit, stop."""
+    """A thread that takes jobs from a queue: submit, stop; and which tenants' jobs it holds (submitted,
+    not yet handed back), for the light lane (PromptDispatch)."""
 
-    def __init__(self, thread_name: str) -> None:
+    def __init__(self, thread_name: str, deliver: Callable[[list[PrefillResult]], None]) -> None:
         self._jobs: deque[PrefillJob] = deque()
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        self._deliver_to = deliver
+        self._held: Counter[str] = Counter()
 
     def _loop(self) -> None:
         raise NotImplementedError
@@ -89,7 +92,19 @@ class _JobThread:
     def submit(self, jobs: list[PrefillJob]) -> None:
         with self._wake:
             self._jobs.extend(jobs)
+            self._held.update(job.request.tenant for job in jobs)
             self._wake.notify()
+
+    def holds(self, tenant: str | None = None) -> bool:
+        """Whether it holds a job of `tenant` (None: of anyone)."""
+        with self._wake:
+            return self._held[tenant] > 0 if tenant is not None else self._held.total() > 0
+
+    def _deliver(self, results: list[PrefillResult]) -> None:
+        with self._wake:
+            self._held.subtract(result.job.request.tenant for result in results)
+            self._held = +self._held  # drop tenants at zero
+        self._deliver_to(results)
 
 
 class PrefillWorker(_JobThread):
@@ -108,9 +123,8 @@ class PrefillWorker(_JobThread):
         self.runner = runner
         self.fair = fair
         self.chunk_tokens = chunk_tokens
-        self._deliver = deliver
         self._observe = observe
-        super().__init__(f"prefill-{name}")
+        super().__init__(f"prefill-{name}", deliver)
         self._long: deque[tuple[PrefillJob, Iterator[list[PrefilledPrompt] | None]]] = deque()
         self._long_done = 0  # prompt tokens of the oldest long prompt computed so far
         self._ready = threading.Event()
@@ -278,9 +292,10 @@ class PrefillWorker(_JobThread):
 
 
 class TailWorker(_JobThread):
-    """Prefix-cache hits with a short tail left to compute, on a thread of their own at the decode
-    thread's priority, one call each (the runner's one-thread tail session: this thread does the
-    work; with nothing decoding, the session of every prefill thread). Behind the prefill worker's
+    """Prefix-cache hits with a short tail left to compute, and light tenants' short prompts under fair
+    scheduling (PromptDispatch), on a thread of their own at the decode thread's priority, one call
+    each (the runner's one-thread tail session: this thread does the work; with nothing decoding,
+    the session of every prefill thread). Behind the prefill worker's
     lower priority such a tail waits for CPU the decode steps and the streams hold, far longer than
     it takes; on the engine thread itself it would stall every running sequence's step for it."""
 
@@ -294,10 +309,9 @@ class TailWorker(_JobThread):
     ) -> None:
         """`idle()`: no sequence decodes now (a tail may then take every prefill thread)."""
         self.runner = runner
-        self._deliver = deliver
         self._observe = observe
         self._idle = idle
-        super().__init__(f"tails-{name}")
+        super().__init__(f"tails-{name}", deliver)
 
     def start(self) -> None:
         self._thread.start()
@@ -313,7 +327,6 @@ class TailWorker(_JobThread):
             self._deliver([self._run(job)])
 
     def _run(self, job: PrefillJob) -> PrefillResult:
-        assert job.past is not None, "a tail worker's job is a prefix-cache hit"
         if job.aborted:
             return PrefillResult(job)
         started = time.monotonic()
