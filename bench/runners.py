@@ -27,9 +27,11 @@ def batch_runner(
     device: str = "cpu",
     backend: str = "auto",
     attention: str = "auto",
+    prompts: bool = True,
 ) -> ModelRunner:
-    """A runner whose store holds `batch` sequences of `context` tokens of random K/V."""
-    return policy_runner(folder, batch, context, FULL_POLICY, threads, device, backend, attention)
+    """A runner whose store holds `batch` sequences of `context` tokens of random K/V; `prompts` False
+    opens no prompt session (a runner that only steps: at GPT-2-small width each holds the weights)."""
+    return policy_runner(folder, batch, context, FULL_POLICY, threads, device, backend, attention, prompts)
 
 
 def policy_runner(
@@ -41,11 +43,12 @@ def policy_runner(
     device: str = "cpu",
     backend: str = "auto",
     attention: str = "auto",
+    prompts: bool = True,
 ) -> ModelRunner:
     """A runner whose store holds `batch` sequences that have seen `history` tokens under `policy`
     (random K/V): a bounded row holds its budget and has evicted the rest."""
     store = StoreConfig(1 << 34, 16, max(4096, history + 64))
-    runner = ModelRunner(Manifest.load(folder), store, device, threads, backend, attention=attention)
+    runner = ModelRunner(Manifest.load(folder), store, device, threads, backend, prompts, attention)
     layout = runner.layout
     rng = np.random.default_rng(0)
     cached = policy.cached(history)

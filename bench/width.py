@@ -16,16 +16,19 @@ trained ones. Figures, not verdicts: every ratio is taken within the run.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from threadpoolctl import threadpool_limits
 
 from bench.layers import decode_tokens_per_second_genai, decode_tokens_per_second_grpc_counted
 from bench.long_context import BASELINE, LONG_CONTEXTS
@@ -62,19 +65,34 @@ Product = tuple[tuple[int, ...], str, tuple[int, ...], bool]
 
 
 class Bandwidth:
-    """Reads of a BANDWIDTH_BUFFER-byte buffer split over `threads` threads (numpy's reductions release
-    the GIL): the rate decode's weight and K/V reads cannot beat. On a shared machine the rate moves
-    from minute to minute, so each figure is held against a read taken right beside it."""
+    """Reads of a BANDWIDTH_BUFFER-byte buffer split over `threads` threads: the rate decode's weight and
+    K/V reads cannot beat. Two kernels read it, and the faster sets the rate: numpy's sum (as float64;
+    on some builds its pairwise adds, not the memory, bound it: 15 GB/s against 23 on one Zen 3 core)
+    and a one-thread BLAS matrix-vector product over it as float32 (two FLOPs a 4-byte load, the
+    reference for a one-row product; both release the GIL). On a shared machine the rate moves from
+    minute to minute, so each figure is held against a read taken right beside it."""
 
     def __init__(self, threads: int, size: int = BANDWIDTH_BUFFER) -> None:
-        self.size, self.parts = size, np.array_split(np.ones(size // 8, dtype=np.float64), threads)
+        buffer = np.ones(size // 4, dtype=np.float32)
+        self.size, self.parts = size, [part.reshape(-1, 4096) for part in np.split(buffer, threads)]
+        self.vector = np.ones(4096, dtype=np.float32)
         self.pool = ThreadPoolExecutor(threads)
         self.readings: list[float] = []
         self()  # touch every page first
 
+    def _sum(self, part: np.ndarray) -> float:
+        return float(part.reshape(-1).view(np.float64).sum())
+
+    def _matvec(self, part: np.ndarray) -> float:
+        return float((part @ self.vector)[0])
+
+    def _read(self, kernel: Callable[[np.ndarray], float]) -> float:
+        return _seconds(lambda: list(self.pool.map(kernel, self.parts)))
+
     def __call__(self, runs: int = 3) -> float:
-        """Bytes/s, the best of `runs` reads; every reading is kept for the header's median."""
-        best = min(_seconds(lambda: list(self.pool.map(np.sum, self.parts))) for _ in range(runs))
+        """Bytes/s, the best of `runs` reads by each kernel; every reading is kept for the header's median."""
+        with threadpool_limits(1, user_api="blas"):  # one BLAS thread a part: `threads` in all
+            best = min(self._read(kernel) for kernel in (self._sum, self._matvec) for _ in range(runs))
         self.readings.append(self.size / best)
         return self.size / best
 
@@ -286,7 +304,9 @@ def context_steps(
     right after the reads (attention_flops_rate), and each round's ratio is to its own floor
     (step_floor). One model's runners at a time: at this width every model's do not fit side by side."""
     steps, manifest = 5 if args.quick else 20, Manifest.load(folder)
-    runners = {context: batch_runner(folder, 1, context, args.threads, args.device) for context in LONG_CONTEXTS}
+    runners = {
+        context: batch_runner(folder, 1, context, args.threads, args.device, prompts=False) for context in LONG_CONTEXTS
+    }
     samples: dict[int, list[tuple[float, float]]] = {context: [] for context in LONG_CONTEXTS}
     against: list[float] = []
     roofs: list[tuple[float, bool, float, float]] = []  # (ratio, compute binds, bandwidth, FLOPs/s) at LONG
@@ -334,8 +354,11 @@ def print_width(args: argparse.Namespace, repository: Path, server_threads: int)
     bandwidth = Bandwidth(args.threads)
     print_header(folders, bandwidth(5), args.threads)
     serving = {f.name: serve_figures(f, args, server_threads, bandwidth) for f in folders}
-    baseline = batch_runner(folders[0], 1, LONG, args.threads, args.device)
-    itl = {f.name: context_steps(f, args, bandwidth, baseline) for f in folders}
+    baseline = batch_runner(folders[0], 1, LONG, args.threads, args.device, prompts=False)
+    itl = {}
+    for folder in folders:
+        itl[folder.name] = context_steps(folder, args, bandwidth, baseline)
+        gc.collect()  # a runner's sessions sit in reference cycles: free one model's before the next's
     del baseline
     manifests = {f.name: Manifest.load(f) for f in folders}
     print_table(manifests, serving, itl, args, statistics.median(bandwidth.readings))
