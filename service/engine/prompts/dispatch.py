@@ -64,9 +64,11 @@ class PromptDispatch:
         """Admitted requests' prompts, each to its worker with what the caches hold of it."""
         tails: list[PrefillJob] = []
         queued: list[PrefillJob] = []
+        submitting: set[str] = set()  # tenants of the jobs routed so far in this call
         for job in (self._job(request) for request in admitted):
-            light = self._light(job, {j.request.tenant for j in (*tails, *queued)})
+            light = self._light(job, submitting)
             (tails if light or self._short_tail(job) else queued).append(job)
+            submitting.add(job.request.tenant)
         for worker, jobs in ((self.tail_worker, tails), (self.prefill_worker, queued)):
             if jobs:
                 worker.submit(jobs)
