@@ -98,3 +98,8 @@ def test_the_read_rate_is_the_faster_kernels(monkeypatch: pytest.MonkeyPatch) ->
         assert read(runs=2) > (1 << 20) / 0.05
         monkeypatch.undo()
     assert len(read.readings) == 3  # the first touches the pages
+
+
+def test_the_read_splits_over_any_thread_count() -> None:
+    read = bench.width.Bandwidth(3, size=1 << 20)
+    assert [part.shape[0] for part in read.parts] == [22, 21, 21] and read.size == 1 << 20
