@@ -105,7 +105,13 @@ class LatentAttention(nn.Module):
         keys = torch.cat((self._heads(self.key_up, latents), rotated_keys.expand(-1, self.n_heads, -1, -1)), -1)
         values = self._heads(self.value_up, latents)
         query = torch.cat((q_plain, q_rotated), dim=-1)
-        if self.fused:
+        if self.fused and self.training:  # values padded to the query's width: PyTorch's fused CPU
+            # kernel (forward and backward) wants one head width; else it falls back to plain products
+            padded = F.pad(values, (0, query.shape[-1] - values.shape[-1]))
+            mask = score_bias.to(query.dtype)
+            y = F.scaled_dot_product_attention(query, keys, padded, attn_mask=mask, scale=self.scale)
+            return y[..., : self.head_dim]
+        if self.fused:  # the exported prompt graph: one Attention node, values as they are
             return F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=score_bias.to(query.dtype), scale=self.scale
             )

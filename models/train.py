@@ -84,7 +84,13 @@ def initial_model(scheme: str, cfg: TrainConfig) -> tuple[Transformer, list[Reco
     if not cfg.init_from:
         assert cfg.d_model is not None and cfg.n_layers is not None and cfg.n_heads is not None
         config = matched_config(
-            scheme, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, train_context=cfg.context
+            scheme,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            n_heads=cfg.n_heads,
+            train_context=cfg.context,
+            latent_dim=cfg.latent_dim,
+            latent_rope_dim=cfg.latent_rope_dim,
         )
         return Transformer(config), [], ""
     source = Path(cfg.init_from) / scheme

@@ -49,6 +49,8 @@ class TrainConfig:
     d_model: int | None = None  # None = the preset's
     n_layers: int | None = None
     n_heads: int | None = None
+    latent_dim: int | None = None  # None = ModelConfig's (mla only)
+    latent_rope_dim: int | None = None
     grad_accum: int = 1
     device: str = "auto"
     init_from: str | None = None
@@ -109,6 +111,8 @@ FIELD_HELP = {
     "d_model": "model width (default: the preset's)",
     "n_layers": "transformer layers (default: the preset's)",
     "n_heads": "attention heads (default: the preset's)",
+    "latent_dim": "mla: width of the cached latent, d_c (default: d_model / 2)",
+    "latent_rope_dim": "mla: width of the decoupled rotated key and query parts, d_R (default: head_dim / 2)",
     "grad_accum": "micro-steps whose gradients make one optimizer step",
     "device": "auto (CUDA when torch sees a GPU), cpu or cuda; CUDA trains in bf16 or fp16 mixed precision",
     "init_from": "continue from the weights in DIR/<scheme>/ instead of a fresh model (its size wins over --preset)",

@@ -62,3 +62,21 @@ def test_the_up_projected_serving_form_bench_times_computes_the_same_step() -> N
         projected, new = model(tokens[:, 29:], past_key_values=past)
     torch.testing.assert_close(projected, absorbed, atol=2e-5, rtol=0)
     assert new[0][0].shape[2] == 1  # still only the new entry back
+
+
+def test_training_form_pads_values_for_the_fused_kernel_and_computes_the_same() -> None:
+    """The training form pads each head's values to the query's width (PyTorch's fused kernel wants one
+    width); outputs and gradients match the plain products, at widths whose query is wider than a head."""
+    torch.manual_seed(0)
+    model = Transformer(matched_config("mla", latent_dim=56, latent_rope_dim=32)).train()
+    tokens = torch.randint(0, 256, (2, 40))
+    plain_out, _ = model(tokens)
+    plain_out.square().mean().backward()
+    plain_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.attend_with_fused_kernel()
+    fused_out, _ = model(tokens)
+    fused_out.square().mean().backward()
+    torch.testing.assert_close(fused_out, plain_out, atol=2e-5, rtol=0)
+    for plain, fused in zip(plain_grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-4)

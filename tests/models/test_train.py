@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.train import main, parse_args
+from models.train import initial_model, main, parse_args
 from models.train_config import TrainConfig
 from models.transformer import Transformer
 
@@ -49,6 +49,11 @@ def test_presets_and_copy_share_schedule() -> None:
     assert (base.d_model, base.n_layers, base.n_heads) == (384, 8, 6)
     assert parse_args(["--preset", "base", "--n-layers", "2"]).n_layers == 2
     assert parse_args([]).d_model == 128
+    latent = parse_args(["--scheme", "mla", "--latent-dim", "56", "--latent-rope-dim", "32"])
+    assert (latent.latent_dim, latent.latent_rope_dim) == (56, 32)
+    model, _, _ = initial_model("mla", latent)
+    assert (model.config.latent_width, model.config.latent_rope_width) == (56, 32)
+    assert parse_args([]).latent_dim is None  # ModelConfig's default widths
     constant = TrainConfig(steps=11, copy_share=0.5)
     assert constant.copy_share_at(0) == constant.copy_share_at(10) == 0.5
     curriculum = TrainConfig(steps=11, copy_share=0.25, copy_share_start=1.0)
