@@ -16,9 +16,11 @@ def test_a_partial_run_adds_its_new_schemes_after_the_others(tmp_path: Path) -> 
 
 
 def test_a_quick_run_of_its_sections_starts_new_results(tmp_path: Path) -> None:
-    """--quick leaves the cache budgets, routing and tenants out (issue 64: README command 1 within
-    ten minutes with nine schemes) and still writes a new run, not an update of an earlier one."""
-    assert set(QUICK_LEAVES_OUT) == {"cache", "routing", "tenants"} and not Budget.quick().budget_load
+    """--quick leaves the cache budgets, routing, tenants, reuse and speculation out (issues 64 and 61:
+    README command 1 within ten minutes with nine schemes) and still writes a new run, not an update of
+    an earlier one."""
+    assert set(QUICK_LEAVES_OUT) == {"cache", "routing", "tenants", "reuse", "speculative"}
+    assert not Budget.quick().budget_load and Budget.quick().load_rounds == 2
     whole = frozenset(SECTIONS) - set(QUICK_LEAVES_OUT)
     record: RunRecord = {"sections": sorted(whole), "environment": {}, "budget": {}, "schemes": ["rope"]}
     results = start_results(tmp_path, "quick", set(whole), record, 0, ["rope"], whole)
