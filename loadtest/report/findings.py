@@ -187,7 +187,8 @@ def load_verdict(results: Results, scheme: str) -> str:
     itl = latency_spreads(results, "itl", longest) if longest else {}
     if scheme in itl:
         text += f"; ITL {itl[scheme].text(2, 1000)} ms at {longest} bytes ({compared(itl, False)[scheme]})"
-    return f"{text}; medians of {goodput[scheme].rounds} rounds [min-max]"
+    rounds = goodput[scheme].rounds
+    return f"{text}; " + ("one round" if rounds == 1 else f"medians of {rounds} rounds [min-max]")
 
 
 def same_workload(results: Results, scheme: str, spreads: dict[str, Spread]) -> dict[str, Spread]:

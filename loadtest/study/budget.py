@@ -92,12 +92,12 @@ class Budget:
         load under one KV budget (32 users' 4 KB prefills). Scoring long texts is what costs, and
         retrieval scores the most of them: it keeps copy and passkey out to 8x the training context (the
         headline's columns) on fewer trials, and its depth grid stops at 4x; the load levels are shorter
-        and only 1 and 32 users, two rounds (the full run's three), 1 s a level; quality scores fewer
+        and only 1 and 32 users, one round (the full run has three), 1 s a level; quality scores fewer
         texts per length; the served models only, not further training seeds. The cache, reuse and
         speculation fields below size a quick run that names those sections (`--sections ... reuse`)."""
         return cls(
             prompt_lengths=(64, 256, 1024, 2048), itl_contexts=(128, 512, 2048), concurrency=(1, 32),
-            load_seconds=1.0, load_new_tokens=16, load_rounds=2, score_windows=2, retrieval_trials=4,
+            load_seconds=1.0, load_new_tokens=16, load_rounds=1, score_windows=2, retrieval_trials=4,
             copy_distances=(0.125, 0.5, 2.0, 8.0), depth_contexts=(1.0, 4.0), passkey_contexts=(1.0, 8.0), repeats=3,
             cache_budgets=(256,), cache_multiples=(8.0,), cache_windows=1, cache_trials=2,
             cache_copy_distances=(512,), reuse_users=(1, 32), reuse_seconds=0.5, reuse_trials=4,
