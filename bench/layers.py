@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from bench.prefill import prompt_text
 from bench.streams import decode_rate, median_of, output_texts, stream_texts, token_arrivals
-from contract.manifest import Manifest
+from contract.manifest import GENAI_CONFIG, Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
@@ -185,10 +185,13 @@ def decode_tokens_per_second_plain_loop(folder: Path, new_tokens: int, threads: 
 
 
 def decode_tokens_per_second_genai(folder: Path, new_tokens: int, threads: int) -> float | None:
-    """onnxruntime-genai's own loop on the same model.onnx, with `threads` intra-op threads (as ours)."""
+    """onnxruntime-genai's own loop on the same model.onnx, with `threads` intra-op threads (as ours);
+    None where it is not installed or has no config for the model (mla's cache is no K/V it knows)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
+        return None
+    if not (folder / GENAI_CONFIG).exists():
         return None
     config = og.Config(str(folder))
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))

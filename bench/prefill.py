@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 
 from contract.graph import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, past_names
-from contract.manifest import Manifest
+from contract.manifest import GENAI_CONFIG, Manifest
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
 from service.engine.messages import EngineConfig
@@ -156,10 +156,13 @@ def grpc_ttft(server: ServerProcess, model: str, text: str) -> float:
 
 
 def genai_prompt_seconds(folder: Path, text: str, threads: int) -> float | None:
-    """onnxruntime-genai's prompt phase (append_tokens: one call over the whole prompt) on model.onnx."""
+    """onnxruntime-genai's prompt phase (append_tokens: one call over the whole prompt) on model.onnx;
+    None where it is not installed or has no config for the model (mla's cache is no K/V it knows)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
+        return None
+    if not (folder / GENAI_CONFIG).exists():
         return None
     ids = TOKENIZER.encode(text)
     config = og.Config(str(folder))
