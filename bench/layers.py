@@ -17,9 +17,9 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from bench.prefill import prompt_text
+from bench.prefill import genai_model, prompt_text
 from bench.streams import decode_rate, median_of, output_texts, stream_texts, token_arrivals
-from contract.manifest import GENAI_CONFIG, Manifest
+from contract.manifest import Manifest
 from export.runtime import OnnxCausalLM
 from models.tokenizer import TOKENIZER
 from service.api import generation_pb2 as pb
@@ -27,7 +27,6 @@ from service.api import generation_pb2_grpc
 from service.engine.engine import Engine
 from service.engine.messages import EngineConfig, GenerateInput
 from service.engine.prompts.prompt import PromptRun
-from service.engine.worker import denormals
 from service.engine.worker.runner import ModelRunner, StoreConfig
 from service.engine_client import EngineClient
 from service.metrics import ServiceMetrics
@@ -186,17 +185,10 @@ def decode_tokens_per_second_plain_loop(folder: Path, new_tokens: int, threads: 
 
 def decode_tokens_per_second_genai(folder: Path, new_tokens: int, threads: int) -> float | None:
     """onnxruntime-genai's own loop on the same model.onnx, with `threads` intra-op threads (as ours);
-    None where it is not installed or has no config for the model (mla's cache is no K/V it knows)."""
-    try:
-        import onnxruntime_genai as og
-    except ImportError:
+    None where genai_model is."""
+    if (opened := genai_model(folder, threads)) is None:
         return None
-    if not (folder / GENAI_CONFIG).exists():
-        return None
-    config = og.Config(str(folder))
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
-    model = og.Model(config)
-    denormals.flags_cleared_on_this_thread()  # its runtime cleared flush-to-zero here
+    og, model = opened
     prompt = TOKENIZER.encode("def main():\n")
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)

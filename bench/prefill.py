@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -155,22 +156,31 @@ def grpc_ttft(server: ServerProcess, model: str, text: str) -> float:
     return elapsed
 
 
-def genai_prompt_seconds(folder: Path, text: str, threads: int) -> float | None:
-    """onnxruntime-genai's prompt phase (append_tokens: one call over the whole prompt) on model.onnx;
-    None where it is not installed or has no config for the model (mla's cache is no K/V it knows)."""
+def genai_model(folder: Path, threads: int, **model_fields: object) -> tuple[Any, Any] | None:
+    """(onnxruntime_genai, its Model of folder's model.onnx with `threads` intra-op threads and
+    `model_fields` over its config); None where genai is not installed or has no config for the model
+    (mla's cache is no K/V it knows, so its folder has no genai_config.json)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
         return None
     if not (folder / GENAI_CONFIG).exists():
         return None
-    ids = TOKENIZER.encode(text)
     config = og.Config(str(folder))
     options = {"intra_op_num_threads": threads}
-    overlay = {"model": {"context_length": len(ids) + 8, "decoder": {"session_options": options}}}
-    config.overlay(json.dumps(overlay))
+    config.overlay(json.dumps({"model": {**model_fields, "decoder": {"session_options": options}}}))
     model = og.Model(config)
     denormals.flags_cleared_on_this_thread()  # its runtime cleared flush-to-zero here
+    return og, model
+
+
+def genai_prompt_seconds(folder: Path, text: str, threads: int) -> float | None:
+    """onnxruntime-genai's prompt phase (append_tokens: one call over the whole prompt) on model.onnx;
+    None where genai_model is."""
+    ids = TOKENIZER.encode(text)
+    if (opened := genai_model(folder, threads, context_length=len(ids) + 8)) is None:
+        return None
+    og, model = opened
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + 1, do_sample=False)
     warm = og.Generator(model, params)
