@@ -306,11 +306,12 @@ def test_a_call_reset_before_any_answer_is_the_proxy_s_unavailable_and_the_chann
     upstreams = [f"127.0.0.1:{resetting.port}", live.target]
     proxy = Proxy(nginx, tmp_path / "plain", upstreams)
     plain = open_channel(f"127.0.0.1:{proxy.port}", retry=False)
+    stub = generation_pb2_grpc.GenerationStub(plain)
     try:
         outcomes = []
         for i in range(4):  # round robin: the resetting replica gets the first or the second
             try:
-                outcomes.append(unary(generation_pb2_grpc.GenerationStub(plain), i).finish_reason)
+                outcomes.append(unary(stub, i).finish_reason)
             except grpc.RpcError as error:
                 outcomes.append((error.code(), error.details()))
         lost = [outcome for outcome in outcomes if isinstance(outcome, tuple)]
